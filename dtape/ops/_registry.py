@@ -1,0 +1,216 @@
+"""OpDef and `defop`: one block per op, forward and gradient side by side.
+
+Call path of an op: normalise inputs -> forward on torch tensors (they never
+require grad, so torch builds no graph) -> wrap -> record on the tapes that
+watch an input. Gradient rules are written with `torch` functions and
+operators only, so the same rule runs on raw torch tensors when nothing
+records (the fast path) and on dtape.Tensors, through `__torch_function__`,
+when an outer tape records the backward pass (higher order).
+
+The registry is keyed by OpDef object; names serve messages only.
+"""
+import inspect
+
+import torch
+
+from dtape import tape as _tp
+from dtape.tensor import Tensor, convert_to_tensor
+
+# Process-wide, filled at import time only (not thread-safe to mutate later).
+REGISTRY = []          # every OpDef, in definition order
+TORCH_TABLE = {}       # torch callable -> handler taking torch's own arguments
+
+_SCALARS = (int, float, bool)
+
+
+class OpDef:
+    """An op: its forward on torch tensors and its gradient rule.
+
+    `grad_fn(dy, ans, *inputs, **attrs)` returns one gradient per tensor
+    input (a bare value when there is one input); for multi-output ops `dy`
+    and `ans` are tuples.
+    """
+
+    __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
+                 "second_order", "multi_output", "attr_names", "fn")
+
+    def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output):
+        self.name = name
+        self.forward = forward
+        self.n_in = n_in
+        self.list_input = list_input
+        self.grad_fn = None
+        self.samples = samples
+        self.second_order = second_order
+        self.multi_output = multi_output
+        params = list(inspect.signature(forward).parameters)
+        self.attr_names = tuple(params[1 if list_input else n_in:])
+        self.fn = None
+
+    def grad(self, fn):
+        """Decorator: registers `fn` as this op's gradient rule."""
+        self.grad_fn = fn
+        return fn
+
+    def backward(self, dys, outputs, inputs, attrs, raw):
+        if raw:
+            inputs = [x._t if type(x) is Tensor else x for x in inputs]
+            outputs = [o._t for o in outputs]
+        if self.multi_output:
+            dy, ans = tuple(dys), tuple(outputs)
+        else:
+            dy, ans = dys[0], outputs[0]
+        if self.list_input:
+            inputs = (list(inputs),)
+        grads = self.grad_fn(dy, ans, *inputs, **attrs) if attrs else self.grad_fn(dy, ans, *inputs)
+        return (grads,) if self.n_in == 1 and not self.list_input else grads
+
+    def __repr__(self):
+        return f"<OpDef {self.name}>"
+
+
+def as_input(x):
+    """A Tensor or Python scalar for an op input (variables are read here)."""
+    if type(x) is Tensor or type(x) in _SCALARS:
+        return x
+    return convert_to_tensor(x)
+
+
+def _raw(x):
+    return x._t if type(x) is Tensor else x
+
+
+def _wrap(out, opdef):
+    if isinstance(out, torch.Tensor):
+        return (Tensor(out),)
+    if isinstance(out, (tuple, list)):
+        return tuple(Tensor(o) for o in out)
+    raise TypeError(f"op {opdef.name}: forward returned {type(out).__name__}, expected torch.Tensor(s)")
+
+
+def _attrs(opdef, args, attrs):
+    if len(args) > len(opdef.attr_names):
+        raise TypeError(f"{opdef.name}() takes {len(opdef.attr_names)} non-tensor arguments after "
+                        f"its tensor inputs, got {len(args)}")
+    if args:
+        attrs = dict(attrs)
+        attrs.update(zip(opdef.attr_names, args))
+    return attrs
+
+
+def _make_unary(opdef):
+    fwd = opdef.forward
+
+    def call(x, *args, **attrs):
+        if type(x) is not Tensor:
+            x = convert_to_tensor(x)
+        if args:
+            attrs = _attrs(opdef, args, attrs)
+        out = fwd(x._t, **attrs) if attrs else fwd(x._t)
+        if type(out) is torch.Tensor:
+            out = Tensor(out)
+            if _tp._tape_set and opdef.grad_fn is not None:
+                _tp.record(opdef, (x._id,), (x,), (out,), attrs or None)
+            return out
+        return _finish_multi(opdef, out, (x,), attrs)
+    return call
+
+
+def _make_binary(opdef):
+    fwd = opdef.forward
+
+    def call(x, y, *args, **attrs):
+        if type(x) is not Tensor:
+            x = as_input(x)
+        if type(y) is not Tensor:
+            y = as_input(y)
+            if type(x) is not Tensor and type(y) is not Tensor:
+                x = convert_to_tensor(x)
+        if args:
+            attrs = _attrs(opdef, args, attrs)
+        a = x._t if type(x) is Tensor else x
+        b = y._t if type(y) is Tensor else y
+        out = fwd(a, b, **attrs) if attrs else fwd(a, b)
+        if type(out) is torch.Tensor:
+            out = Tensor(out)
+            if _tp._tape_set and opdef.grad_fn is not None:
+                _tp.record(opdef, (getattr(x, "_id", None), getattr(y, "_id", None)), (x, y), (out,),
+                           attrs or None)
+            return out
+        return _finish_multi(opdef, out, (x, y), attrs)
+    return call
+
+
+def _finish_multi(opdef, out, inputs, attrs):
+    outs = _wrap(out, opdef)
+    if _tp._tape_set and opdef.grad_fn is not None:
+        _tp.record(opdef, tuple([getattr(x, "_id", None) for x in inputs]), inputs, outs, attrs or None)
+    return outs if opdef.multi_output else outs[0]
+
+
+def _make_nary(opdef):
+    fwd, n, listed = opdef.forward, opdef.n_in, opdef.list_input
+
+    def call(*args, **attrs):
+        if listed:
+            if not isinstance(args[0], (list, tuple)):
+                raise TypeError(f"{opdef.name}: first argument must be a list of tensors, got {type(args[0]).__name__}")
+            inputs = tuple(convert_to_tensor(v) for v in args[0])
+            rest = args[1:]
+            raw = fwd([t._t for t in inputs], **_attrs(opdef, rest, attrs))
+        else:
+            inputs = tuple(as_input(v) for v in args[:n])
+            rest = args[n:]
+            raw = fwd(*[_raw(t) for t in inputs], **_attrs(opdef, rest, attrs))
+        return _finish_multi(opdef, raw, inputs, _attrs(opdef, rest, attrs))
+    return call
+
+
+def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=True,
+          multi_output=False, name=None):
+    """Declares an op from its forward on torch tensors; returns the public function.
+
+    Args:
+      n_in: number of leading tensor arguments (ignored with `list_input`).
+      list_input: the first argument is a list of tensors (concat, stack, add_n).
+      torch_fns: torch callables whose calls on dtape tensors run this op.
+        Each entry is a callable (same arguments as the op) or a pair
+        `(torch_fn, adapter)` where `adapter` takes torch's arguments.
+      samples: `f(rng) -> list of (args, attrs)` float64 inputs for the registry test.
+      second_order: False when the rule is not differentiable again.
+      multi_output: forward returns a tuple of tensors.
+
+    The returned function has `.opdef`, `.grad` (decorator for the rule) and
+    `.any` (runs on raw torch tensors without wrapping, or as the op on dtape tensors).
+    """
+    def deco(forward):
+        opdef = OpDef(name or forward.__name__, forward, n_in, list_input, samples,
+                      second_order, multi_output)
+        if list_input or n_in > 2:
+            call = _make_nary(opdef)
+        else:
+            call = (_make_unary if n_in == 1 else _make_binary)(opdef)
+        call.__name__ = call.__qualname__ = opdef.name
+        call.__doc__ = forward.__doc__
+        call.__module__ = forward.__module__
+        call.opdef = opdef
+        call.grad = opdef.grad
+        call.any = _make_any(call, forward)
+        opdef.fn = call
+        REGISTRY.append(opdef)
+        for entry in torch_fns:
+            torch_fn, adapter = entry if isinstance(entry, tuple) else (entry, call)
+            TORCH_TABLE[torch_fn] = adapter
+        return call
+    return deco
+
+
+def _make_any(call, forward):
+    def any_(*args, **kwargs):
+        for a in args:
+            if type(a) is Tensor:
+                return call(*args, **kwargs)
+            if isinstance(a, (list, tuple)) and any(type(v) is Tensor for v in a):
+                return call(*args, **kwargs)
+        return forward(*args, **kwargs)
+    return any_

@@ -1,0 +1,580 @@
+"""Math ops: elementwise arithmetic, reductions, matmul, einsum.
+
+TF names and arguments (tf.math), torch dtypes and broadcasting. Each op is
+one block: forward on torch tensors, then its gradient rule written with
+torch functions and operators (run raw, or recorded through
+`__torch_function__` for higher order). Broadcast inputs are un-broadcast by
+the backward walk, not by the rules.
+"""
+import torch
+
+from dtape.ops import _samples as S
+from dtape.ops._registry import defop
+
+__all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
+           "sign", "pow", "square", "sqrt", "rsqrt", "exp", "log", "log1p", "sin", "cos", "tanh",
+           "sigmoid", "maximum", "minimum", "clip_by_value", "matmul", "einsum", "add_n",
+           "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod",
+           "reduce_logsumexp", "less", "less_equal", "greater", "greater_equal", "equal",
+           "not_equal", "logical_not", "logical_and", "logical_or", "argmax", "argmin"]
+
+
+# -- arithmetic ---------------------------------------------------------------
+@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary)
+def add(x, y):
+    """x + y, broadcasting. Any numeric dtype, same device. Source: tf.math.add."""
+    return torch.add(x, y)
+
+
+@add.grad
+def _(dy, ans, x, y):
+    return dy, dy
+
+
+@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary)
+def subtract(x, y):
+    """x - y, broadcasting. Source: tf.math.subtract."""
+    return torch.sub(x, y)
+
+
+@subtract.grad
+def _(dy, ans, x, y):
+    return dy, -dy
+
+
+@defop(n_in=2, torch_fns=(torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__),
+       samples=S.binary)
+def multiply(x, y):
+    """x * y, broadcasting. Source: tf.math.multiply."""
+    return torch.mul(x, y)
+
+
+@multiply.grad
+def _(dy, ans, x, y):
+    return dy * y, dy * x
+
+
+@defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive)
+def divide(x, y):
+    """x / y (true division; ints give float), broadcasting. Source: tf.math.divide."""
+    return torch.div(x, y)
+
+
+@divide.grad
+def _(dy, ans, x, y):
+    gx = dy / y
+    return gx, -gx * ans
+
+
+@defop(n_in=2)
+def floordiv(x, y):
+    """Floor of x / y; no gradient (piecewise constant). Source: tf.math.floordiv."""
+    return torch.div(x, y, rounding_mode="floor")
+
+
+@defop(n_in=2, samples=S.binary_positive)
+def floormod(x, y):
+    """x - floor(x / y) * y, the sign of y (Python %). Source: tf.math.floormod."""
+    return torch.remainder(x, y)
+
+
+@floormod.grad
+def _(dy, ans, x, y):
+    return dy, -dy * torch.floor(x / y)
+
+
+@defop(torch_fns=(torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.__neg__), samples=S.unary)
+def negative(x):
+    """-x. Source: tf.math.negative."""
+    return torch.neg(x)
+
+
+@negative.grad
+def _(dy, ans, x):
+    return -dy
+
+
+@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary)
+def abs(x):  # noqa: A001 - TF's name
+    """|x|; gradient sign(x) (0 at 0). Source: tf.math.abs."""
+    return torch.abs(x)
+
+
+@abs.grad
+def _(dy, ans, x):
+    return dy * torch.sign(x)
+
+
+@defop(torch_fns=(torch.sign,), samples=S.unary)
+def sign(x):
+    """-1, 0 or 1 elementwise; gradient zero. Source: tf.math.sign."""
+    return torch.sign(x)
+
+
+@sign.grad
+def _(dy, ans, x):
+    return dy * 0
+
+
+@defop(n_in=2, torch_fns=(torch.pow, torch.Tensor.pow), samples=S.binary_positive)
+def pow(x, y):  # noqa: A001 - TF's name
+    """x ** y, broadcasting; the gradient in y uses log(x) where x > 0, else 0. Source: tf.math.pow."""
+    return torch.pow(x, y)
+
+
+@pow.grad
+def _(dy, ans, x, y):
+    gx = dy * y * torch.pow(x, y - 1)
+    if not isinstance(x, (int, float)) and (isinstance(y, (int, float)) or not _is_float(y)):
+        return gx, None
+    safe = torch.where(x > 0, x, torch.ones_like(x))
+    return gx, dy * ans * torch.where(x > 0, torch.log(safe), torch.zeros_like(safe))
+
+
+def _is_float(t):
+    return t.dtype.is_floating_point
+
+
+@defop(torch_fns=(torch.square,), samples=S.unary)
+def square(x):
+    """x * x. Source: tf.math.square."""
+    return torch.square(x)
+
+
+@square.grad
+def _(dy, ans, x):
+    return dy * 2 * x
+
+
+@defop(torch_fns=(torch.sqrt, torch.Tensor.sqrt), samples=S.unary_positive)
+def sqrt(x):
+    """Square root (x >= 0). Source: tf.math.sqrt."""
+    return torch.sqrt(x)
+
+
+@sqrt.grad
+def _(dy, ans, x):
+    return dy * 0.5 / ans
+
+
+@defop(torch_fns=(torch.rsqrt,), samples=S.unary_positive)
+def rsqrt(x):
+    """1 / sqrt(x) (x > 0). Source: tf.math.rsqrt."""
+    return torch.rsqrt(x)
+
+
+@rsqrt.grad
+def _(dy, ans, x):
+    return dy * -0.5 * ans / x
+
+
+@defop(torch_fns=(torch.exp, torch.Tensor.exp), samples=S.unary)
+def exp(x):
+    """e ** x. Source: tf.math.exp."""
+    return torch.exp(x)
+
+
+@exp.grad
+def _(dy, ans, x):
+    return dy * ans
+
+
+@defop(torch_fns=(torch.log, torch.Tensor.log), samples=S.unary_positive)
+def log(x):
+    """Natural logarithm (x > 0). Source: tf.math.log."""
+    return torch.log(x)
+
+
+@log.grad
+def _(dy, ans, x):
+    return dy / x
+
+
+@defop(torch_fns=(torch.log1p,), samples=S.unary_positive)
+def log1p(x):
+    """log(1 + x) (x > -1). Source: tf.math.log1p."""
+    return torch.log1p(x)
+
+
+@log1p.grad
+def _(dy, ans, x):
+    return dy / (1 + x)
+
+
+@defop(torch_fns=(torch.sin,), samples=S.unary)
+def sin(x):
+    """Sine (radians). Source: tf.math.sin."""
+    return torch.sin(x)
+
+
+@sin.grad
+def _(dy, ans, x):
+    return dy * torch.cos(x)
+
+
+@defop(torch_fns=(torch.cos,), samples=S.unary)
+def cos(x):
+    """Cosine (radians). Source: tf.math.cos."""
+    return torch.cos(x)
+
+
+@cos.grad
+def _(dy, ans, x):
+    return -dy * torch.sin(x)
+
+
+@defop(torch_fns=(torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh), samples=S.unary)
+def tanh(x):
+    """Hyperbolic tangent. Source: tf.math.tanh."""
+    return torch.tanh(x)
+
+
+@tanh.grad
+def _(dy, ans, x):
+    return dy * (1 - ans * ans)
+
+
+@defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary)
+def sigmoid(x):
+    """1 / (1 + exp(-x)). Source: tf.math.sigmoid."""
+    return torch.sigmoid(x)
+
+
+@sigmoid.grad
+def _(dy, ans, x):
+    return dy * ans * (1 - ans)
+
+
+@defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct)
+def maximum(x, y):
+    """Elementwise max, broadcasting; ties send the gradient to x. Source: tf.math.maximum."""
+    return torch.maximum(x, y) if isinstance(y, torch.Tensor) else torch.clamp(x, min=y)
+
+
+@maximum.grad
+def _(dy, ans, x, y):
+    mask = x >= y
+    return torch.where(mask, dy, 0.0), torch.where(mask, 0.0, dy)
+
+
+@defop(n_in=2, torch_fns=(torch.minimum,), samples=S.binary_distinct)
+def minimum(x, y):
+    """Elementwise min, broadcasting; ties send the gradient to x. Source: tf.math.minimum."""
+    return torch.minimum(x, y) if isinstance(y, torch.Tensor) else torch.clamp(x, max=y)
+
+
+@minimum.grad
+def _(dy, ans, x, y):
+    mask = x <= y
+    return torch.where(mask, dy, 0.0), torch.where(mask, 0.0, dy)
+
+
+def _clip_samples(rng):
+    return [((S.randn(rng, 3, 4), -0.5, 0.5), {}),
+            ((S.randn(rng, 3, 4), S.randn(rng, 4) - 1.0, S.randn(rng, 3, 1) + 1.0), {})]
+
+
+@defop(n_in=3, samples=_clip_samples)
+def clip_by_value(t, clip_value_min, clip_value_max):
+    """Clamps t to [clip_value_min, clip_value_max] (scalars or broadcastable tensors).
+
+    The gradient flows to t inside the range and to the bound that is active
+    outside it. Source: tf.clip_by_value.
+    """
+    return torch.minimum(torch.maximum(t, torch.as_tensor(clip_value_min, dtype=t.dtype, device=t.device)),
+                         torch.as_tensor(clip_value_max, dtype=t.dtype, device=t.device))
+
+
+@clip_by_value.grad
+def _(dy, ans, t, lo, hi):
+    below, above = t < lo, t > hi
+    inside = torch.logical_not(torch.logical_or(below, above))
+    return torch.where(inside, dy, 0.0), torch.where(below, dy, 0.0), torch.where(above, dy, 0.0)
+
+
+def _matmul_samples(rng):
+    return [((S.randn(rng, 3, 4), S.randn(rng, 4, 2)), {}),
+            ((S.randn(rng, 2, 3, 4), S.randn(rng, 4, 5)), {}),
+            ((S.randn(rng, 3, 4), S.randn(rng, 3, 5)), {"transpose_a": True})]
+
+
+@defop(n_in=2, samples=_matmul_samples)
+def matmul(a, b, transpose_a=False, transpose_b=False):
+    """Matrix product of [..., m, k] and [..., k, n] (batch dims broadcast) -> [..., m, n].
+
+    Both inputs need rank >= 2 and one floating dtype. Source: tf.linalg.matmul.
+
+    Raises:
+      ValueError: for inputs of rank < 2.
+    """
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError(f"matmul: inputs must have rank >= 2, got shapes {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}; use dtape.expand_dims or torch.matmul for vectors")
+    if transpose_a:
+        a = a.transpose(-1, -2)
+    if transpose_b:
+        b = b.transpose(-1, -2)
+    return torch.matmul(a, b)
+
+
+@matmul.grad
+def _(dy, ans, a, b, transpose_a=False, transpose_b=False):
+    t = _t
+    if transpose_a:
+        ga = torch.matmul(b, t(dy)) if not transpose_b else torch.matmul(t(b), t(dy))
+        gb = torch.matmul(a, dy) if not transpose_b else torch.matmul(t(dy), t(a))
+    else:
+        ga = torch.matmul(dy, t(b)) if not transpose_b else torch.matmul(dy, b)
+        gb = torch.matmul(t(a), dy) if not transpose_b else torch.matmul(t(dy), a)
+    return ga, gb
+
+
+def _t(m):
+    return torch.transpose(m, -1, -2)
+
+
+def _matmul_torch(x, y, *, out=None):
+    if out is not None:
+        raise TypeError("torch.matmul(out=...) is not supported on dtape tensors")
+    if x.ndim >= 2 and y.ndim >= 2:
+        return matmul(x, y)
+    from dtape.ops._dispatch import call_fallback
+    return call_fallback(torch.matmul, (x, y), {})
+
+
+def _einsum_samples(rng):
+    return [((S.randn(rng, 3, 4), S.randn(rng, 4, 5)), {"equation": "ij,jk->ik"}),
+            ((S.randn(rng, 2, 3, 4), S.randn(rng, 2, 4)), {"equation": "bij,bj->bi"}),
+            ((S.randn(rng, 3, 4),), {"equation": "ij->j"})]
+
+
+def _einsum_fwd(inputs, equation):
+    return torch.einsum(equation, *inputs)
+
+
+def _einsum_operand_grad(dy, operands, i, equation):
+    lhs, out = equation.replace(" ", "").split("->")
+    subs = lhs.split(",")
+    target = subs[i]
+    present = "".join(dict.fromkeys(c for c in target if c in out or any(c in s for j, s in enumerate(subs) if j != i)))
+    others = [s for j, s in enumerate(subs) if j != i]
+    g = torch.einsum(",".join([out] + others) + "->" + present, dy, *[operands[j] for j in range(len(subs)) if j != i])
+    shape = [operands[i].shape[k] for k in range(len(target))]
+    if present != target:  # letters only in this operand were summed out: broadcast back
+        view = [shape[k] if c in present else 1 for k, c in enumerate(target)]
+        perm_src = [c for c in target if c in present]
+        g = torch.reshape(_permute_to(g, present, "".join(perm_src)), view)
+        g = torch.broadcast_to(g, shape)
+    return g
+
+
+def _permute_to(g, have, want):
+    if have == want:
+        return g
+    return torch.permute(g, [have.index(c) for c in want])
+
+
+@defop(list_input=True, samples=_einsum_samples, name="einsum")
+def _einsum(inputs, equation):
+    return _einsum_fwd(inputs, equation)
+
+
+@_einsum.grad
+def _(dy, ans, operands, equation):
+    if "..." in equation or "->" not in equation or any(len(set(s)) != len(s) for s in equation.split("->")[0].split(",")):
+        raise NotImplementedError(f"einsum gradient for {equation!r}: use an explicit '->' output, "
+                                  "no ellipsis and no repeated index within one operand")
+    return tuple(_einsum_operand_grad(dy, operands, i, equation) for i in range(len(operands)))
+
+
+def einsum(equation, *inputs):
+    """Einstein summation, e.g. einsum('ij,jk->ik', a, b). Source: tf.einsum.
+
+    Gradients need an explicit '->' output, no ellipsis and no index repeated
+    within one operand.
+    """
+    return _einsum(list(inputs), equation)
+
+
+def _add_n_samples(rng):
+    return [(([S.randn(rng, 3, 2), S.randn(rng, 3, 2), S.randn(rng, 3, 2)],), {})]
+
+
+@defop(list_input=True, samples=_add_n_samples)
+def add_n(inputs):
+    """Sum of a list of same-shape tensors. Source: tf.math.add_n."""
+    out = inputs[0]
+    for t in inputs[1:]:
+        out = out + t
+    return out
+
+
+@add_n.grad
+def _(dy, ans, inputs):
+    return tuple(dy for _ in inputs)
+
+
+# -- reductions ---------------------------------------------------------------
+def _axes(ndim, axis):
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(sorted(a % ndim if ndim else 0 for a in axes))
+
+
+def _keep_shape(shape, axis):
+    axes = _axes(len(shape), axis)
+    return [1 if i in axes else s for i, s in enumerate(shape)]
+
+
+def _expand_back(g, x, axis, keepdims):
+    """Reshapes a reduced gradient to broadcast against x."""
+    if not keepdims:
+        g = torch.reshape(g, _keep_shape(x.shape, axis))
+    return g
+
+
+@defop(samples=S.reduction)
+def reduce_sum(x, axis=None, keepdims=False):
+    """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
+    axes = _axes(x.dim(), axis)
+    return torch.sum(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+
+
+@reduce_sum.grad
+def _(dy, ans, x, axis=None, keepdims=False):
+    return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape)
+
+
+@defop(samples=S.reduction)
+def reduce_mean(x, axis=None, keepdims=False):
+    """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
+    axes = _axes(x.dim(), axis)
+    return torch.mean(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+
+
+@reduce_mean.grad
+def _(dy, ans, x, axis=None, keepdims=False):
+    count = 1
+    for a in _axes(x.dim(), axis):
+        count *= x.shape[a]
+    return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape) / count
+
+
+def _minmax_grad(dy, ans, x, axis, keepdims):
+    ans = _expand_back(ans, x, axis, keepdims)
+    dy = _expand_back(dy, x, axis, keepdims)
+    ties = torch.eq(x, ans)
+    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=_axes(x.dim(), axis), keepdim=True)
+    return torch.where(ties, dy / count, 0.0)
+
+
+@defop(samples=S.reduction)
+def reduce_max(x, axis=None, keepdims=False):
+    """Max over `axis`; tied maxima share the gradient equally. Source: tf.math.reduce_max."""
+    axes = _axes(x.dim(), axis)
+    return torch.amax(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+
+
+@reduce_max.grad
+def _(dy, ans, x, axis=None, keepdims=False):
+    return _minmax_grad(dy, ans, x, axis, keepdims)
+
+
+@defop(samples=S.reduction)
+def reduce_min(x, axis=None, keepdims=False):
+    """Min over `axis`; tied minima share the gradient equally. Source: tf.math.reduce_min."""
+    axes = _axes(x.dim(), axis)
+    return torch.amin(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+
+
+@reduce_min.grad
+def _(dy, ans, x, axis=None, keepdims=False):
+    return _minmax_grad(dy, ans, x, axis, keepdims)
+
+
+@defop(samples=S.reduction)
+def reduce_prod(x, axis=None, keepdims=False):
+    """Product over `axis`; the gradient is exact with zeros in x. Source: tf.math.reduce_prod."""
+    axes = _axes(x.dim(), axis)
+    out = x
+    for a in reversed(axes):
+        out = torch.prod(out, dim=a, keepdim=True)
+    return out if keepdims else torch.reshape(out, [s for i, s in enumerate(x.shape) if i not in axes])
+
+
+@reduce_prod.grad
+def _(dy, ans, x, axis=None, keepdims=False):
+    axes = _axes(x.dim(), axis)
+    rest = [i for i in range(x.dim()) if i not in axes]
+    perm = rest + list(axes)
+    xt = torch.permute(x, perm)
+    flat = torch.reshape(xt, [xt.shape[i] for i in range(len(rest))] + [-1])
+    ones = torch.ones_like(flat[..., :1])
+    left = torch.cumprod(torch.cat([ones, flat[..., :-1]], dim=-1), dim=-1)
+    right = torch.flip(torch.cumprod(torch.cat([ones, torch.flip(flat, [-1])[..., :-1]], dim=-1), dim=-1), [-1])
+    others = torch.reshape(left * right, xt.shape)
+    inverse = [perm.index(i) for i in range(x.dim())]
+    return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape) * torch.permute(others, inverse)
+
+
+@defop(samples=S.reduction)
+def reduce_logsumexp(x, axis=None, keepdims=False):
+    """log(sum(exp(x))) over `axis`, computed stably. Source: tf.math.reduce_logsumexp."""
+    axes = _axes(x.dim(), axis)
+    return torch.logsumexp(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+
+
+@reduce_logsumexp.grad
+def _(dy, ans, x, axis=None, keepdims=False):
+    return _expand_back(dy, x, axis, keepdims) * torch.exp(x - _expand_back(ans, x, axis, keepdims))
+
+
+# -- comparisons and logic (no gradient) --------------------------------------
+def _compare(name, fn, doc):
+    @defop(n_in=2, name=name)
+    def op(x, y):
+        return fn(x, y)
+    op.__doc__ = doc
+    return op
+
+
+less = _compare("less", torch.lt, "x < y elementwise -> bool. Source: tf.math.less.")
+less_equal = _compare("less_equal", torch.le, "x <= y elementwise -> bool. Source: tf.math.less_equal.")
+greater = _compare("greater", torch.gt, "x > y elementwise -> bool. Source: tf.math.greater.")
+greater_equal = _compare("greater_equal", torch.ge, "x >= y -> bool. Source: tf.math.greater_equal.")
+equal = _compare("equal", torch.eq, "x == y elementwise -> bool. Source: tf.math.equal.")
+not_equal = _compare("not_equal", torch.ne, "x != y elementwise -> bool. Source: tf.math.not_equal.")
+logical_and = _compare("logical_and", torch.logical_and, "x and y (bool). Source: tf.math.logical_and.")
+logical_or = _compare("logical_or", torch.logical_or, "x or y (bool). Source: tf.math.logical_or.")
+
+
+@defop()
+def logical_not(x):
+    """Not x (bool). Source: tf.math.logical_not."""
+    return torch.logical_not(x)
+
+
+@defop()
+def argmax(x, axis=None, output_type=torch.int64):
+    """Index of the max along `axis` (None: axis 0, as TF). Source: tf.math.argmax."""
+    return torch.argmax(x, dim=0 if axis is None else axis).to(output_type)
+
+
+@defop()
+def argmin(x, axis=None, output_type=torch.int64):
+    """Index of the min along `axis` (None: axis 0, as TF). Source: tf.math.argmin."""
+    return torch.argmin(x, dim=0 if axis is None else axis).to(output_type)
+
+
+def _register_torch_adapters():
+    from dtape.ops._registry import TORCH_TABLE
+    TORCH_TABLE[torch.matmul] = _matmul_torch
+    TORCH_TABLE[torch.Tensor.__matmul__] = _matmul_torch
+    TORCH_TABLE[torch.sum] = lambda x, dim=None, keepdim=False, dtype=None: (
+        reduce_sum(x, axis=dim, keepdims=keepdim) if dtype is None else reduce_sum(x, dim, keepdim))
+    TORCH_TABLE[torch.mean] = lambda x, dim=None, keepdim=False, dtype=None: reduce_mean(x, axis=dim, keepdims=keepdim)
+    TORCH_TABLE[torch.einsum] = lambda eq, *ops: einsum(eq, *(ops[0] if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops))
+
+
+_register_torch_adapters()

@@ -1,0 +1,286 @@
+"""Variable, its synchronization/aggregation enums, and the variable-creator stack.
+
+Source: tf.Variable (ResourceVariable semantics in eager), tf.variable_creator_scope.
+A variable has a stable id (its "handle"); every read is a recorded op whose
+input is that id, so the gradient w.r.t. a variable is the sum over its reads.
+"""
+import enum
+import itertools
+import threading
+
+import torch
+
+from dtape import tape as _tp
+from dtape.ops._dispatch import _torch_function
+from dtape.tensor import Tensor, _next_id, _to_torch, normalize_device
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable is synchronized. Source: tf.VariableSynchronization."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How replica-context writes are combined. Source: tf.VariableAggregation."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+class _ReadVariableOp:
+    """Record op of a variable read: the gradient passes straight to the variable."""
+
+    __slots__ = ()
+    name = "ReadVariableOp"
+
+    def backward(self, dys, outputs, inputs, attrs, raw):
+        return dys
+
+
+_READ_OP = _ReadVariableOp()
+
+
+class _CreatorState(threading.local):
+    """Per-thread variable-creator stack (innermost last)."""
+
+    stack = ()
+
+
+_creator_state = _CreatorState()
+_name_counter = itertools.count()  # process-wide, for default names
+
+
+class variable_creator_scope:
+    """Thread-local scope that routes Variable creation through `creator`.
+
+    `creator(next_creator, **kwargs)` returns a variable, usually by calling
+    `next_creator(**kwargs)`. Scopes nest; the innermost runs first.
+    Source: tf.variable_creator_scope.
+    """
+
+    def __init__(self, creator):
+        self._creator = creator
+
+    def __enter__(self):
+        self._prev = _creator_state.stack
+        _creator_state.stack = self._prev + (self._creator,)
+        return self
+
+    def __exit__(self, *exc):
+        _creator_state.stack = self._prev
+        return False
+
+
+def current_creator_stack():
+    """The calling thread's creator stack (for replica threads to inherit)."""
+    return _creator_state.stack
+
+
+class set_creator_stack:
+    """Thread-local: replaces this thread's creator stack, restoring it on exit."""
+
+    def __init__(self, stack):
+        self._stack = stack
+
+    def __enter__(self):
+        self._prev = _creator_state.stack
+        _creator_state.stack = self._stack
+        return self
+
+    def __exit__(self, *exc):
+        _creator_state.stack = self._prev
+        return False
+
+
+class _VariableMeta(type):
+    def __call__(cls, *args, **kwargs):
+        if cls is not Variable:
+            return super().__call__(*args, **kwargs)
+        kwargs = _normalize_args(*args, **kwargs)
+
+        def base(**kw):
+            return type.__call__(Variable, **kw)
+        make = base
+        for creator in _creator_state.stack:
+            make = _chain(creator, make)
+        return make(**kwargs)
+
+
+def _chain(creator, next_creator):
+    return lambda **kw: creator(next_creator, **kw)
+
+
+def _normalize_args(initial_value=None, trainable=True, name=None, dtype=None, device=None,
+                    synchronization=VariableSynchronization.AUTO,
+                    aggregation=VariableAggregation.NONE):
+    if initial_value is None:
+        raise ValueError("Variable needs an initial_value (a tensor-like value or a callable returning one)")
+    return dict(initial_value=initial_value, trainable=trainable, name=name, dtype=dtype,
+                device=device, synchronization=synchronization, aggregation=aggregation)
+
+
+class Variable(metaclass=_VariableMeta):
+    """A mutable tensor-valued state, differentiable through its reads.
+
+    Args:
+      initial_value: tensor-like, or a callable returning one (any shape).
+      trainable: watched automatically by tapes when read.
+      name: a name for checkpoints and messages (default "Variable_N").
+      dtype: torch dtype; default that of `initial_value`.
+      device: torch device or name; default that of `initial_value`.
+      synchronization, aggregation: for distributed variables (see dtape.distribute).
+
+    Reads (`read_value()`, ops, operators, torch functions) notify the tapes;
+    `assign*` replace the value (reads taken before keep their old value).
+
+    Source: tf.Variable.
+
+    Example:
+      >>> v = dtape.Variable(2.0)
+      >>> with dtape.GradientTape() as tape:
+      ...     y = v * v
+      >>> float(tape.gradient(y, v))
+      4.0
+    """
+
+    def __init__(self, initial_value=None, trainable=True, name=None, dtype=None, device=None,
+                 synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
+        if callable(initial_value):
+            with _tp.stop_recording():
+                initial_value = initial_value()
+        if isinstance(initial_value, Tensor):
+            initial_value = initial_value.torch()
+        elif hasattr(initial_value, "_dtape_read"):
+            with _tp.stop_recording():
+                initial_value = initial_value._dtape_read().torch()
+        self._t = _to_torch(initial_value, dtype, device).clone()
+        self._id = _next_id()
+        self._trainable = bool(trainable)
+        self._name = name or f"Variable_{next(_name_counter)}"
+        self._synchronization = synchronization
+        self._aggregation = aggregation
+
+    # -- identity -----------------------------------------------------------
+    def _handle(self):
+        return self
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def trainable(self):
+        return self._trainable
+
+    @property
+    def shape(self):
+        return self._t.shape
+
+    @property
+    def dtype(self):
+        return self._t.dtype
+
+    @property
+    def device(self):
+        return self._t.device
+
+    @property
+    def ndim(self):
+        return self._t.dim()
+
+    @property
+    def synchronization(self):
+        return self._synchronization
+
+    @property
+    def aggregation(self):
+        return self._aggregation
+
+    # -- reads --------------------------------------------------------------
+    def read_value(self):
+        """The current value as a Tensor; notifies the tapes and is recorded."""
+        out = Tensor(self._t)
+        if _tp._tape_set:
+            if self._trainable:
+                _tp.variable_accessed(self)
+            _tp.record(_READ_OP, (self._id,), (self,), (out,), None)
+        elif _tp._thread_state.captures and self._trainable:
+            _tp.variable_accessed(self)
+        return out
+
+    value = read_value
+    _dtape_read = read_value
+
+    def numpy(self):
+        return self._t.detach().cpu().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def torch(self):
+        """The current torch.Tensor (no copy, not recorded)."""
+        return self._t
+
+    # -- writes -------------------------------------------------------------
+    def _coerce(self, value, what):
+        if hasattr(value, "_dtape_read"):
+            value = value._dtape_read()
+        t = value.torch() if isinstance(value, Tensor) else _to_torch(value, self._t.dtype)
+        if t.shape != self._t.shape:
+            try:
+                t = torch.broadcast_to(t, self._t.shape)
+            except RuntimeError:
+                raise ValueError(f"{what} on variable {self._name!r}: value of shape {tuple(t.shape)} does not "
+                                 f"match the variable's shape {tuple(self._t.shape)}") from None
+        return t.to(device=self._t.device, dtype=self._t.dtype)
+
+    def assign(self, value, read_value=False):
+        """Sets the value (same shape; cast to the variable's dtype and device). Returns the variable."""
+        self._t = self._coerce(value, "assign").clone()
+        return self
+
+    def assign_add(self, delta, read_value=False):
+        """Adds `delta` to the value. Returns the variable."""
+        self._t = self._t + self._coerce(delta, "assign_add")
+        return self
+
+    def assign_sub(self, delta, read_value=False):
+        """Subtracts `delta` from the value. Returns the variable."""
+        self._t = self._t - self._coerce(delta, "assign_sub")
+        return self
+
+    def __repr__(self):
+        return (f"<dtape.Variable '{self._name}' shape={tuple(self._t.shape)} dtype={self._t.dtype} "
+                f"device={self._t.device}, numpy={self.numpy()!r}>")
+
+    def __hash__(self):
+        return id(self)
+
+
+def install_tensor_protocol(cls):
+    """Gives `cls` (a class with `_dtape_read()`) Tensor's operators and torch interop."""
+    names = ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"]
+    dunders = [f"__{n}__" for n in names] + [f"__r{n}__" for n in names]
+    dunders += ["__lt__", "__le__", "__gt__", "__ge__", "__neg__", "__abs__", "__getitem__",
+                "__float__", "__int__", "__bool__", "__len__"]
+    for d in dunders:
+        setattr(cls, d, _delegate(d))
+    cls.__torch_function__ = classmethod(_torch_function)
+
+
+def _delegate(dunder):
+    def method(self, *args):
+        return getattr(self._dtape_read(), dunder)(*args)
+    method.__name__ = dunder
+    return method
+
+
+install_tensor_protocol(Variable)
+_ = normalize_device
