@@ -10,9 +10,19 @@ from dtape.tape import stop_recording  # noqa: F401
 from dtape.variables import (Variable, VariableAggregation, VariableSynchronization,  # noqa: F401
                              variable_creator_scope)
 from dtape.backprop import GradientTape, UnconnectedGradients  # noqa: F401
+from dtape.module import Module  # noqa: F401
+from dtape import layers, checkpoint  # noqa: F401
 
 __version__ = "0.1.0"
 
 __all__ = ["Tensor", "constant", "convert_to_tensor", "stop_recording", "Variable",
            "VariableAggregation", "VariableSynchronization", "variable_creator_scope",
            "GradientTape", "UnconnectedGradients", "tape", "nn"] + list(_ops_all)
+__all__ += ["Module", "layers", "checkpoint"]
+from dtape import distribute  # noqa: E402,F401  (last: registers the tape's resolver)
+from dtape import optimizers  # noqa: E402,F401
+__all__ += ["distribute", "optimizers"]
+from dtape import backprop  # noqa: F401,E402
+from dtape.custom_gradient import custom_gradient  # noqa: F401,E402
+from dtape.function import function  # noqa: F401,E402
+__all__ += ["backprop", "custom_gradient", "function"]

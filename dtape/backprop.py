@@ -5,6 +5,7 @@ distribution-aware sources: a variable source is expanded through the tape's
 watched-variable resolver and the gradients of its components are summed.
 """
 import enum
+import inspect
 import warnings
 
 import torch
@@ -168,7 +169,13 @@ class GradientTape:
         self._used = False
 
     def __enter__(self):
-        self._tape = _tp.push_new_tape(self._persistent, self._watch_accessed_variables)
+        if self._recording:
+            raise ValueError("GradientTape is already recording; it cannot be entered again "
+                             "inside its own `with` block")
+        if self._tape is None:
+            self._tape = _tp.push_new_tape(self._persistent, self._watch_accessed_variables)
+        else:  # re-entering resumes recording on the same tape (tf.GradientTape)
+            _tp.push_tape(self._tape)
         self._recording = True
         return self
 
@@ -241,46 +248,105 @@ class GradientTape:
           RuntimeError: on a second call of a non-persistent tape, or before
             the tape was entered.
         """
-        self._require_tape("gradient")
-        if self._used and not self._persistent:
-            raise RuntimeError("A non-persistent GradientTape can only be used to compute one set of "
-                               "gradients (or jacobians); create it with persistent=True to call "
-                               "gradient() more than once")
-        if self._recording and not self._persistent:
-            _tp.pop_tape(self._tape)
-            self._recording = False
-        self._used = True
+        self._begin_use("gradient")
         flat_targets = [_as_target(t) for t in nest.flatten(target)]
         flat_sources = nest.flatten(sources)
         flat_dys = None if output_gradients is None else nest.flatten(output_gradients)
         grads = self._gradients(flat_targets, flat_sources, flat_dys, unconnected_gradients)
-        if not self._persistent:
-            self._tape.release()
+        self._end_use()
         return nest.pack_sequence_as(sources, grads)
 
+    def _begin_use(self, what):
+        """Checks a gradient()/jacobian() call is allowed; stops a non-persistent tape recording."""
+        self._require_tape(what)
+        if self._used and not self._persistent:
+            raise RuntimeError("A non-persistent GradientTape can only be used to compute one set of "
+                               "gradients (or jacobians); create it with persistent=True to call "
+                               f"{what}() more than once")
+        if self._recording and not self._persistent:
+            _tp.pop_tape(self._tape)
+            self._recording = False
+        self._used = True
+
+    def _end_use(self):
+        if not self._persistent:
+            self._tape.release()
+
     def _gradients(self, targets, sources, dys, unconnected):
-        targets = [t for t in targets if _check_dtype(t, "target")]
-        expanded = [_source_handles(s) for s in sources]
-        flat = [h for hs in expanded for h in hs]
-        raw = imperative_grad(self._tape, targets, flat, dys) if targets else [None] * len(flat)
-        out, pos = [], 0
-        for src, hs in zip(sources, expanded):
-            parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
-            pos += len(hs)
-            out.append(_finish(src, parts, unconnected))
-        return out
+        return tape_gradients(self._tape, targets, sources, dys, unconnected)
 
     def jacobian(self, target, sources, unconnected_gradients=UnconnectedGradients.NONE):
-        """Full Jacobian: for each source, a tensor [*target.shape, *source.shape]. Source: tf.GradientTape.jacobian."""
+        """Full Jacobian of `target` w.r.t. each source.
+
+        Args:
+          target: floating Tensor of shape [y_1, ..., y_n].
+          sources: Tensor, Variable or nest of them; source k has shape [x_1, ..., x_m].
+          unconnected_gradients: `UnconnectedGradients.NONE` (None) or `.ZERO`.
+
+        Returns:
+          A nest like `sources`; entry k has shape [y_1, ..., y_n, x_1, ..., x_m]
+          and the source's dtype, or is None (unconnected).
+
+        Raises:
+          RuntimeError: on a second use of a non-persistent tape.
+
+        Source: tf.GradientTape.jacobian (one gradient walk per target element).
+        """
         return _jacobian(self, target, sources, unconnected_gradients, batch=False)
 
     def batch_jacobian(self, target, source, unconnected_gradients=UnconnectedGradients.NONE):
-        """Per-example Jacobian: target [b, y...], source [b, x...] -> [b, y..., x...].
+        """Per-example Jacobian, assuming example i of target depends only on example i of source.
 
-        Assumes example i of target depends only on example i of source.
+        Args:
+          target: floating Tensor of shape [b, y_1, ..., y_n].
+          source: Tensor or Variable of shape [b, x_1, ..., x_m].
+          unconnected_gradients: `UnconnectedGradients.NONE` (None) or `.ZERO`.
+
+        Returns:
+          A Tensor of shape [b, y_1, ..., y_n, x_1, ..., x_m], or None (unconnected).
+
+        Raises:
+          ValueError: if target and source differ in their first dimension.
+          RuntimeError: on a second use of a non-persistent tape.
+
         Source: tf.GradientTape.batch_jacobian.
         """
+        target = _as_target(target)
+        if target.ndim == 0 or len(source.shape) == 0 or target.shape[0] != source.shape[0]:
+            raise ValueError(f"batch_jacobian: target shape {tuple(target.shape)} and source shape "
+                             f"{tuple(source.shape)} must share a leading batch dimension")
         return _jacobian(self, target, source, unconnected_gradients, batch=True)
+
+
+def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE):
+    """Gradients of flat `targets` w.r.t. flat `sources` (tensors or variables) from a raw tape.
+
+    Integer/bool targets are dropped with a warning (with their output
+    gradient); variable sources are expanded through the watch resolver and
+    the gradients of their components summed (seed 2).
+    """
+    if dys is not None and len(dys) != len(targets):
+        raise ValueError(f"output_gradients has {len(dys)} entries but target has {len(targets)}; "
+                         "give one upstream gradient (or None) per target tensor")
+    pairs = [(t, None if dys is None else d) for t, d in zip(targets, dys or targets)]
+    pairs = [(t, d) for t, d in pairs if _check_dtype(t, "target")]
+    targets, dys = [t for t, _ in pairs], [d for _, d in pairs]
+    expanded = [_source_handles(_check_source(s)) for s in sources]
+    flat = [h for hs in expanded for h in hs]
+    raw = imperative_grad(tape, targets, flat, dys) if targets else [None] * len(flat)
+    out, pos = [], 0
+    for src, hs in zip(sources, expanded):
+        parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
+        pos += len(hs)
+        out.append(_finish(src, parts, unconnected))
+    return out
+
+
+def _check_source(s):
+    if isinstance(s, Tensor) or _is_variable(s):
+        return s
+    raise ValueError(f"gradient sources must be dtape.Tensors or Variables, got {type(s).__name__}; "
+                     "wrap values with dtape.constant and watch them first")
 
 
 def _as_target(t):
@@ -315,32 +381,200 @@ def _finish(src, parts, unconnected):
     return None
 
 
-def _jacobian(tape, target, sources, unconnected, batch):
-    """Row-by-row Jacobian through repeated persistent gradient calls."""
-    if not tape._persistent:
-        raise RuntimeError("jacobian needs GradientTape(persistent=True) (it calls gradient() once per output element)")
+def _jacobian(gtape, target, sources, unconnected, batch):
+    """Row-by-row Jacobian: one gradient walk per (per-example) target element."""
+    gtape._begin_use("batch_jacobian" if batch else "jacobian")
     target = _as_target(target)
     flat_sources = nest.flatten(sources)
-    n = target.shape[0] if batch else target.torch().numel()
-    inner = tuple(target.shape[1:]) if batch else ()
-    rows = []
-    per = int(torch.tensor(inner).prod()) if inner else 1
-    for k in range(per if batch else n):
-        seed = torch.zeros(target.shape if not batch else (n, per), dtype=target.dtype, device=target.device)
-        if batch:
-            seed[:, k] = 1
-        else:
-            seed.view(-1)[k] = 1
-        rows.append(tape.gradient(target, flat_sources, output_gradients=Tensor(seed.reshape(target.shape)),
-                                  unconnected_gradients=unconnected))
-    out = []
-    for j, src in enumerate(flat_sources):
-        col = [r[j] for r in rows]
-        if all(c is None for c in col):
-            out.append(None)
-            continue
-        col = [c if c is not None else Tensor(torch.zeros(tuple(src.shape), dtype=src.dtype)) for c in col]
-        st = ops.stack(col, axis=1 if batch else 0)
-        shape = ((n,) + inner + tuple(src.shape[1:])) if batch else (tuple(target.shape) + tuple(src.shape))
-        out.append(ops.reshape(st, shape))
-    return out if isinstance(sources, (list, tuple)) else out[0]
+    seeds = _jacobian_seeds(target, batch)
+    rows = [tape_gradients(gtape._tape, [target], flat_sources, [seed], unconnected) for seed in seeds]
+    gtape._end_use()
+    out = [_assemble(target, src, [r[j] for r in rows], batch) for j, src in enumerate(flat_sources)]
+    return nest.pack_sequence_as(sources, out)
+
+
+def _jacobian_seeds(target, batch):
+    """One-hot output gradients: per element of target, or per element of each example."""
+    n = target.shape[0] if batch else 1
+    per = int(torch.tensor(target.shape[1 if batch else 0:], dtype=torch.int64).prod())
+    eye = torch.eye(per, dtype=target.dtype, device=target.device)
+    return [Tensor(eye[k].expand(n, per).reshape(target.shape)) for k in range(per)]
+
+
+def _assemble(target, src, col, batch):
+    """Stacks per-element gradients into [*target.shape, *src.shape] (batch: [b, y..., x...])."""
+    shape = (tuple(target.shape) + tuple(src.shape[1:])) if batch else (tuple(target.shape) + tuple(src.shape))
+    if not col:  # empty target
+        return Tensor(torch.zeros(shape, dtype=src.dtype, device=src.device))
+    if all(c is None for c in col):
+        return None
+    col = [Tensor(torch.zeros(tuple(src.shape), dtype=src.dtype, device=src.device)) if c is None else c
+           for c in col]
+    return ops.reshape(ops.stack(col, axis=1 if batch else 0), shape)
+
+
+# -- functional forms (tf.contrib.eager / eager backprop.py) -------------------
+def _require_value(result, f):
+    if result is None:
+        raise ValueError("Cannot differentiate a function that returns None; did you forget to "
+                         f"return a value from {getattr(f, '__name__', f)}?")
+
+
+def implicit_val_and_grad(f):
+    """Returns `g(*args, **kwargs) -> (f's value, [(gradient, variable), ...])`.
+
+    The gradient is that of `f`'s value (summed over its elements and nest
+    leaves) w.r.t. every trainable variable `f` reads, in creation order.
+
+    Raises (when `g` is called):
+      ValueError: if `f` returns None or reads no trainable variable.
+
+    Source: tf.contrib.eager.implicit_value_and_gradients (eager backprop.py, seed 1).
+
+    Example:
+      >>> v = dtape.Variable(2.0)
+      >>> val, [(g, var)] = dtape.backprop.implicit_val_and_grad(lambda: v * v)()
+      >>> float(g)
+      4.0
+    """
+    def grad_fn(*args, **kwargs):
+        this_tape = _tp.push_new_tape()
+        try:
+            end_node = f(*args, **kwargs)
+            _require_value(end_node, f)
+        finally:
+            _tp.pop_tape(this_tape)
+        variables = sorted(this_tape.watched_variables(), key=lambda v: v._handle()._id)
+        if not variables:
+            raise ValueError("No trainable variables were accessed while the function was being computed.")
+        targets = [_as_target(t) for t in nest.flatten(end_node)]
+        grads = tape_gradients(this_tape, targets, variables)
+        return end_node, list(zip(grads, variables))
+    return grad_fn
+
+
+def implicit_grad(f):
+    """Like `implicit_val_and_grad`, returning only `[(gradient, variable), ...]`.
+
+    Source: tf.contrib.eager.implicit_gradients.
+    """
+    def grad_fn(*args, **kwargs):
+        return implicit_val_and_grad(f)(*args, **kwargs)[1]
+    return grad_fn
+
+
+def _get_arg_spec(f, params, param_args):
+    """Positions, in `param_args`, of the arguments of `f` to differentiate."""
+    if params is None:
+        return list(range(len(param_args)))
+    if all(isinstance(p, int) for p in params):
+        return list(params)
+    if all(isinstance(p, str) for p in params):
+        names = list(inspect.signature(f).parameters)
+        missing = [p for p in params if p not in names]
+        if missing:
+            raise ValueError(f"params {missing} are not arguments of {getattr(f, '__name__', f)}: {names}")
+        return [names.index(p) for p in params]
+    raise ValueError(f"params must be all strings or all integers; got {params!r}")
+
+
+def make_vjp(f, params=None, persistent=True):
+    """Returns `g(*args) -> (f(*args), vjp)` with `vjp(dy=None)` the vector-Jacobian product.
+
+    Args:
+      f: function of tensors returning a Tensor or a nest of Tensors.
+      params: positions (ints) or names (strs) of the arguments to
+        differentiate; default all.
+      persistent: allow `vjp` to be called more than once.
+
+    `vjp(dy)` returns a list with one gradient (or None) per differentiated
+    argument, each of that argument's shape; `dy` is a nest like `f`'s value
+    (default ones).
+
+    Raises (when `g` is called):
+      ValueError: if `f` returns None.
+
+    Source: tf.contrib.eager.make_vjp (eager backprop.py, seed 1).
+
+    Example:
+      >>> val, vjp = dtape.backprop.make_vjp(lambda x: x * x)(dtape.constant(3.0))
+      >>> float(vjp()[0])
+      6.0
+    """
+    def decorated(*args, **kwargs):
+        if kwargs:
+            raise ValueError("The gradient function can't take keyword arguments.")
+        positions = _get_arg_spec(f, params, args)
+        this_tape = _tp.push_new_tape(persistent=persistent)
+        try:
+            args, sources = _watched_args(this_tape, positions, args)
+            result = f(*args)
+            _require_value(result, f)
+            flat = [ops.identity(_as_target(x)) for x in nest.flatten(result)]
+            result = nest.pack_sequence_as(result, flat)
+        finally:
+            _tp.pop_tape(this_tape)
+
+        def vjp(dy=None):
+            dys = None if dy is None else [None if d is None else convert_to_tensor(d) for d in nest.flatten(dy)]
+            return tape_gradients(this_tape, flat, sources, dys)
+        return result, vjp
+    return decorated
+
+
+def _watched_args(this_tape, positions, args):
+    """Converts the differentiated args to Tensors (distinct objects) and watches them."""
+    args, seen, sources = list(args), set(), []
+    for i in positions:
+        t = convert_to_tensor(args[i])
+        if id(t) in seen:
+            t = ops.identity(t)
+        seen.add(id(t))
+        args[i] = t
+        sources.append(t)
+        _tp.watch(this_tape, t)
+    return args, sources
+
+
+def val_and_grad_function(f, params=None):
+    """Returns `g(*args, dy=None) -> (f(*args), [gradient per differentiated argument])`.
+
+    Args:
+      f: function of tensors returning a Tensor or a nest of Tensors.
+      params: positions or names of the arguments to differentiate; default all.
+
+    The gradients have the shapes of their arguments (None if unconnected);
+    `dy` is the upstream gradient, a nest like `f`'s value (default ones).
+
+    Source: tf.contrib.eager.value_and_gradients_function.
+
+    Example:
+      >>> val, (g,) = dtape.backprop.val_and_grad_function(lambda x: x * x)(dtape.constant(3.0))
+      >>> float(g)
+      6.0
+    """
+    def decorated(*args, **kwargs):
+        dy = kwargs.pop("dy", None)
+        if kwargs:
+            raise ValueError("Functions to be differentiated cannot receive keyword arguments.")
+        val, vjp = make_vjp(f, params)(*args)
+        return val, vjp(dy=dy)
+    return decorated
+
+
+def gradients_function(f, params=None):
+    """Returns `g(*args, dy=None) -> [gradient of f per differentiated argument]`.
+
+    Nesting gives higher derivatives: `gradients_function(lambda x:
+    gradients_function(f)(x)[0])`.
+
+    Source: tf.contrib.eager.gradients_function.
+
+    Example:
+      >>> g = dtape.backprop.gradients_function(lambda x, y: x * y)
+      >>> [float(t) for t in g(dtape.constant(3.0), dtape.constant(2.0))]
+      [2.0, 3.0]
+    """
+    def decorated(*args, **kwargs):
+        return val_and_grad_function(f, params=params)(*args, **kwargs)[1]
+    return decorated

@@ -17,6 +17,8 @@ the cross-replica context). The core never imports `dtape.distribute`.
 """
 import threading
 
+import torch
+
 from dtape.tensor import Tensor
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
@@ -213,7 +215,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             rec = (op, in_ids, out_ids, inputs, outputs, attrs)
         with tape._lock:
             tape._records.append(rec)
-            watched.update(out_ids)
+            tape._watched.update(out_ids)  # not `watched`: reset() may have replaced the set
 
 
 class _CallableBackward:
@@ -226,8 +228,18 @@ class _CallableBackward:
         self.fn = fn
 
     def backward(self, dys, outputs, inputs, attrs, raw):
+        if raw:  # the seed contract gives dtape.Tensors to backward_function
+            dys = [Tensor(d) for d in dys]
         grads = self.fn(*dys)
-        return grads if isinstance(grads, (tuple, list)) else (grads,)
+        grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+        return [_raw_grad(g) for g in grads] if raw else grads
+
+
+def _raw_grad(g):
+    """A torch.Tensor (or None) from what a seed-style backward function returned."""
+    if g is None or isinstance(g, torch.Tensor):
+        return g
+    return g.torch() if isinstance(g, Tensor) else torch.as_tensor(g)
 
 
 def record_operation(op_type, output_tensors, input_tensors, backward_function):
@@ -299,6 +311,30 @@ class pause_tape:
         return False
 
 
+class record_only:
+    """Thread-local: on this thread, only `tape` records (the stop flag is lifted).
+
+    Used to re-run a body under a private tape whatever the caller's state
+    (stopped, or other tapes active); restores the previous state on exit.
+    """
+
+    __slots__ = ("_tape", "_prev")
+
+    def __init__(self, tape):
+        self._tape = tape
+
+    def __enter__(self):
+        state = _thread_state
+        self._prev = (state.stopped, state.paused)
+        state.stopped = False
+        state.paused = tuple(t for t in _tape_set if t is not self._tape)
+        return self
+
+    def __exit__(self, *exc):
+        _thread_state.stopped, _thread_state.paused = self._prev
+        return False
+
+
 class capture_variable_reads:
     """Collects, on this thread, every variable reported by `variable_accessed`.
 
@@ -321,5 +357,5 @@ class capture_variable_reads:
 
 __all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
            "variable_accessed", "should_record", "record", "record_operation", "delete_trace",
-           "could_possibly_record", "stop_recording", "pause_tape", "capture_variable_reads",
+           "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
            "register_watched_variable_resolver", "Tensor"]

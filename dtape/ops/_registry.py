@@ -32,7 +32,7 @@ class OpDef:
     """
 
     __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
-                 "second_order", "multi_output", "attr_names", "fn")
+                 "second_order", "multi_output", "attr_names", "in_names", "fn")
 
     def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output):
         self.name = name
@@ -45,6 +45,7 @@ class OpDef:
         self.multi_output = multi_output
         params = list(inspect.signature(forward).parameters)
         self.attr_names = tuple(params[1 if list_input else n_in:])
+        self.in_names = tuple(params[:1 if list_input else n_in])
         self.fn = None
 
     def grad(self, fn):
@@ -98,11 +99,21 @@ def _attrs(opdef, args, attrs):
     return attrs
 
 
+def _pop_input(opdef, attrs, i):
+    """Tensor input `i` given by keyword (TF style, e.g. `logits=`)."""
+    name = opdef.in_names[i]
+    if name not in attrs:
+        raise TypeError(f"{opdef.name}() missing its tensor argument {name!r}")
+    return attrs.pop(name)
+
+
 def _make_unary(opdef):
     fwd = opdef.forward
 
-    def call(x, *args, **attrs):
+    def call(x=None, *args, **attrs):
         if type(x) is not Tensor:
+            if x is None:
+                x = _pop_input(opdef, attrs, 0)
             x = convert_to_tensor(x)
         if args:
             attrs = _attrs(opdef, args, attrs)
@@ -119,11 +130,11 @@ def _make_unary(opdef):
 def _make_binary(opdef):
     fwd = opdef.forward
 
-    def call(x, y, *args, **attrs):
+    def call(x=None, y=None, *args, **attrs):
         if type(x) is not Tensor:
-            x = as_input(x)
+            x = as_input(_pop_input(opdef, attrs, 0) if x is None else x)
         if type(y) is not Tensor:
-            y = as_input(y)
+            y = as_input(_pop_input(opdef, attrs, 1) if y is None else y)
             if type(x) is not Tensor and type(y) is not Tensor:
                 x = convert_to_tensor(x)
         if args:
@@ -152,6 +163,8 @@ def _make_nary(opdef):
     fwd, n, listed = opdef.forward, opdef.n_in, opdef.list_input
 
     def call(*args, **attrs):
+        if len(args) < (1 if listed else n) and any(k in attrs for k in opdef.in_names):
+            args = _keyword_inputs(opdef, args, attrs)
         if listed:
             if not isinstance(args[0], (list, tuple)):
                 raise TypeError(f"{opdef.name}: first argument must be a list of tensors, got {type(args[0]).__name__}")
@@ -164,6 +177,13 @@ def _make_nary(opdef):
             raw = fwd(*[_raw(t) for t in inputs], **_attrs(opdef, rest, attrs))
         return _finish_multi(opdef, raw, inputs, _attrs(opdef, rest, attrs))
     return call
+
+
+def _keyword_inputs(opdef, args, attrs):
+    attrs_defaults = inspect.signature(opdef.forward).parameters
+    extra = [attrs.pop(k) if k in attrs else attrs_defaults[k].default
+             for k in opdef.in_names[len(args):]]
+    return tuple(args) + tuple(extra)
 
 
 def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=True,

@@ -9,11 +9,11 @@ SHAPES_BINARY = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (2,
 
 
 def randn(rng, *shape):
-    return torch.randn(*shape, generator=rng, dtype=torch.float64)
+    return torch.randn(shape, generator=rng, dtype=torch.float64)
 
 
 def positive(rng, *shape):
-    return torch.rand(*shape, generator=rng, dtype=torch.float64) + 0.5
+    return torch.rand(shape, generator=rng, dtype=torch.float64) + 0.5
 
 
 def away_from_zero(rng, *shape):

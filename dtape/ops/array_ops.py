@@ -3,15 +3,19 @@
 TF names and arguments (tf.reshape, tf.gather, ...), torch dtypes. One block
 per op: forward on torch tensors, then its gradient rule.
 """
+import builtins
+
 import torch
 
 from dtape.ops import _samples as S
 from dtape.ops._registry import TORCH_TABLE, defop
 from dtape.tensor import Tensor, _to_torch, normalize_device
 
+_brange = builtins.range  # `range` below is tf.range
+
 __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concat", "stack", "broadcast_to",
            "where", "cast", "identity", "stop_gradient", "zeros", "ones", "zeros_like",
-           "ones_like", "getitem"]
+           "ones_like", "getitem", "split", "tile", "gather", "gather_nd", "one_hot", "fill", "range"]
 
 
 @defop(torch_fns=((torch.reshape, lambda x, shape: reshape(x, shape)),),
@@ -37,18 +41,18 @@ def _invert(perm):
        samples=lambda rng: [((S.randn(rng, 2, 3, 4),), {"perm": (2, 0, 1)}), ((S.randn(rng, 3, 4),), {})])
 def transpose(a, perm=None):
     """Permutes dimensions; perm=None reverses them. Source: tf.transpose."""
-    perm = list(range(a.dim()))[::-1] if perm is None else [p % a.dim() for p in perm]
+    perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
     return torch.permute(a, perm)
 
 
 @transpose.grad
 def _(dy, ans, a, perm=None):
-    perm = list(range(a.dim()))[::-1] if perm is None else [p % a.dim() for p in perm]
+    perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
     return torch.permute(dy, _invert(perm))
 
 
 def _torch_transpose(x, dim0, dim1):
-    perm = list(range(x.ndim))
+    perm = list(_brange(x.ndim))
     perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
     return transpose(x, perm)
 
@@ -80,7 +84,7 @@ def squeeze(input, axis=None):  # noqa: A002
     for a in axes:
         if input.shape[a] != 1:
             raise ValueError(f"squeeze: dimension {a} has size {input.shape[a]}, not 1 (shape {tuple(input.shape)})")
-    return torch.reshape(input, [s for i, s in enumerate(input.shape) if i not in {a % input.dim() for a in axes}])
+    return torch.reshape(input, [s for i, s in enumerate(input.shape) if i not in {a % input.ndim for a in axes}])
 
 
 @squeeze.grad
@@ -279,10 +283,308 @@ def _getitem_grad(dy, shape, key):
     """Scatter-adds dy into zeros of `shape` at `key` (repeated indices accumulate)."""
     with torch.enable_grad():
         z = torch.zeros(shape, dtype=dy.dtype, device=dy.device, requires_grad=True)
-        (g,) = torch.autograd.grad(z[key], z, dy)
+        (g,) = torch.autograd.grad(z[key], z, dy, create_graph=dy.requires_grad)
     return g
 
 
 @_getitem_grad.grad
 def _(ddy, ans, dy, shape, key):
     return _getitem.any(ddy, key=key)
+
+
+# -- split, tile --------------------------------------------------------------
+def _split_sizes(n, num_or_size_splits):
+    if isinstance(num_or_size_splits, Tensor):
+        num_or_size_splits = num_or_size_splits.torch().tolist()
+    if isinstance(num_or_size_splits, int):
+        if n % num_or_size_splits:
+            raise ValueError(f"split: dimension of size {n} is not divisible into {num_or_size_splits} parts")
+        return [n // num_or_size_splits] * num_or_size_splits
+    sizes = [int(s) for s in num_or_size_splits]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"split: at most one size may be -1, got {sizes}")
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = n - (sum(sizes) + 1)
+    if sum(sizes) != n or min(sizes) < 0:
+        raise ValueError(f"split: sizes {sizes} do not sum to the dimension's size {n}")
+    return sizes
+
+
+def _split_samples(rng):
+    return [((S.randn(rng, 6, 4),), {"num_or_size_splits": 3}),
+            ((S.randn(rng, 2, 7),), {"num_or_size_splits": [2, -1, 1], "axis": -1})]
+
+
+@defop(multi_output=True, samples=_split_samples)
+def split(value, num_or_size_splits, axis=0):
+    """Splits `value` along `axis` into pieces.
+
+    Args:
+      value: tensor of any dtype, shape [..., n, ...] (n at `axis`).
+      num_or_size_splits: an int k dividing n (k equal pieces), or a list of
+        sizes summing to n (one may be -1: the rest).
+      axis: the dimension to split (negative counts from the end).
+
+    Returns:
+      A tuple of tensors, the i-th of shape [..., size_i, ...].
+
+    Source: tf.split.
+    """
+    sizes = _split_sizes(value.shape[axis], num_or_size_splits)
+    return tuple(torch.split(value, sizes, dim=axis))
+
+
+@split.grad
+def _(dys, ans, value, num_or_size_splits, axis=0):
+    return torch.cat(list(dys), dim=axis)
+
+
+def _tile_samples(rng):
+    return [((S.randn(rng, 2, 3),), {"multiples": [2, 3]}), ((S.randn(rng, 3),), {"multiples": [1]})]
+
+
+@defop(samples=_tile_samples)
+def tile(input, multiples):  # noqa: A002 - TF's argument name
+    """Repeats `input` `multiples[i]` times along dimension i.
+
+    Args:
+      input: tensor of rank r, shape [d_0, ..., d_{r-1}], any dtype.
+      multiples: r ints (list, tuple or 1-D int tensor).
+
+    Returns:
+      Shape [d_0 * m_0, ..., d_{r-1} * m_{r-1}], input's dtype.
+
+    Source: tf.tile.
+    """
+    multiples = _to_list(multiples)
+    if len(multiples) != input.ndim:
+        raise ValueError(f"tile: multiples has length {len(multiples)}, expected the input's rank {input.ndim}")
+    return torch.tile(input, tuple(multiples))
+
+
+@tile.grad
+def _(dy, ans, input, multiples):  # noqa: A002
+    multiples = _to_list(multiples)
+    split_shape = [d for m, s in zip(multiples, input.shape) for d in (m, s)]
+    summed = torch.sum(torch.reshape(dy, split_shape), dim=tuple(_brange(0, 2 * len(multiples), 2)))
+    return torch.reshape(summed, tuple(input.shape))
+
+
+# -- gather -------------------------------------------------------------------
+def _gather_layout(pshape, ishape, axis, batch_dims):
+    """Permutation of params to [batch..., n, mid..., rest...] for a batched take along `axis`."""
+    rank = len(pshape)
+    batch_dims = batch_dims % (len(ishape) + 1) if batch_dims < 0 else batch_dims
+    axis = batch_dims if axis is None else axis % rank
+    if not batch_dims <= axis < rank:
+        raise ValueError(f"gather: need batch_dims <= axis < rank, got batch_dims={batch_dims}, axis={axis}, "
+                         f"params rank {rank}")
+    if tuple(pshape[:batch_dims]) != tuple(ishape[:batch_dims]):
+        raise ValueError(f"gather: batch dims of params {tuple(pshape)} and indices {tuple(ishape)} differ")
+    perm = list(_brange(batch_dims)) + [axis] + list(_brange(batch_dims, axis)) + list(_brange(axis + 1, rank))
+    return axis, batch_dims, perm
+
+
+def _batch_index(ind, batch_dims):
+    """Index tensors (batch position, index) for `p[batch..., ind]` with batch dims flattened."""
+    bshape = tuple(ind.shape[:batch_dims])
+    nb = 1
+    for b in bshape:
+        nb *= b
+    flat = torch.reshape(ind, (nb,) + tuple(ind.shape[batch_dims:]))
+    pos = torch.reshape(torch.arange(nb, device=ind.device), (nb,) + (1,) * (flat.ndim - 1))
+    return pos, flat, bshape, nb
+
+
+def _gather_take(params, indices, axis, batch_dims):
+    axis, batch_dims, perm = _gather_layout(params.shape, indices.shape, axis, batch_dims)
+    pos, flat, bshape, nb = _batch_index(indices, batch_dims)
+    p = torch.reshape(torch.permute(params, perm), (nb,) + tuple(params.shape[axis:axis + 1])
+                      + tuple(params.shape[batch_dims:axis]) + tuple(params.shape[axis + 1:]))
+    out = p[pos, flat]                     # [nb, idx..., mid..., rest...]
+    n_idx, n_mid = flat.ndim - 1, axis - batch_dims
+    order = [0] + list(_brange(1 + n_idx, 1 + n_idx + n_mid)) + list(_brange(1, 1 + n_idx)) \
+        + list(_brange(1 + n_idx + n_mid, out.ndim))
+    out = torch.permute(out, order)
+    return torch.reshape(out, bshape + tuple(out.shape[1:]))
+
+
+def _gather_samples(rng):
+    idx = torch.tensor([[0, 2], [2, 2], [1, 0]])
+    return [((S.randn(rng, 3, 4), idx), {}),
+            ((S.randn(rng, 2, 3, 4), torch.tensor([3, 0, 3])), {"axis": -1}),
+            ((S.randn(rng, 3, 2, 4, 5), torch.tensor([[0, 3], [1, 1], [2, 0]])), {"axis": 2, "batch_dims": 1})]
+
+
+@defop(n_in=2, samples=_gather_samples)
+def gather(params, indices, axis=None, batch_dims=0):
+    """Gathers slices of `params` along `axis` at `indices` (not torch.gather).
+
+    Args:
+      params: tensor [b_0..b_{B-1}, p_B..p_{a-1}, n, p_{a+1}...], any dtype.
+      indices: int tensor [b_0..b_{B-1}, i...] with values in [0, n).
+      axis: the gathered dimension a of params (default `batch_dims`; negative
+        counts from the end).
+      batch_dims: B, the number of leading dimensions shared by both.
+
+    Returns:
+      Shape params.shape[:a] + indices.shape[B:] + params.shape[a+1:],
+      params' dtype. Repeated indices accumulate in the gradient.
+
+    Source: tf.gather.
+    """
+    return _gather_take(params, indices, axis, batch_dims)
+
+
+@gather.grad
+def _(dy, ans, params, indices, axis=None, batch_dims=0):
+    return _gather_grad.any(dy, indices, shape=tuple(params.shape), axis=axis, batch_dims=batch_dims), None
+
+
+def _gather_grad_samples(rng):
+    return [((S.randn(rng, 3, 2, 5), torch.tensor([[0, 3], [1, 1], [2, 0]])),
+             {"shape": (3, 2, 4, 5), "axis": 2, "batch_dims": 1}),
+            ((S.randn(rng, 3, 2, 4), torch.tensor([[0, 2], [2, 2], [1, 0]])), {"shape": (3, 4), "axis": None, "batch_dims": 0})]
+
+
+@defop(n_in=2, name="gather_grad", samples=_gather_grad_samples)
+def _gather_grad(dy, indices, shape, axis=None, batch_dims=0):
+    """Scatter-adds `dy` (gather's output shape) into zeros of `shape`: gather's transpose."""
+    axis, batch_dims, perm = _gather_layout(shape, indices.shape, axis, batch_dims)
+    pos, flat, bshape, nb = _batch_index(indices, batch_dims)
+    n_idx, n_mid = flat.ndim - 1, axis - batch_dims
+    d = torch.reshape(dy, (nb,) + tuple(dy.shape[batch_dims:]))
+    order = [0] + list(_brange(1 + n_mid, 1 + n_mid + n_idx)) + list(_brange(1, 1 + n_mid)) \
+        + list(_brange(1 + n_mid + n_idx, d.ndim))
+    d = torch.permute(d, order)                     # [nb, idx..., mid..., rest...]
+    pshape = [nb, shape[axis]] + list(shape[batch_dims:axis]) + list(shape[axis + 1:])
+    z = torch.zeros(pshape, dtype=dy.dtype, device=dy.device)
+    g = torch.index_put(z, (torch.broadcast_to(pos, flat.shape), flat), d, accumulate=True)
+    g = torch.reshape(g, tuple(shape[:batch_dims]) + tuple(pshape[1:]))
+    return torch.permute(g, _invert(perm))
+
+
+@_gather_grad.grad
+def _(ddy, ans, dy, indices, shape, axis=None, batch_dims=0):
+    return gather.any(ddy, indices, axis=axis, batch_dims=batch_dims), None
+
+
+def _nd_key(indices, batch_dims):
+    pos, flat, bshape, nb = _batch_index(indices, batch_dims)
+    pos = torch.reshape(pos, tuple(pos.shape[:-1]))
+    return (torch.broadcast_to(pos, flat.shape[:-1]),) + tuple(torch.unbind(flat, dim=-1)), bshape, nb
+
+
+def _gather_nd_samples(rng):
+    return [((S.randn(rng, 3, 4, 2), torch.tensor([[0, 1], [2, 3], [0, 1]])), {}),
+            ((S.randn(rng, 2, 3, 4), torch.tensor([[[1], [1]], [[0], [2]]])), {"batch_dims": 1})]
+
+
+@defop(n_in=2, samples=_gather_nd_samples)
+def gather_nd(params, indices, batch_dims=0):
+    """Gathers slices of `params` addressed by the last dimension of `indices`.
+
+    Args:
+      params: tensor [b..., p_0..p_{m-1}, rest...], any dtype (B = batch_dims leading b's).
+      indices: int tensor [b..., i..., m]; each row of m ints addresses p_0..p_{m-1}.
+      batch_dims: number of leading dimensions shared by both.
+
+    Returns:
+      Shape indices.shape[:-1] + params.shape[B + m:], params' dtype.
+
+    Source: tf.gather_nd.
+    """
+    key, bshape, nb = _nd_key(indices, batch_dims)
+    p = torch.reshape(params, (nb,) + tuple(params.shape[batch_dims:]))
+    out = p[key]
+    return torch.reshape(out, bshape + tuple(out.shape[1:]))
+
+
+@gather_nd.grad
+def _(dy, ans, params, indices, batch_dims=0):
+    return _gather_nd_grad.any(dy, indices, shape=tuple(params.shape), batch_dims=batch_dims), None
+
+
+@defop(n_in=2, name="gather_nd_grad",
+       samples=lambda rng: [((S.randn(rng, 3, 2), torch.tensor([[0, 1], [2, 3], [0, 1]])), {"shape": (3, 4, 2)})])
+def _gather_nd_grad(dy, indices, shape, batch_dims=0):
+    """Scatter-adds `dy` into zeros of `shape` at gather_nd's `indices`: gather_nd's transpose."""
+    key, bshape, nb = _nd_key(indices, batch_dims)
+    z = torch.zeros((nb,) + tuple(shape[batch_dims:]), dtype=dy.dtype, device=dy.device)
+    d = torch.reshape(dy, (nb,) + tuple(dy.shape[batch_dims:]))
+    return torch.reshape(torch.index_put(z, key, d, accumulate=True), tuple(shape))
+
+
+@_gather_nd_grad.grad
+def _(ddy, ans, dy, indices, shape, batch_dims=0):
+    return gather_nd.any(ddy, indices, batch_dims=batch_dims), None
+
+
+# -- creation -----------------------------------------------------------------
+@defop()
+def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.float32):
+    """One-hot encoding of integer `indices` (no gradient).
+
+    Args:
+      indices: int tensor [i...]; values outside [0, depth) give all `off_value`.
+      depth: number of classes.
+      on_value, off_value: Python scalars.
+      axis: where the new dimension of size `depth` goes (-1: last).
+      dtype: output torch dtype.
+
+    Returns:
+      Shape [i...] with `depth` inserted at `axis`, `dtype`.
+
+    Source: tf.one_hot.
+    """
+    valid = torch.logical_and(indices >= 0, indices < depth)
+    hot = torch.nn.functional.one_hot(torch.where(valid, indices, 0).long(), depth).bool()
+    hot = torch.logical_and(hot, valid.unsqueeze(-1))
+    out = torch.where(hot, torch.tensor(on_value, dtype=dtype, device=indices.device),
+                      torch.tensor(off_value, dtype=dtype, device=indices.device))
+    return out if axis == -1 else torch.movedim(out, -1, axis)
+
+
+@defop(name="fill", samples=lambda rng: [((S.randn(rng),), {"dims": (2, 3)})])
+def _fill(value, dims):
+    return torch.full(tuple(dims), 0, dtype=value.dtype, device=value.device) + value
+
+
+@_fill.grad
+def _(dy, ans, value, dims):
+    return torch.sum(dy)
+
+
+def fill(dims, value):
+    """A tensor of shape `dims` filled with the scalar `value` (differentiable in `value`).
+
+    Args:
+      dims: list of ints or 1-D int tensor, the output shape.
+      value: scalar (Python number or 0-d tensor); its dtype is the output's.
+
+    Returns:
+      Shape `dims`, value's dtype (float32 for Python floats, int64 for ints).
+
+    Source: tf.fill.
+    """
+    return _fill(value, dims=tuple(_to_list(dims)))
+
+
+def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
+    """Numbers from `start` (inclusive) to `limit` (exclusive) by `delta`; `range(n)` is 0..n-1.
+
+    Args:
+      start, limit, delta: Python or 0-d tensor scalars.
+      dtype: torch dtype; default int64 if all are ints, else float32.
+
+    Returns:
+      A 1-D tensor of ceil((limit - start) / delta) elements (no gradient).
+
+    Source: tf.range.
+    """
+    if limit is None:
+        start, limit = 0, start
+    vals = [v.torch().item() if isinstance(v, Tensor) else v for v in (start, limit, delta)]
+    if dtype is None:
+        dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
+    return Tensor(torch.arange(*vals, dtype=dtype))

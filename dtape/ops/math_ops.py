@@ -307,7 +307,7 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
     Raises:
       ValueError: for inputs of rank < 2.
     """
-    if a.dim() < 2 or b.dim() < 2:
+    if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: inputs must have rank >= 2, got shapes {tuple(a.shape)} and "
                          f"{tuple(b.shape)}; use dtape.expand_dims or torch.matmul for vectors")
     if transpose_a:
@@ -437,7 +437,7 @@ def _expand_back(g, x, axis, keepdims):
 @defop(samples=S.reduction)
 def reduce_sum(x, axis=None, keepdims=False):
     """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
-    axes = _axes(x.dim(), axis)
+    axes = _axes(x.ndim, axis)
     return torch.sum(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -449,14 +449,14 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction)
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
-    axes = _axes(x.dim(), axis)
+    axes = _axes(x.ndim, axis)
     return torch.mean(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
 @reduce_mean.grad
 def _(dy, ans, x, axis=None, keepdims=False):
     count = 1
-    for a in _axes(x.dim(), axis):
+    for a in _axes(x.ndim, axis):
         count *= x.shape[a]
     return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape) / count
 
@@ -465,14 +465,14 @@ def _minmax_grad(dy, ans, x, axis, keepdims):
     ans = _expand_back(ans, x, axis, keepdims)
     dy = _expand_back(dy, x, axis, keepdims)
     ties = torch.eq(x, ans)
-    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=_axes(x.dim(), axis), keepdim=True)
+    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=_axes(x.ndim, axis), keepdim=True)
     return torch.where(ties, dy / count, 0.0)
 
 
 @defop(samples=S.reduction)
 def reduce_max(x, axis=None, keepdims=False):
     """Max over `axis`; tied maxima share the gradient equally. Source: tf.math.reduce_max."""
-    axes = _axes(x.dim(), axis)
+    axes = _axes(x.ndim, axis)
     return torch.amax(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -484,7 +484,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction)
 def reduce_min(x, axis=None, keepdims=False):
     """Min over `axis`; tied minima share the gradient equally. Source: tf.math.reduce_min."""
-    axes = _axes(x.dim(), axis)
+    axes = _axes(x.ndim, axis)
     return torch.amin(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -496,7 +496,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction)
 def reduce_prod(x, axis=None, keepdims=False):
     """Product over `axis`; the gradient is exact with zeros in x. Source: tf.math.reduce_prod."""
-    axes = _axes(x.dim(), axis)
+    axes = _axes(x.ndim, axis)
     out = x
     for a in reversed(axes):
         out = torch.prod(out, dim=a, keepdim=True)
@@ -505,8 +505,8 @@ def reduce_prod(x, axis=None, keepdims=False):
 
 @reduce_prod.grad
 def _(dy, ans, x, axis=None, keepdims=False):
-    axes = _axes(x.dim(), axis)
-    rest = [i for i in range(x.dim()) if i not in axes]
+    axes = _axes(x.ndim, axis)
+    rest = [i for i in range(x.ndim) if i not in axes]
     perm = rest + list(axes)
     xt = torch.permute(x, perm)
     flat = torch.reshape(xt, [xt.shape[i] for i in range(len(rest))] + [-1])
@@ -514,14 +514,14 @@ def _(dy, ans, x, axis=None, keepdims=False):
     left = torch.cumprod(torch.cat([ones, flat[..., :-1]], dim=-1), dim=-1)
     right = torch.flip(torch.cumprod(torch.cat([ones, torch.flip(flat, [-1])[..., :-1]], dim=-1), dim=-1), [-1])
     others = torch.reshape(left * right, xt.shape)
-    inverse = [perm.index(i) for i in range(x.dim())]
+    inverse = [perm.index(i) for i in range(x.ndim)]
     return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape) * torch.permute(others, inverse)
 
 
 @defop(samples=S.reduction)
 def reduce_logsumexp(x, axis=None, keepdims=False):
     """log(sum(exp(x))) over `axis`, computed stably. Source: tf.math.reduce_logsumexp."""
-    axes = _axes(x.dim(), axis)
+    axes = _axes(x.ndim, axis)
     return torch.logsumexp(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 

@@ -1,10 +1,464 @@
 """Neural-network ops, exported as `dtape.nn` (TF names and arguments; NHWC conv).
 
-One block per op: forward on torch tensors, then its gradient rule.
+One block per op: forward on torch tensors, then its gradient rule written
+with torch functions and operators (recorded through `__torch_function__`
+when an outer tape records the backward pass, so second order works).
 """
-import torch  # noqa: F401
+import math
 
-from dtape.ops import _samples as S  # noqa: F401
-from dtape.ops._registry import defop  # noqa: F401
+import torch
+import torch.nn.functional as F
 
-__all__ = []
+from dtape.ops import _samples as S
+from dtape.ops._registry import defop
+from dtape.ops.array_ops import gather, one_hot
+from dtape.ops.math_ops import _axes, _expand_back, multiply
+from dtape.tensor import Tensor, convert_to_tensor
+
+__all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
+           "sparse_softmax_cross_entropy_with_logits", "softmax_cross_entropy_with_logits",
+           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "bias_add", "moments",
+           "embedding_lookup"]
+
+
+def _unary_nn(rng):
+    return [((S.away_from_zero(rng, 3, 4),), {}), ((S.away_from_zero(rng, 2, 3, 2) * 4,), {})]
+
+
+# -- activations --------------------------------------------------------------
+@defop(torch_fns=(torch.relu, torch.Tensor.relu, (F.relu, lambda input, inplace=False: relu(input))),
+       samples=_unary_nn)
+def relu(features):
+    """max(features, 0) elementwise; floating tensor, any shape -> same. Source: tf.nn.relu."""
+    return torch.relu(features)
+
+
+@relu.grad
+def _(dy, ans, features):
+    return torch.where(ans > 0, dy, 0.0)
+
+
+@defop(torch_fns=((F.relu6, lambda input, inplace=False: relu6(input)),), samples=_unary_nn)
+def relu6(features):
+    """min(max(features, 0), 6) elementwise; any shape -> same. Source: tf.nn.relu6."""
+    return torch.clamp(features, 0.0, 6.0)
+
+
+@relu6.grad
+def _(dy, ans, features):
+    return torch.where(torch.logical_and(features > 0, features < 6), dy, 0.0)
+
+
+@defop(samples=lambda rng: [((S.away_from_zero(rng, 3, 4),), {}), ((S.away_from_zero(rng, 5),), {"alpha": 0.1})])
+def leaky_relu(features, alpha=0.2):
+    """features if features > 0 else alpha * features; any shape -> same. Source: tf.nn.leaky_relu."""
+    return torch.where(features > 0, features, features * alpha)
+
+
+@leaky_relu.grad
+def _(dy, ans, features, alpha=0.2):
+    return torch.where(features > 0, dy, dy * alpha)
+
+
+@defop(samples=_unary_nn)
+def elu(features):
+    """features if > 0 else exp(features) - 1; any shape -> same. Source: tf.nn.elu."""
+    return F.elu(features)
+
+
+@elu.grad
+def _(dy, ans, features):
+    return torch.where(features > 0, dy, dy * (ans + 1))
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_torch(input, approximate="none"):  # noqa: A002 - torch's name
+    return gelu(input, approximate=approximate == "tanh")
+
+
+@defop(torch_fns=((F.gelu, _gelu_torch),),
+       samples=lambda rng: [((S.randn(rng, 3, 4),), {}), ((S.randn(rng, 3, 4),), {"approximate": True})])
+def gelu(features, approximate=False):
+    """Gaussian error linear unit x * Phi(x) (tanh approximation if `approximate`).
+
+    Args:
+      features: floating tensor, any shape.
+      approximate: use 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+    Returns:
+      Same shape and dtype. Source: tf.nn.gelu.
+    """
+    return F.gelu(features, approximate="tanh" if approximate else "none")
+
+
+@gelu.grad
+def _(dy, ans, features, approximate=False):
+    x = features
+    if approximate:
+        t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+        return dy * d
+    cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    return dy * (cdf + x * pdf)
+
+
+@defop(torch_fns=((F.silu, lambda input, inplace=False: silu(input)),), samples=_unary_nn)
+def silu(features):
+    """features * sigmoid(features) (swish); any shape -> same. Source: tf.nn.silu."""
+    return F.silu(features)
+
+
+@silu.grad
+def _(dy, ans, features):
+    s = torch.sigmoid(features)
+    return dy * s * (1 + features * (1 - s))
+
+
+@defop(samples=_unary_nn)
+def softplus(features):
+    """log(1 + exp(features)), computed stably; any shape -> same. Source: tf.math.softplus."""
+    return torch.logaddexp(features, torch.zeros_like(features))
+
+
+@softplus.grad
+def _(dy, ans, features):
+    return dy * torch.sigmoid(features)
+
+
+def _softmax_samples(rng):
+    return [((S.randn(rng, 3, 5),), {}), ((S.randn(rng, 2, 4, 3),), {"axis": 1})]
+
+
+@defop(samples=_softmax_samples)
+def softmax(logits, axis=-1):
+    """exp(logits) / sum(exp(logits), axis); floating, any shape -> same. Source: tf.nn.softmax."""
+    return torch.softmax(logits, dim=axis)
+
+
+@softmax.grad
+def _(dy, ans, logits, axis=-1):
+    return ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True))
+
+
+@defop(samples=_softmax_samples)
+def log_softmax(logits, axis=-1):
+    """logits - logsumexp(logits, axis); floating, any shape -> same. Source: tf.nn.log_softmax."""
+    return torch.log_softmax(logits, dim=axis)
+
+
+@log_softmax.grad
+def _(dy, ans, logits, axis=-1):
+    return dy - torch.exp(ans) * torch.sum(dy, dim=axis, keepdim=True)
+
+
+# -- losses -------------------------------------------------------------------
+def _sparse_xent_samples(rng):
+    return [((torch.tensor([0, 3, 1]), S.randn(rng, 3, 4)), {}),
+            ((torch.tensor([[2, 0], [1, 1]]), S.randn(rng, 2, 2, 3)), {})]
+
+
+@defop(n_in=2, samples=_sparse_xent_samples)
+def sparse_softmax_cross_entropy_with_logits(labels, logits):
+    """Per-example softmax cross-entropy against integer class labels.
+
+    Args:
+      labels: int tensor [d...] with values in [0, num_classes).
+      logits: floating tensor [d..., num_classes].
+
+    Returns:
+      Losses [d...], logits' dtype. No gradient flows to `labels`.
+
+    Source: tf.nn.sparse_softmax_cross_entropy_with_logits.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    return -torch.squeeze(torch.gather(logp, -1, torch.unsqueeze(labels.long(), -1)), -1)
+
+
+@sparse_softmax_cross_entropy_with_logits.grad
+def _(dy, ans, labels, logits):
+    hot = one_hot.any(labels, logits.shape[-1], dtype=logits.dtype)
+    return None, torch.unsqueeze(dy, -1) * (softmax.any(logits) - hot)
+
+
+def _xent_samples(rng):
+    labels = torch.softmax(S.randn(rng, 3, 4), dim=-1)
+    return [((labels, S.randn(rng, 3, 4)), {}), ((S.positive(rng, 4, 2), S.randn(rng, 4, 2)), {"axis": 0})]
+
+
+@defop(n_in=2, samples=_xent_samples)
+def softmax_cross_entropy_with_logits(labels, logits, axis=-1):
+    """Softmax cross-entropy -sum(labels * log_softmax(logits), axis) per example.
+
+    Args:
+      labels: floating tensor, logits' shape; each row a probability distribution.
+      logits: floating tensor [..., num_classes, ...] (classes at `axis`).
+      axis: the class dimension.
+
+    Returns:
+      Losses: logits' shape without `axis`. Both inputs get gradients.
+
+    Source: tf.nn.softmax_cross_entropy_with_logits (v2).
+    """
+    return -torch.sum(labels * torch.log_softmax(logits, dim=axis), dim=axis)
+
+
+@softmax_cross_entropy_with_logits.grad
+def _(dy, ans, labels, logits, axis=-1):
+    dy = torch.unsqueeze(dy, axis)
+    total = torch.sum(labels, dim=axis, keepdim=True)
+    return -dy * log_softmax.any(logits, axis=axis), dy * (softmax.any(logits, axis=axis) * total - labels)
+
+
+def _sigmoid_xent_samples(rng):
+    return [((torch.rand(3, 4, generator=rng, dtype=torch.float64), S.randn(rng, 3, 4) * 3), {})]
+
+
+@defop(n_in=2, samples=_sigmoid_xent_samples)
+def sigmoid_cross_entropy_with_logits(labels, logits):
+    """Elementwise logistic loss max(x, 0) - x * z + log(1 + exp(-|x|)), x=logits, z=labels.
+
+    Args:
+      labels: floating tensor in [0, 1], logits' shape.
+      logits: floating tensor, any shape.
+
+    Returns:
+      Same shape and dtype. Both inputs get gradients.
+
+    Source: tf.nn.sigmoid_cross_entropy_with_logits.
+    """
+    return torch.clamp(logits, min=0) - logits * labels + torch.log1p(torch.exp(-torch.abs(logits)))
+
+
+@sigmoid_cross_entropy_with_logits.grad
+def _(dy, ans, labels, logits):
+    return -dy * logits, dy * (torch.sigmoid(logits) - labels)
+
+
+@defop(samples=lambda rng: [((S.randn(rng, 3, 4),), {})])
+def l2_loss(t):
+    """sum(t ** 2) / 2; floating tensor, any shape -> scalar. Source: tf.nn.l2_loss."""
+    return torch.sum(t * t) / 2
+
+
+@l2_loss.grad
+def _(dy, ans, t):
+    return dy * t
+
+
+def dropout(x, rate, noise_shape=None, seed=None):
+    """Zeroes each element with probability `rate`, scales kept ones by 1 / (1 - rate).
+
+    The mask is sampled here and enters as a constant input of one
+    multiplication, so the gradient (dy * mask) reuses it.
+
+    Args:
+      x: floating tensor, any shape.
+      rate: drop probability in [0, 1).
+      noise_shape: shape broadcastable to x.shape (shared mask along size-1 dims).
+      seed: int, seeds a private generator (reproducible mask).
+
+    Returns:
+      x's shape and dtype.
+
+    Raises:
+      ValueError: for a rate outside [0, 1).
+
+    Source: tf.nn.dropout.
+    """
+    x = convert_to_tensor(x)
+    if not 0 <= float(rate) < 1:
+        raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
+    shape = tuple(x.shape) if noise_shape is None else tuple(int(s) for s in noise_shape)
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=x.device).manual_seed(int(seed))
+    keep = torch.rand(shape, generator=gen, device=x.device) >= float(rate)
+    mask = keep.to(x.dtype) / (1 - float(rate))
+    return multiply(x, Tensor(mask))
+
+
+# -- conv2d -------------------------------------------------------------------
+def _pair_arg(v, data_format, name):
+    """TF strides/dilations (int, or 1, 2 or 4 ints) -> (h, w)."""
+    if v is None:
+        return (1, 1)
+    v = [int(v)] if isinstance(v, int) else [int(s) for s in v]
+    if len(v) == 4:
+        return (v[1], v[2]) if data_format == "NHWC" else (v[2], v[3])
+    if len(v) in (1, 2):
+        return (v[0], v[-1])
+    raise ValueError(f"conv2d: {name} must be an int or a list of 1, 2 or 4 ints, got {v}")
+
+
+def _pads(in_hw, k_hw, strides, dilations, padding, data_format):
+    """(left, right, top, bottom) padding, TF's SAME arithmetic (extra row/col after)."""
+    if isinstance(padding, str):
+        if padding.upper() == "VALID":
+            return (0, 0, 0, 0)
+        if padding.upper() != "SAME":
+            raise ValueError(f"conv2d: padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
+        pads = []
+        for n, k, s, d in zip(in_hw, k_hw, strides, dilations):
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads.append((total // 2, total - total // 2))
+        return pads[1] + pads[0]
+    pairs = [tuple(int(p) for p in pair) for pair in padding]
+    hw = pairs[1:3] if data_format == "NHWC" else pairs[2:4]
+    return hw[1] + hw[0]
+
+
+def _conv_layout(input, filters, strides, padding, data_format, dilations):  # noqa: A002
+    """NCHW padded input, OIHW filters and the torch conv arguments."""
+    x = torch.permute(input, (0, 3, 1, 2)) if data_format == "NHWC" else input
+    w = torch.permute(filters, (3, 2, 0, 1))
+    s = _pair_arg(strides, data_format, "strides")
+    d = _pair_arg(dilations, data_format, "dilations")
+    pads = _pads(tuple(x.shape[2:]), tuple(w.shape[2:]), s, d, padding, data_format)
+    return x, w, s, d, pads
+
+
+def _conv_samples(rng):
+    return [((S.randn(rng, 2, 5, 5, 3), S.randn(rng, 3, 3, 3, 2)), {"strides": 1, "padding": "SAME"}),
+            ((S.randn(rng, 1, 6, 7, 2), S.randn(rng, 2, 3, 2, 3)), {"strides": [1, 2, 2, 1], "padding": "SAME"}),
+            ((S.randn(rng, 1, 7, 6, 2), S.randn(rng, 3, 2, 2, 2)), {"strides": 2, "padding": "VALID",
+                                                                    "dilations": [1, 1]}),
+            ((S.randn(rng, 1, 7, 7, 1), S.randn(rng, 2, 2, 1, 2)), {"strides": 1, "padding": "SAME",
+                                                                    "dilations": 2}),
+            ((S.randn(rng, 1, 2, 5, 5), S.randn(rng, 3, 3, 2, 2)), {"strides": 2, "padding": "SAME",
+                                                                    "data_format": "NCHW"})]
+
+
+@defop(n_in=2, samples=_conv_samples)
+def conv2d(input, filters, strides, padding, data_format="NHWC", dilations=None):  # noqa: A002
+    """2-D convolution (cross-correlation), TF layout and padding.
+
+    Args:
+      input: floating tensor [batch, h, w, in] (NHWC) or [batch, in, h, w] (NCHW).
+      filters: [kh, kw, in, out], input's dtype.
+      strides: int, or 1, 2 or 4 ints ([1, sh, sw, 1] for NHWC).
+      padding: "SAME" (output ceil(h / sh); asymmetric padding puts the extra
+        row/column after, as TF), "VALID", or explicit [[0, 0], [t, b], [l, r], [0, 0]].
+      data_format: "NHWC" or "NCHW".
+      dilations: like strides (default 1).
+
+    Returns:
+      [batch, oh, ow, out] (NHWC) or [batch, out, oh, ow], input's dtype.
+
+    Source: tf.nn.conv2d.
+    """
+    x, w, s, d, pads = _conv_layout(input, filters, strides, padding, data_format, dilations)
+    y = F.conv2d(F.pad(x, pads), w, stride=s, dilation=d)
+    return torch.permute(y, (0, 2, 3, 1)) if data_format == "NHWC" else y
+
+
+@conv2d.grad
+def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=None):  # noqa: A002
+    x, w, s, d, pads = _conv_layout(input, filters, strides, padding, data_format, dilations)
+    g = torch.permute(dy, (0, 3, 1, 2)) if data_format == "NHWC" else dy
+    xp = F.pad(x, pads)
+    hp, wp = xp.shape[2], xp.shape[3]
+    kh, kw = w.shape[2], w.shape[3]
+    out_pad = [n - ((o - 1) * st + (k - 1) * dl + 1) for n, o, st, k, dl in
+               zip((hp, wp), g.shape[2:], s, (kh, kw), d)]
+    gx = F.conv_transpose2d(g, w, stride=s, dilation=d, output_padding=tuple(out_pad))
+    gx = gx[:, :, pads[2]:hp - pads[3], pads[0]:wp - pads[1]]
+    gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
+    gw = torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
+    return (torch.permute(gx, (0, 2, 3, 1)) if data_format == "NHWC" else gx), gw
+
+
+# -- bias, moments, embeddings ------------------------------------------------
+def _bias_samples(rng):
+    return [((S.randn(rng, 2, 3, 4), S.randn(rng, 4)), {}),
+            ((S.randn(rng, 2, 3, 4, 2), S.randn(rng, 3)), {"data_format": "NCHW"})]
+
+
+@defop(n_in=2, samples=_bias_samples)
+def bias_add(value, bias, data_format="NHWC"):
+    """value + bias along the channel dimension.
+
+    Args:
+      value: floating tensor [batch, ..., channels] (N...C) or [batch, channels, ...] (NC...).
+      bias: [channels], value's dtype.
+      data_format: "NHWC" (channels last, any "N...C") or "NCHW" (any "NC...").
+
+    Returns:
+      value's shape and dtype. Source: tf.nn.bias_add.
+    """
+    if data_format.startswith("NC"):
+        bias = torch.reshape(bias, (-1,) + (1,) * (value.ndim - 2))
+    return value + bias
+
+
+@bias_add.grad
+def _(dy, ans, value, bias, data_format="NHWC"):
+    if data_format.startswith("NC"):
+        return dy, torch.sum(dy, dim=(0,) + tuple(range(2, len(value.shape))))
+    return dy, dy
+
+
+def _moments_samples(rng):
+    return [((S.randn(rng, 3, 4),), {"axes": [0]}),
+            ((S.randn(rng, 2, 3, 4),), {"axes": [0, 2], "keepdims": True}),
+            ((S.randn(rng, 2, 3),), {"axes": -1})]
+
+
+@defop(multi_output=True, samples=_moments_samples)
+def moments(x, axes, keepdims=False):
+    """Mean and (population) variance of `x` over `axes`.
+
+    Args:
+      x: floating tensor, any shape.
+      axes: int or list of ints (negative counts from the end).
+      keepdims: keep reduced dimensions with size 1.
+
+    Returns:
+      (mean, variance), each x's shape without (or with size-1) `axes`.
+
+    Source: tf.nn.moments.
+    """
+    dims = _axes(x.ndim, axes)
+    mean = torch.mean(x, dim=dims, keepdim=True)
+    var = torch.mean(torch.square(x - mean), dim=dims, keepdim=keepdims)
+    return (mean if keepdims else torch.squeeze(mean, dims)), var
+
+
+@moments.grad
+def _(dys, ans, x, axes, keepdims=False):
+    dmean, dvar = dys
+    dims = _axes(x.ndim, axes)
+    count = 1
+    for a in dims:
+        count *= x.shape[a]
+    mean = _expand_back(ans[0], x, axes, keepdims)
+    centred = x - mean
+    return (_expand_back(dmean, x, axes, keepdims) + _expand_back(dvar, x, axes, keepdims) * 2 * centred) / count
+
+
+def embedding_lookup(params, ids, max_norm=None):
+    """Rows of `params` at `ids` (tf.gather on axis 0).
+
+    Args:
+      params: tensor [vocab, dims...], or a list holding one such tensor.
+      ids: int tensor [i...] with values in [0, vocab).
+      max_norm: unsupported (must be None).
+
+    Returns:
+      [i..., dims...], params' dtype.
+
+    Raises:
+      NotImplementedError: for sharded params (a list of several) or max_norm.
+
+    Source: tf.nn.embedding_lookup.
+    """
+    if isinstance(params, (list, tuple)):
+        if len(params) != 1:
+            raise NotImplementedError("embedding_lookup: sharded params (a list of several tensors) are not "
+                                      "supported; concatenate them with dtape.concat first")
+        params = params[0]
+    if max_norm is not None:
+        raise NotImplementedError("embedding_lookup: max_norm is not supported")
+    return gather(params, ids, axis=0)

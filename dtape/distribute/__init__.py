@@ -1,0 +1,24 @@
+"""dtape.distribute: strategies, replica contexts, distributed values and variables.
+
+Importing it registers the tape's watched-variable resolver (seed 2): the
+core never imports this package.
+"""
+from dtape import tape as _tape
+from dtape.distribute.context import (get_replica_context, get_strategy, has_strategy,  # noqa: F401
+                                      in_cross_replica_context)
+from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended  # noqa: F401
+from dtape.distribute.input_lib import InputContext  # noqa: F401
+from dtape.distribute.mirrored_strategy import MirroredStrategy  # noqa: F401
+from dtape.distribute.one_device_strategy import OneDeviceStrategy  # noqa: F401
+from dtape.distribute.reduce_util import ReduceOp  # noqa: F401
+from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica,  # noqa: F401
+                                     SyncOnReadVariable, resolve_watched, value_container)
+from dtape.variables import VariableAggregation, VariableSynchronization  # noqa: F401
+
+_tape.register_watched_variable_resolver(resolve_watched)
+
+__all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
+           "ReduceOp", "VariableAggregation", "VariableSynchronization", "Strategy",
+           "StrategyExtended", "ReplicaContext", "MirroredStrategy", "OneDeviceStrategy",
+           "DistributedValues", "PerReplica", "Mirrored", "MirroredVariable", "SyncOnReadVariable",
+           "InputContext"]

@@ -1,0 +1,115 @@
+"""The distribution context: a thread-local stack of modes.
+
+Exactly one of these holds on a thread at any time:
+  1. Outside any strategy: the default strategy, in its replica context
+     (one replica): `get_replica_context()` is a ReplicaContext,
+     `in_cross_replica_context()` is False.
+  2. Inside `strategy.scope()` (and not inside `run`): the cross-replica
+     context: `get_replica_context()` is None, `in_cross_replica_context()`
+     is True.
+  3. Inside the function given to `strategy.run`, on that replica's thread:
+     a replica context of `strategy`.
+`merge_call` re-enters (2) for the duration of `merge_fn`; `extended.update`
+adds an update index so distributed variables resolve to one component.
+
+Source: tensorflow/python/distribute/distribution_strategy_context.py.
+"""
+import threading
+
+
+class _Mode:
+    __slots__ = ("strategy", "replica_context", "update_index")
+
+    def __init__(self, strategy, replica_context, update_index=None):
+        self.strategy = strategy
+        self.replica_context = replica_context
+        self.update_index = update_index
+
+
+class _ContextState(threading.local):
+    """Per-thread stack of _Mode (innermost last)."""
+
+    stack = ()
+
+
+_state = _ContextState()
+
+# Process-wide, set once by distribute_lib at import: () -> default _Mode.
+_default_mode_factory = None
+
+
+def register_default_mode_factory(factory):
+    """Installs the factory of the default (no strategy) mode; once per process."""
+    global _default_mode_factory
+    if _default_mode_factory is not None:
+        raise RuntimeError("default distribution mode registered twice")
+    _default_mode_factory = factory
+
+
+def current_mode():
+    stack = _state.stack
+    return stack[-1] if stack else _default_mode_factory()
+
+
+def get_strategy():
+    """The current strategy: the one whose scope or run we are in, else the default strategy."""
+    return current_mode().strategy
+
+
+def has_strategy():
+    """True inside a non-default strategy's scope or replica function."""
+    return not getattr(current_mode().strategy, "_is_default", False)
+
+
+def in_cross_replica_context():
+    """True inside `strategy.scope()` or a `merge_call` function; False in a replica context."""
+    return current_mode().replica_context is None
+
+
+def get_replica_context():
+    """The current ReplicaContext, or None in the cross-replica context."""
+    return current_mode().replica_context
+
+
+def update_index():
+    """The component index inside `extended.update`, else None."""
+    return current_mode().update_index
+
+
+class enter_mode:
+    """Thread-local: pushes a mode on this thread's stack; pops it on exit."""
+
+    __slots__ = ("_mode", "_prev")
+
+    def __init__(self, strategy, replica_context, update_index=None):
+        self._mode = _Mode(strategy, replica_context, update_index)
+
+    def __enter__(self):
+        self._prev = _state.stack
+        _state.stack = self._prev + (self._mode,)
+        return self._mode
+
+    def __exit__(self, *exc):
+        _state.stack = self._prev
+        return False
+
+
+def current_stack():
+    """This thread's mode stack (replica threads start from the caller's)."""
+    return _state.stack
+
+
+class set_stack:
+    """Thread-local: replaces this thread's stack, restoring it on exit."""
+
+    def __init__(self, stack):
+        self._stack = stack
+
+    def __enter__(self):
+        self._prev = _state.stack
+        _state.stack = self._stack
+        return self
+
+    def __exit__(self, *exc):
+        _state.stack = self._prev
+        return False

@@ -1,0 +1,260 @@
+"""Strategy, StrategyExtended, ReplicaContext and the default strategy.
+
+Source: tensorflow/python/distribute/distribute_lib.py. Public methods
+validate and normalise, then call private `_impl`s.
+"""
+import torch
+
+from dtape import nest, ops
+from dtape import tape as _tp
+from dtape.distribute import context, cross_device_ops, input_lib
+from dtape.distribute.reduce_util import ReduceOp
+from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, PerReplica,
+                                     regroup, select_replica, value_container)
+from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.variables import variable_creator_scope
+
+
+def _check_reduce_op(reduce_op):
+    if isinstance(reduce_op, str):
+        reduce_op = ReduceOp[reduce_op.upper()]
+    if not isinstance(reduce_op, ReduceOp):
+        raise ValueError(f"reduce_op must be ReduceOp.SUM or ReduceOp.MEAN, got {reduce_op!r}")
+    return reduce_op
+
+
+class ReplicaContext:
+    """The context of one replica inside `strategy.run`.
+
+    Source: tf.distribute.ReplicaContext.
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group, coordinator=None):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+        self._coordinator = coordinator
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self):
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self):
+        return (self._strategy.extended.worker_devices[self._replica_id],)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Runs `merge_fn(strategy, *args, **kwargs)` once, in the cross-replica context.
+
+        Every replica must call it; arguments that differ across replicas
+        arrive grouped as PerReplica values. Each replica gets its part of
+        the result (PerReplica/Mirrored values are split). Legal only in a
+        replica context. Raises the failing replica's exception, or
+        TimeoutError after the configured timeout, instead of hanging.
+        """
+        kwargs = kwargs or {}
+        if self._coordinator is None:
+            with context.enter_mode(self._strategy, None), _tp.stop_recording():
+                return merge_fn(self._strategy, *args, **kwargs)
+        return self._coordinator.merge_call(self._replica_id, merge_fn, args, kwargs)
+
+    def all_reduce(self, reduce_op, value):
+        """Reduces `value` (a nest of tensors) across replicas; every replica gets the result."""
+        reduce_op = _check_reduce_op(reduce_op)
+        return self.merge_call(_merge_all_reduce, args=(reduce_op, value))
+
+    def all_gather(self, value, axis):
+        """Concatenates every replica's `value` along `axis`; every replica gets the result."""
+        return self.merge_call(_merge_all_gather, args=(value, axis))
+
+
+def _merge_all_reduce(strategy, reduce_op, value):
+    return nest.map_structure(lambda v: strategy.extended._reduce_to_mirrored(reduce_op, v), value)
+
+
+def _merge_all_gather(strategy, value, axis):
+    def gather(v):
+        return Mirrored(cross_device_ops.broadcast(strategy.gather(v, axis), strategy.extended.worker_devices))
+    return nest.map_structure(gather, value)
+
+
+class StrategyExtended:
+    """Device-level methods of a strategy. Source: tf.distribute.StrategyExtended."""
+
+    def __init__(self, strategy, devices):
+        self._strategy = strategy
+        self._devices = tuple(devices)
+        self._torch_devices = tuple(normalize_device(d) for d in devices)
+
+    @property
+    def worker_devices(self):
+        return self._devices
+
+    def value_container(self, value):
+        """The distributed container of a component variable, else `value`."""
+        return value_container(value)
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        """Runs `fn(component, *args)` once per component of `var`, in the cross-replica context.
+
+        Mirrored/PerReplica arguments are split per component; plain values
+        are given to every component. Returns the per-component results
+        (Mirrored), or fn's result for a plain variable.
+        """
+        kwargs = kwargs or {}
+        if not isinstance(var, DistributedVariable):
+            with _tp.stop_recording():
+                return fn(var, *select_replica(0, args), **select_replica(0, kwargs))
+        results = []
+        for i, component in enumerate(var.values):
+            with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
+                results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
+        return Mirrored(results)
+
+    def reduce_to(self, reduce_op, value, destinations=None):
+        """Reduces a PerReplica value to a Mirrored value (one copy per device)."""
+        return self._reduce_to_mirrored(_check_reduce_op(reduce_op), value)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs):
+        """`reduce_to` for many (value, destination) pairs."""
+        reduce_op = _check_reduce_op(reduce_op)
+        return [self._reduce_to_mirrored(reduce_op, v) for v, _ in value_destination_pairs]
+
+    def _reduce_to_mirrored(self, reduce_op, value):
+        if value is None:
+            return None
+        if isinstance(value, DistributedValues):
+            total = cross_device_ops.reduce_values(reduce_op, value.values, self._torch_devices[0])
+        else:
+            total = convert_to_tensor(value)
+        return Mirrored(cross_device_ops.broadcast(total, self._torch_devices))
+
+
+class Strategy:
+    """A way to run a computation on several replicas. Source: tf.distribute.Strategy."""
+
+    _is_default = False
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    @property
+    def extended(self):
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self):
+        return len(self._extended.worker_devices)
+
+    def scope(self):
+        """Context manager: the cross-replica context; variables created inside are distributed."""
+        return _StrategyScope(self)
+
+    def _create_variable(self, next_creator, **kwargs):
+        return next_creator(**kwargs)
+
+    def run(self, fn, args=(), kwargs=None):
+        """Runs `fn(*args, **kwargs)` once per replica; returns PerReplica results (or the value for one replica)."""
+        raise NotImplementedError
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduces a per-replica value to one tensor (cross-replica context).
+
+        Args:
+          reduce_op: ReduceOp.SUM or ReduceOp.MEAN.
+          value: PerReplica/Mirrored, or a plain tensor (then it is the result).
+          axis: None, or an axis (or axes) of each value to reduce as well;
+            MEAN over an axis averages over all examples of all replicas.
+
+        Returns:
+          A dtape.Tensor on the first replica's device; recorded on tapes
+          that watch the values (a tape on the main thread sees through it).
+        """
+        reduce_op = _check_reduce_op(reduce_op)
+        values = value.values if isinstance(value, DistributedValues) else (convert_to_tensor(value),)
+        values = [convert_to_tensor(v) for v in values]
+        if axis is None:
+            return cross_device_ops.reduce_values(reduce_op, values, self._extended._torch_devices[0])
+        sums = [ops.reduce_sum(v, axis=axis) for v in values]
+        total = cross_device_ops.reduce_values(ReduceOp.SUM, sums, self._extended._torch_devices[0])
+        if reduce_op == ReduceOp.SUM:
+            return total
+        count = sum(_count(v, axis) for v in values)
+        return total / max(count, 1)
+
+    def gather(self, value, axis):
+        """Concatenates the per-replica values along `axis` on the first device."""
+        values = value.values if isinstance(value, DistributedValues) else (value,)
+        dev = self._extended._torch_devices[0]
+        return ops.concat([cross_device_ops._on(v, dev) for v in values], axis=axis)
+
+    def experimental_local_results(self, value):
+        """The per-replica parts of `value` as a tuple (a 1-tuple for plain values)."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        return (value,)
+
+    def experimental_distribute_dataset(self, dataset):
+        """Splits each global batch of `dataset` across the replicas (see input_lib)."""
+        return input_lib.DistributedDataset(self, dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn):
+        """Calls `dataset_fn(InputContext)` once per replica and zips the per-replica datasets."""
+        return input_lib.DatasetsFromFunction(self, dataset_fn)
+
+
+def _count(v, axis):
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    n = 1
+    for a in axes:
+        n *= v.shape[a]
+    return n
+
+
+class _StrategyScope:
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._mode = context.enter_mode(strategy, None)
+        self._creator = variable_creator_scope(strategy._create_variable)
+
+    def __enter__(self):
+        current = context.get_strategy()
+        if context.has_strategy() and current is not self._strategy:
+            raise ValueError(f"cannot enter the scope of {type(self._strategy).__name__} inside the scope of "
+                             f"another strategy ({type(current).__name__}); exit that scope first")
+        self._mode.__enter__()
+        self._creator.__enter__()
+        return self._strategy
+
+    def __exit__(self, *exc):
+        self._creator.__exit__(*exc)
+        self._mode.__exit__(*exc)
+        return False
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in force outside any scope: one replica, the current device."""
+
+    _is_default = True
+
+    def __init__(self):
+        super().__init__(StrategyExtended(self, ("cpu:0",)))
+
+    def run(self, fn, args=(), kwargs=None):
+        with context.enter_mode(self, _DEFAULT_REPLICA):
+            return fn(*args, **(kwargs or {}))
+
+
+_DEFAULT_STRATEGY = _DefaultStrategy()
+_DEFAULT_REPLICA = ReplicaContext(_DEFAULT_STRATEGY, 0)
+_DEFAULT_MODE = context._Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
+context.register_default_mode_factory(lambda: _DEFAULT_MODE)
+
+__all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "PerReplica", "Tensor", "torch"]

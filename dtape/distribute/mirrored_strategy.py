@@ -1,0 +1,110 @@
+"""MirroredStrategy: synchronous data parallelism, one thread per replica device.
+
+Source: tf.distribute.MirroredStrategy.
+"""
+import torch
+
+from dtape import _config
+from dtape import tape as _tp
+from dtape.distribute import context, mirrored_run
+from dtape.distribute.distribute_lib import Strategy, StrategyExtended
+from dtape.distribute.values import MirroredVariable, PerReplica, SyncOnReadVariable, regroup
+from dtape.tensor import normalize_device
+from dtape.variables import VariableSynchronization
+
+
+def _validate_devices(devices):
+    if devices is None:
+        n = torch.cuda.device_count()
+        devices = [f"cuda:{i}" for i in range(n)] if n else ["cpu:0"]
+    devices = [str(d) for d in devices]
+    if not devices:
+        raise ValueError("MirroredStrategy needs at least one device, e.g. devices=['cpu:0', 'cpu:1']")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"MirroredStrategy devices must be distinct, got {devices}; "
+                         "name CPU replicas 'cpu:0', 'cpu:1', ...")
+    for d in devices:
+        dev = normalize_device(d)
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            raise ValueError(f"device {d!r} is not available ({torch.cuda.device_count()} CUDA devices); "
+                             "use 'cpu:0', 'cpu:1', ... to simulate replicas on the CPU")
+    return devices
+
+
+class MirroredStrategy(Strategy):
+    """Runs a step on every device at once, with variables mirrored on each.
+
+    Args:
+      devices: device names, e.g. ["cuda:0", "cuda:1"], or ["cpu:0", "cpu:1"]
+        for replicas simulated as threads on the CPU. Default: every GPU, else one CPU.
+      timeout: seconds a step may wait on a replica before TimeoutError
+        (default DTAPE_DISTRIBUTE_TIMEOUT, 300).
+
+    Example:
+      >>> strategy = dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+      >>> with strategy.scope():
+      ...     v = dtape.Variable(1.0)            # a MirroredVariable
+      >>> strategy.run(lambda: v * 2)           # PerReplica of two tensors
+    """
+
+    def __init__(self, devices=None, timeout=None):
+        devices = _validate_devices(devices)
+        super().__init__(StrategyExtended(self, devices))
+        self._timeout = float(timeout or _config.DISTRIBUTE_TIMEOUT_S)
+        self._threads = None
+
+    def _create_variable(self, next_creator, **kwargs):
+        init = kwargs["initial_value"]
+        if callable(init):
+            with _tp.stop_recording():
+                init = init()
+        sync = kwargs.get("synchronization")
+        name = kwargs.get("name") or "Variable"
+        components = []
+        for i, device in enumerate(self.extended.worker_devices):
+            kw = dict(kwargs, initial_value=init, device=normalize_device(device), name=f"{name}/replica_{i}")
+            if i > 0:
+                kw["initial_value"] = components[0]
+            components.append(next_creator(**kw))
+        cls = SyncOnReadVariable if sync == VariableSynchronization.ON_READ else MirroredVariable
+        return cls(self, components, kwargs.get("aggregation"))
+
+    def _replica_threads(self):
+        if self._threads is None:
+            self._threads = [mirrored_run.ReplicaThread(i, d) for i, d in enumerate(self.extended.worker_devices)]
+        return self._threads
+
+    def run(self, fn, args=(), kwargs=None):
+        """Runs `fn(*args, **kwargs)` on every replica, each on its own thread and device.
+
+        PerReplica arguments are split; others are given to every replica.
+        Legal in the cross-replica context (or outside any scope).
+
+        Returns:
+          PerReplica of the replicas' results (a nest of PerReplica leaves).
+
+        Raises:
+          The original exception of a failing replica (its type kept, a note
+          naming the replica added); TimeoutError if a replica neither
+          finishes nor reaches merge_call within the timeout.
+        """
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise RuntimeError("strategy.run was called inside a replica context; call it from the "
+                               "cross-replica context (outside strategy.run)")
+        with self.scope():
+            try:
+                results = mirrored_run.run_on_replicas(self, self._replica_threads(), fn, args, kwargs or {},
+                                                       self._timeout)
+            except TimeoutError:
+                self._threads = None  # stuck threads are abandoned; fresh ones serve the next step
+                raise
+        return _group_results(results)
+
+
+def _group_results(results):
+    if all(r is None for r in results):
+        return None
+    return regroup(results)
+
+
+__all__ = ["MirroredStrategy", "PerReplica"]

@@ -1,0 +1,423 @@
+"""Keras-style layers built on dtape ops: Dense, Conv2D, Embedding, LayerNormalization, Dropout, Sequential.
+
+Each layer is a `Module`; its variables are made with `dtape.Variable` when it
+is built (on the first call, or at construction when the input size is given),
+so a strategy's `scope()` turns them into distributed variables. Initial
+values are computed once, eagerly, from a `torch.Generator` seeded by the
+layer's `seed` (or from torch's global generator, seeded by
+`torch.manual_seed`, when `seed` is None).
+
+Source: tf.keras.layers.
+"""
+import inspect
+import math
+
+import torch
+
+from dtape import nn as _nn
+from dtape.module import Module
+from dtape.ops import array_ops as _array
+from dtape.ops import math_ops as _math
+from dtape.tensor import Tensor, convert_to_tensor
+from dtape.variables import Variable
+
+__all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "Dropout", "Sequential",
+           "get_activation", "get_initializer"]
+
+
+# -- activations -------------------------------------------------------------
+
+def _nn_or_torch(name, fallback):
+    """dtape.nn's op `name`, or `fallback` (torch, recorded through __torch_function__) until it exists."""
+    op = getattr(_nn, name, None)
+    return op if op is not None else fallback
+
+
+def _softmax(x):
+    op = getattr(_nn, "softmax", None)
+    return op(x, axis=-1) if op is not None else torch.softmax(x, dim=-1)
+
+
+_ACTIVATIONS = {
+    "linear": lambda x: x,
+    "relu": lambda x: _nn_or_torch("relu", torch.relu)(x),
+    "tanh": _math.tanh,
+    "sigmoid": _math.sigmoid,
+    "softmax": _softmax,
+    "gelu": lambda x: _nn_or_torch("gelu", torch.nn.functional.gelu)(x),
+    "silu": lambda x: _nn_or_torch("silu", torch.nn.functional.silu)(x),
+    "elu": lambda x: _nn_or_torch("elu", torch.nn.functional.elu)(x),
+    "softplus": lambda x: _nn_or_torch("softplus", torch.nn.functional.softplus)(x),
+}
+
+
+def get_activation(activation):
+    """An activation function from a name (`"relu"`, `"tanh"`, `"softmax"`, ...), a callable, or None.
+
+    Raises:
+      ValueError: an unknown name (the message lists the known ones).
+    """
+    if activation is None:
+        return _ACTIVATIONS["linear"]
+    if callable(activation):
+        return activation
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; use one of {sorted(_ACTIVATIONS)} or a callable")
+    return _ACTIVATIONS[activation]
+
+
+# -- initializers ------------------------------------------------------------
+
+def _fans(shape):
+    if len(shape) < 2:
+        return shape[0] if shape else 1, shape[0] if shape else 1
+    receptive = math.prod(shape[:-2])
+    return shape[-2] * receptive, shape[-1] * receptive
+
+
+def _glorot_uniform(shape, dtype, gen):
+    fan_in, fan_out = _fans(shape)
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+
+
+def _he_normal(shape, dtype, gen):
+    return torch.randn(shape, dtype=dtype, generator=gen) * math.sqrt(2.0 / _fans(shape)[0])
+
+
+def _he_uniform(shape, dtype, gen):
+    limit = math.sqrt(6.0 / _fans(shape)[0])
+    return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+
+
+_INITIALIZERS = {
+    "glorot_uniform": _glorot_uniform,
+    "he_normal": _he_normal,
+    "he_uniform": _he_uniform,
+    "random_normal": lambda shape, dtype, gen: torch.randn(shape, dtype=dtype, generator=gen) * 0.05,
+    "random_uniform": lambda shape, dtype, gen: (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * 0.05,
+    "zeros": lambda shape, dtype, gen: torch.zeros(shape, dtype=dtype),
+    "ones": lambda shape, dtype, gen: torch.ones(shape, dtype=dtype),
+}
+
+
+def get_initializer(initializer):
+    """An initializer `f(shape, dtype, generator) -> torch.Tensor` from a name or a callable.
+
+    A callable may also take just `(shape, dtype)`.
+
+    Raises:
+      ValueError: an unknown name (the message lists the known ones).
+    """
+    if callable(initializer):
+        params = inspect.signature(initializer).parameters
+        return initializer if len(params) >= 3 else (lambda shape, dtype, gen: initializer(shape, dtype))
+    if initializer not in _INITIALIZERS:
+        raise ValueError(f"unknown initializer {initializer!r}; use one of {sorted(_INITIALIZERS)} or a callable")
+    return _INITIALIZERS[initializer]
+
+
+# -- base layer ----------------------------------------------------------------
+
+class Layer(Module):
+    """Base class: builds its variables on first call, then runs `call`.
+
+    Subclasses define `build(input_shape)` (create variables with
+    `self.add_weight`) and `call(x)` or `call(x, training=False)`.
+
+    Args:
+      name: module name (default: the snake-cased class name, made unique).
+      dtype: torch floating dtype of the variables (default float32).
+      seed: int seed of this layer's initializers; None draws from torch's
+        global generator (`torch.manual_seed`).
+    """
+
+    def __init__(self, name=None, dtype=torch.float32, seed=None):
+        super().__init__(name=name)
+        self.dtype = dtype
+        self.built = False
+        self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def build(self, input_shape):
+        """Creates the variables for inputs of `input_shape` (a torch.Size)."""
+
+    def call(self, x):
+        raise NotImplementedError(f"{type(self).__name__} must define call(x)")
+
+    def add_weight(self, name, shape, initializer="glorot_uniform", trainable=True):
+        """Creates a variable `<layer>/<name>` of `shape`, initialised once, eagerly."""
+        value = get_initializer(initializer)(tuple(shape), self.dtype, self._generator)
+        return Variable(value, trainable=trainable, name=f"{self.name}/{name}", dtype=self.dtype)
+
+    def _maybe_build(self, input_shape):
+        if not self.built:
+            self.build(torch.Size(input_shape))
+            self.built = True
+
+    def __call__(self, x, training=False):
+        """Applies the layer. x: Tensor, Variable, torch.Tensor, array or nested list."""
+        if not isinstance(x, Tensor) and not hasattr(x, "_dtape_read"):
+            x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
+        self._maybe_build(x.shape)
+        if _takes_training(self.call):
+            return self.call(x, training=training)
+        return self.call(x)
+
+
+def _is_float_like(x):
+    t = torch.as_tensor(x) if not isinstance(x, torch.Tensor) else x
+    return t.is_floating_point()
+
+
+def _takes_training(fn):
+    try:
+        return "training" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _last_dim(input_shape, layer):
+    if len(input_shape) == 0 or input_shape[-1] is None:
+        raise ValueError(f"{layer.name}: the last input dimension must be known, got shape {tuple(input_shape)}")
+    return int(input_shape[-1])
+
+
+# -- layers ----------------------------------------------------------------------
+
+class Dense(Layer):
+    """Densely connected layer: `activation(x @ kernel + bias)`.
+
+    Args:
+      units: output size.
+      activation: None, a name ("relu", "tanh", "softmax", ...) or a callable.
+      use_bias: whether to add a bias.
+      kernel_initializer, bias_initializer: names or callables.
+      input_dim: input size; when given, the variables are created now.
+      name, dtype, seed: see `Layer`.
+
+    Variables: `kernel` [in, units], `bias` [units].
+    Shapes: x [..., in] -> [..., units] (floating dtypes).
+    Source: tf.keras.layers.Dense.
+
+    Example:
+      >>> layer = dtape.layers.Dense(3, activation="relu", input_dim=2)
+      >>> layer(dtape.ones([4, 2])).shape
+      torch.Size([4, 3])
+    """
+
+    def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
+                 bias_initializer="zeros", input_dim=None, name=None, dtype=torch.float32, seed=None):
+        super().__init__(name=name, dtype=dtype, seed=seed)
+        if int(units) <= 0:
+            raise ValueError(f"Dense units must be a positive int, got {units!r}")
+        self.units = int(units)
+        self.activation = get_activation(activation)
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = kernel_initializer
+        self.bias_initializer = bias_initializer
+        if input_dim is not None:
+            self._maybe_build((int(input_dim),))
+
+    def build(self, input_shape):
+        in_dim = _last_dim(input_shape, self)
+        self.kernel = self.add_weight("kernel", (in_dim, self.units), self.kernel_initializer)
+        if self.use_bias:
+            self.bias = self.add_weight("bias", (self.units,), self.bias_initializer)
+
+    def call(self, x):
+        lead = tuple(x.shape[:-1])
+        if len(lead) != 1:
+            x = _array.reshape(x, (-1, x.shape[-1]))
+        y = _math.matmul(x, self.kernel)
+        if self.use_bias:
+            y = y + self.bias
+        if len(lead) != 1:
+            y = _array.reshape(y, lead + (self.units,))
+        return self.activation(y)
+
+
+class Conv2D(Layer):
+    """2-D convolution over NHWC images: `activation(conv2d(x, kernel) + bias)`.
+
+    Args:
+      filters: number of output channels.
+      kernel_size: int or (h, w).
+      strides: int or (sh, sw).
+      padding: "valid" or "same" (TF semantics).
+      activation, use_bias, kernel_initializer, name, dtype, seed: as `Dense`.
+      input_channels: when given, the variables are created now.
+
+    Variables: `kernel` [kh, kw, in, filters], `bias` [filters].
+    Shapes: x [batch, h, w, in] -> [batch, h', w', filters].
+    Source: tf.keras.layers.Conv2D.
+    """
+
+    def __init__(self, filters, kernel_size, strides=1, padding="valid", activation=None, use_bias=True,
+                 kernel_initializer="glorot_uniform", input_channels=None, name=None, dtype=torch.float32,
+                 seed=None):
+        super().__init__(name=name, dtype=dtype, seed=seed)
+        self.filters = int(filters)
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.strides = _pair(strides, "strides")
+        if padding.lower() not in ("valid", "same"):
+            raise ValueError(f"Conv2D padding must be 'valid' or 'same', got {padding!r}")
+        self.padding = padding.upper()
+        self.activation = get_activation(activation)
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = kernel_initializer
+        if input_channels is not None:
+            self._maybe_build((1, 1, 1, int(input_channels)))
+
+    def build(self, input_shape):
+        if len(input_shape) != 4:
+            raise ValueError(f"{self.name}: Conv2D expects NHWC input [batch, h, w, c], got {tuple(input_shape)}")
+        shape = self.kernel_size + (_last_dim(input_shape, self), self.filters)
+        self.kernel = self.add_weight("kernel", shape, self.kernel_initializer)
+        if self.use_bias:
+            self.bias = self.add_weight("bias", (self.filters,), "zeros")
+
+    def call(self, x):
+        y = _conv2d_nhwc(x, self.kernel, self.strides, self.padding)
+        if self.use_bias:
+            y = y + self.bias
+        return self.activation(y)
+
+
+def _pair(v, what):
+    pair = (int(v), int(v)) if isinstance(v, int) else tuple(int(i) for i in v)
+    if len(pair) != 2 or min(pair) <= 0:
+        raise ValueError(f"{what} must be a positive int or a pair of them, got {v!r}")
+    return pair
+
+
+def _conv2d_nhwc(x, kernel, strides, padding):
+    """dtape.nn.conv2d when present; else torch's conv2d on transposed views (recorded via interop)."""
+    op = getattr(_nn, "conv2d", None)
+    if op is not None:
+        return op(x, kernel, strides=[1, *strides, 1], padding=padding)
+    xt = _array.transpose(x, [0, 3, 1, 2])
+    kt = _array.transpose(kernel, [3, 2, 0, 1])
+    if padding == "SAME":
+        xt = _same_pad(xt, kernel.shape[:2], strides)
+    y = torch.nn.functional.conv2d(xt, kt, stride=strides)
+    return _array.transpose(y, [0, 2, 3, 1])
+
+
+def _same_pad(xt, ksize, strides):
+    pads = []
+    for size, k, s in zip(reversed(xt.shape[2:]), reversed(tuple(ksize)), reversed(strides)):
+        total = max((math.ceil(size / s) - 1) * s + k - size, 0)
+        pads += [total // 2, total - total // 2]
+    return torch.nn.functional.pad(xt, pads)
+
+
+class Embedding(Layer):
+    """Lookup table: integer ids [...] -> vectors [..., output_dim].
+
+    Args:
+      input_dim: vocabulary size.
+      output_dim: vector size.
+      embeddings_initializer: name or callable (default "random_uniform", as Keras).
+      name, dtype, seed: see `Layer`.
+
+    Variables: `embeddings` [input_dim, output_dim], created at construction.
+    Source: tf.keras.layers.Embedding.
+    """
+
+    def __init__(self, input_dim, output_dim, embeddings_initializer="random_uniform", name=None,
+                 dtype=torch.float32, seed=None):
+        super().__init__(name=name, dtype=dtype, seed=seed)
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.embeddings = self.add_weight("embeddings", (self.input_dim, self.output_dim),
+                                          embeddings_initializer)
+        self.built = True
+
+    def __call__(self, ids, training=False):
+        ids = ids if isinstance(ids, Tensor) else convert_to_tensor(ids, dtype=torch.int64)
+        return self.embeddings[ids]
+
+
+class LayerNormalization(Layer):
+    """Normalises the last axis: `gamma * (x - mean) / sqrt(var + epsilon) + beta`.
+
+    Args:
+      epsilon: added to the variance.
+      name, dtype, seed: see `Layer`.
+
+    Variables: `gamma` [d] (ones), `beta` [d] (zeros).
+    Shapes: x [..., d] -> [..., d].
+    Source: tf.keras.layers.LayerNormalization(axis=-1).
+    """
+
+    def __init__(self, epsilon=1e-3, name=None, dtype=torch.float32, seed=None):
+        super().__init__(name=name, dtype=dtype, seed=seed)
+        self.epsilon = float(epsilon)
+
+    def build(self, input_shape):
+        d = _last_dim(input_shape, self)
+        self.gamma = self.add_weight("gamma", (d,), "ones")
+        self.beta = self.add_weight("beta", (d,), "zeros")
+
+    def call(self, x):
+        mean = _math.reduce_mean(x, axis=-1, keepdims=True)
+        centered = x - mean
+        var = _math.reduce_mean(centered * centered, axis=-1, keepdims=True)
+        return centered * _math.rsqrt(var + self.epsilon) * self.gamma + self.beta
+
+
+class Dropout(Layer):
+    """Zeroes a fraction `rate` of inputs during training, scaling the rest by 1/(1-rate).
+
+    Args:
+      rate: float in [0, 1).
+      name, seed: see `Layer`. The mask draws from this layer's generator.
+
+    Identity unless called with `training=True`.
+    Source: tf.keras.layers.Dropout.
+    """
+
+    def __init__(self, rate, name=None, seed=None):
+        super().__init__(name=name, seed=seed)
+        if not 0.0 <= float(rate) < 1.0:
+            raise ValueError(f"Dropout rate must be in [0, 1), got {rate!r}")
+        self.rate = float(rate)
+        self.built = True
+
+    def __call__(self, x, training=False):
+        x = x if isinstance(x, Tensor) or hasattr(x, "_dtape_read") else convert_to_tensor(x)
+        if not training or self.rate == 0.0:
+            return x
+        keep = torch.rand(tuple(x.shape), generator=self._generator, device=x.device) >= self.rate
+        scale = keep.to(x.dtype) / (1.0 - self.rate)
+        return x * Tensor(scale)
+
+
+class Sequential(Layer):
+    """Chains layers: `layers[-1](...layers[0](x))`; `training` is passed to layers that take it.
+
+    Args:
+      layers: a list of layers (or any callables); more via `add`.
+      name: see `Layer`.
+
+    Source: tf.keras.Sequential.
+
+    Example:
+      >>> model = dtape.layers.Sequential([dtape.layers.Dense(8, "relu", input_dim=4),
+      ...                                  dtape.layers.Dense(2)])
+      >>> model(dtape.ones([3, 4])).shape
+      torch.Size([3, 2])
+    """
+
+    def __init__(self, layers=None, name=None):
+        super().__init__(name=name)
+        self.layers = list(layers or [])
+        self.built = True
+
+    def add(self, layer):
+        """Appends `layer`."""
+        self.layers.append(layer)
+
+    def __call__(self, x, training=False):
+        for layer in self.layers:
+            x = layer(x, training=training) if _takes_training(layer.__call__) else layer(x)
+        return x

@@ -1,0 +1,203 @@
+"""Optimizers with the Keras update formulas, distribution-aware.
+
+Under a strategy, `apply_gradients` in a replica context all-reduces the
+gradients (SUM) in one `merge_call` and applies one update to every
+component, so mirrored components stay bit-identical. Slot variables are
+created in their variable's strategy scope, so they are mirrored like it.
+Source: tf.keras.optimizers (SGD, Adam, AdamW).
+"""
+import contextlib
+import math
+import warnings
+
+import torch
+
+from dtape import distribute
+from dtape import tape as _tp
+from dtape.distribute.reduce_util import ReduceOp
+from dtape.tensor import Tensor
+from dtape.variables import Variable, VariableAggregation
+
+
+def _raw(g):
+    if g is None:
+        return None
+    return g.torch() if hasattr(g, "torch") else torch.as_tensor(g)
+
+
+class Optimizer:
+    """Base class: slot bookkeeping, gradient aggregation, the update loop.
+
+    Subclasses define `_slot_names` and `_update(var, grad, slots, step)`
+    on torch tensors (`var` a component Variable, `grad` a torch.Tensor).
+    """
+
+    _slot_names = ()
+
+    def __init__(self, learning_rate, name):
+        self.learning_rate = learning_rate
+        self.name = name
+        self._slots = {}          # id(var) -> {slot name: variable}
+        self._iterations = None
+
+    @property
+    def iterations(self):
+        """Number of applied steps (an int64 variable, mirrored under a strategy)."""
+        if self._iterations is None:
+            self._iterations = self._make_variable(0, torch.int64, None, "iterations")
+        return self._iterations
+
+    def _make_variable(self, value, dtype, like, name):
+        strategy = getattr(like, "distribute_strategy", None) or distribute.get_strategy()
+        with _tp.stop_recording(), _scope(strategy):
+            init = torch.zeros((), dtype=dtype) + value if like is None else torch.zeros_like(like.torch())
+            return Variable(init, trainable=False, name=f"{self.name}/{name}",
+                            aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def _slots_for(self, var):
+        slots = self._slots.get(id(var))
+        if slots is None:
+            slots = {n: self._make_variable(0, None, var, f"{var.name}/{n}") for n in self._slot_names}
+            self._slots[id(var)] = slots
+        return slots
+
+    def variables(self):
+        """The optimizer's state: iterations, then slots in creation order."""
+        out = [self.iterations]
+        for slots in self._slots.values():
+            out.extend(slots.values())
+        return out
+
+    def apply_gradients(self, grads_and_vars):
+        """Applies gradients to variables.
+
+        Args:
+          grads_and_vars: iterable of (gradient, variable); gradients are
+            dtape.Tensors with the variable's shape, or None (skipped, with a warning).
+
+        In a replica context of a strategy the gradients are summed over
+        replicas (one merge_call) and every component gets the same update.
+        In the cross-replica context gradients are applied as given.
+
+        Returns:
+          The iterations variable.
+        """
+        pairs = [(g, v) for g, v in grads_and_vars]
+        missing = [v.name for g, v in pairs if g is None]
+        if missing:
+            warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss", stacklevel=2)
+        pairs = [(g, v) for g, v in pairs if g is not None]
+        ctx = distribute.get_replica_context()
+        if ctx is not None:
+            return ctx.merge_call(self._distributed_apply, args=(pairs,))
+        return self._distributed_apply(distribute.get_strategy(), pairs)
+
+    def _distributed_apply(self, strategy, pairs):
+        for _, var in pairs:  # slots are made here, once, in the cross-replica context
+            self._slots_for(distribute.value_container(var))
+        reduced = strategy.extended.batch_reduce_to(ReduceOp.SUM, pairs)
+        step = int(self.iterations.numpy()) + 1
+        with _tp.stop_recording():
+            for (_, var), grad in zip(pairs, reduced):
+                strategy.extended.update(var, self._apply_one, args=(grad, step))
+            self.iterations.assign_add(1)
+        return self.iterations
+
+    def _apply_one(self, var, grad, step):
+        container = distribute.value_container(var)
+        slots = {n: _component_like(s, var) for n, s in self._slots_for(container).items()}
+        self._update(var, _raw(grad).to(var.device), slots, step)
+
+    def minimize(self, loss, var_list, tape):
+        """Computes the gradients of `loss` with `tape` and applies them to `var_list`."""
+        grads = tape.gradient(loss, var_list)
+        return self.apply_gradients(zip(grads, var_list))
+
+    def _lr(self):
+        lr = self.learning_rate
+        return float(lr(int(self.iterations.numpy()))) if callable(lr) else float(lr)
+
+
+def _component_like(slot, var):
+    """The slot component on the same replica as component `var`."""
+    comps = getattr(slot, "values", None)
+    container = distribute.value_container(var)
+    if comps is None or container is var:
+        return slot
+    return comps[container.values.index(var)]
+
+
+def _scope(strategy):
+    return contextlib.nullcontext() if getattr(strategy, "_is_default", True) else strategy.scope()
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional (Nesterov) momentum, Keras formulas.
+
+    velocity = momentum * velocity - lr * g; w += velocity
+    (Nesterov: w += momentum * velocity - lr * g). Source: tf.keras.optimizers.SGD.
+    """
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD"):
+        super().__init__(learning_rate, name)
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"SGD momentum must be in [0, 1], got {momentum}")
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self._slot_names = ("momentum",) if momentum else ()
+
+    def _update(self, var, g, slots, step):
+        lr = self._lr()
+        if not self.momentum:
+            var.assign(var.torch() - lr * g)
+            return
+        m = slots["momentum"]
+        velocity = self.momentum * m.torch() - lr * g
+        m.assign(velocity)
+        delta = self.momentum * velocity - lr * g if self.nesterov else velocity
+        var.assign(var.torch() + delta)
+
+
+class Adam(Optimizer):
+    """Adam with Keras's epsilon placement.
+
+    lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t); m = b1 m + (1-b1) g;
+    v = b2 v + (1-b2) g^2; w -= lr_t * m / (sqrt(v) + epsilon).
+    Source: tf.keras.optimizers.Adam (Kingma & Ba, 2015, section 2).
+    """
+
+    _slot_names = ("m", "v")
+
+    def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="Adam"):
+        super().__init__(learning_rate, name)
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+
+    def _update(self, var, g, slots, step):
+        b1, b2 = self.beta_1, self.beta_2
+        lr_t = self._lr() * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+        m = slots["m"].torch() * b1 + (1 - b1) * g
+        v = slots["v"].torch() * b2 + (1 - b2) * g * g
+        slots["m"].assign(m)
+        slots["v"].assign(v)
+        var.assign(var.torch() - self._decay(var) - lr_t * m / (torch.sqrt(v) + self.epsilon))
+
+    def _decay(self, var):
+        return 0.0
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay: w -= lr * weight_decay * w before the Adam step.
+
+    Source: tf.keras.optimizers.AdamW (Loshchilov & Hutter, 2019).
+    """
+
+    def __init__(self, learning_rate=1e-3, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 name="AdamW"):
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, name)
+        self.weight_decay = float(weight_decay)
+
+    def _decay(self, var):
+        return self._lr() * self.weight_decay * var.torch()
+
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Tensor"]

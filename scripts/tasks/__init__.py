@@ -1,0 +1,29 @@
+"""Training tasks for scripts/train.py: each module exposes the same small interface.
+
+A task module has:
+  DEFAULTS: dict of default command-line values (epochs, batch_size, lr, optimizer).
+  load_data(seed) -> dict with numpy arrays "x_train", "y_train", "x_test", "y_test".
+  build_model(seed) -> a dtape.Module, callable on a batch of inputs (variables created now).
+  per_example_loss(model, x, y) -> dtape.Tensor [batch] of losses.
+  accuracy(model, x, y) -> float in [0, 1].
+"""
+import importlib
+
+TASKS = ("digits", "charlm")
+
+
+def get_task(name):
+    """The task module called `name`.
+
+    Raises:
+      ValueError: an unknown task (the message lists the known ones).
+      NotImplementedError: a known task that has no implementation yet.
+    """
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {list(TASKS)}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise NotImplementedError(f"task {name!r} is not implemented yet; use --task digits") from None
