@@ -12,7 +12,7 @@ from dtape.distribute.reduce_util import ReduceOp
 from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, PerReplica,
                                      regroup, select_replica, value_container)
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
-from dtape.variables import variable_creator_scope
+from dtape.variables import current_creator_stack, variable_creator_scope
 
 
 def _check_reduce_op(reduce_op):
@@ -229,12 +229,17 @@ class _StrategyScope:
         if context.has_strategy() and current is not self._strategy:
             raise ValueError(f"cannot enter the scope of {type(self._strategy).__name__} inside the scope of "
                              f"another strategy ({type(current).__name__}); exit that scope first")
+        # Re-entering the same strategy's scope (e.g. inside merge_call) must
+        # not stack its creator twice, or variables would be mirrored twice.
+        self._push_creator = self._strategy._create_variable not in current_creator_stack()
         self._mode.__enter__()
-        self._creator.__enter__()
+        if self._push_creator:
+            self._creator.__enter__()
         return self._strategy
 
     def __exit__(self, *exc):
-        self._creator.__exit__(*exc)
+        if self._push_creator:
+            self._creator.__exit__(*exc)
         self._mode.__exit__(*exc)
         return False
 

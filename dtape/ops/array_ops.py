@@ -442,7 +442,7 @@ def _(dy, ans, params, indices, axis=None, batch_dims=0):
 
 
 def _gather_grad_samples(rng):
-    return [((S.randn(rng, 3, 2, 5), torch.tensor([[0, 3], [1, 1], [2, 0]])),
+    return [((S.randn(rng, 3, 2, 2, 5), torch.tensor([[0, 3], [1, 1], [2, 0]])),
              {"shape": (3, 2, 4, 5), "axis": 2, "batch_dims": 1}),
             ((S.randn(rng, 3, 2, 4), torch.tensor([[0, 2], [2, 2], [1, 0]])), {"shape": (3, 4), "axis": None, "batch_dims": 0})]
 

@@ -343,9 +343,9 @@ def _matmul_torch(x, y, *, out=None):
 
 
 def _einsum_samples(rng):
-    return [((S.randn(rng, 3, 4), S.randn(rng, 4, 5)), {"equation": "ij,jk->ik"}),
-            ((S.randn(rng, 2, 3, 4), S.randn(rng, 2, 4)), {"equation": "bij,bj->bi"}),
-            ((S.randn(rng, 3, 4),), {"equation": "ij->j"})]
+    return [(([S.randn(rng, 3, 4), S.randn(rng, 4, 5)],), {"equation": "ij,jk->ik"}),
+            (([S.randn(rng, 2, 3, 4), S.randn(rng, 2, 4)],), {"equation": "bij,bj->bi"}),
+            (([S.randn(rng, 3, 4)],), {"equation": "ij->j"})]
 
 
 def _einsum_fwd(inputs, equation):
