@@ -525,13 +525,14 @@ def make_vjp(f, params=None, persistent=True):
 def _watched_args(this_tape, positions, args):
     """Converts the differentiated args to Tensors (distinct objects) and watches them."""
     args, seen, sources = list(args), set(), []
-    for i in positions:
+    for i in positions:  # all distinct before any is watched, so the identity is not recorded
         t = convert_to_tensor(args[i])
         if id(t) in seen:
             t = ops.identity(t)
         seen.add(id(t))
         args[i] = t
         sources.append(t)
+    for t in sources:
         _tp.watch(this_tape, t)
     return args, sources
 

@@ -59,7 +59,7 @@ class Function:
             _tp.variable_accessed(v)
         if not _tp._tape_set:
             return result
-        return self._record(args, kwargs, variables, result, rng)
+        return self._record(args, kwargs, variables, result, _rng_if_used(rng))
 
     def _record(self, args, kwargs, variables, result, rng):
         tensors = [x for x in nest.flatten((args, kwargs)) if isinstance(x, Tensor)]
@@ -132,8 +132,23 @@ def _rng_state():
     return torch.get_rng_state(), cuda
 
 
+def _rng_if_used(before):
+    """`before` if the body drew random numbers, else None (the re-run then needs no RNG swap)."""
+    if before is None:
+        return None
+    after = _rng_state()
+    same_cpu = torch.equal(before[0], after[0])
+    same_cuda = (before[1] is None) == (after[1] is None) and all(
+        torch.equal(a, b) for a, b in zip(before[1] or (), after[1] or ()))
+    return None if same_cpu and same_cuda else before
+
+
 class _restored_rng:
-    """Thread-unsafe by nature (torch's generator is process-wide): sets the saved state, restores after."""
+    """Sets the saved RNG state, restores the previous one on exit.
+
+    Process-wide (torch's default generators are global): concurrent re-runs
+    of random bodies on several threads may interleave their draws.
+    """
 
     __slots__ = ("_saved", "_prev")
 

@@ -118,6 +118,14 @@ class Optimizer:
         return float(lr(int(self.iterations.numpy()))) if callable(lr) else float(lr)
 
 
+def _replace(var, value):
+    """Sets a component's value to a fresh tensor the optimizer owns (no defensive copy)."""
+    if value.shape != var.shape or value.dtype != var.dtype:
+        raise ValueError(f"update of {var.name!r} has shape {tuple(value.shape)} / {value.dtype}, "
+                         f"expected {tuple(var.shape)} / {var.dtype}")
+    var._t = value
+
+
 def _component_like(slot, var):
     """The slot component on the same replica as component `var`."""
     comps = getattr(slot, "values", None)
@@ -149,13 +157,13 @@ class SGD(Optimizer):
     def _update(self, var, g, slots, step):
         lr = self._lr()
         if not self.momentum:
-            var.assign(var.torch() - lr * g)
+            _replace(var, torch.add(var.torch(), g, alpha=-lr))
             return
         m = slots["momentum"]
-        velocity = self.momentum * m.torch() - lr * g
-        m.assign(velocity)
-        delta = self.momentum * velocity - lr * g if self.nesterov else velocity
-        var.assign(var.torch() + delta)
+        velocity = torch.add(self.momentum * m.torch(), g, alpha=-lr)
+        _replace(m, velocity)
+        delta = torch.add(self.momentum * velocity, g, alpha=-lr) if self.nesterov else velocity
+        _replace(var, var.torch() + delta)
 
 
 class Adam(Optimizer):
@@ -177,9 +185,9 @@ class Adam(Optimizer):
         lr_t = self._lr() * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
         m = slots["m"].torch() * b1 + (1 - b1) * g
         v = slots["v"].torch() * b2 + (1 - b2) * g * g
-        slots["m"].assign(m)
-        slots["v"].assign(v)
-        var.assign(var.torch() - self._decay(var) - lr_t * m / (torch.sqrt(v) + self.epsilon))
+        _replace(slots["m"], m)
+        _replace(slots["v"], v)
+        _replace(var, var.torch() - self._decay(var) - lr_t * m / (torch.sqrt(v) + self.epsilon))
 
     def _decay(self, var):
         return 0.0

@@ -111,7 +111,7 @@ def mlp_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
                 p.sub_(lr * gr)
         return loss
 
-    ld, lt = float(run_dtape()), float(run_torch())
+    ld, lt = float(run_dtape()), run_torch().item()
     print(f"MLP first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
     assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch MLP steps disagree"
 

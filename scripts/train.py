@@ -146,14 +146,18 @@ class Trainer:
         """Makes the optimizer create its slots so that restore can fill them.
 
         Uses `optimizer.build(vars)` when the optimizer has it; otherwise applies
-        zero gradients once (whatever that changes is overwritten by the restore).
+        zero gradients once in every replica (what that changes is overwritten by the restore).
         """
-        variables = self.model.trainable_variables
-        build = getattr(self.optimizer, "build", None)
+        model, optimizer = self.model, self.optimizer
+        build = getattr(optimizer, "build", None)
         if build is not None:
-            build(variables)
-        else:
-            self.optimizer.apply_gradients([(dtape.zeros_like(v), v) for v in variables])
+            build(model.trainable_variables)
+            return
+
+        def zero_step():
+            variables = model.trainable_variables
+            optimizer.apply_gradients([(dtape.zeros_like(v), v) for v in variables])
+        self.strategy.run(zero_step)
 
     # -- training ---------------------------------------------------------------
     def total_steps(self, steps_per_epoch):
@@ -184,7 +188,7 @@ class Trainer:
             self.metrics["loss"].append(loss)
             self.step += 1
             bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
+            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
         seconds = time.perf_counter() - t0
         if self.step % steps_per_epoch == 0:
             self.end_epoch(epoch, len(remaining) * self.args.batch_size, seconds, bar)

@@ -6,6 +6,8 @@ torch functions and operators (run raw, or recorded through
 `__torch_function__` for higher order). Broadcast inputs are un-broadcast by
 the backward walk, not by the rules.
 """
+import math
+
 import torch
 
 from dtape.ops import _samples as S
@@ -116,7 +118,11 @@ def _(dy, ans, x):
     return dy * 0
 
 
-@defop(n_in=2, torch_fns=(torch.pow, torch.Tensor.pow), samples=S.binary_positive)
+def _pow_samples(rng):
+    return S.binary_positive(rng) + [((2.5, S.randn(rng, 3)), {}), ((S.positive(rng, 3), 3), {})]
+
+
+@defop(n_in=2, torch_fns=(torch.pow, torch.Tensor.pow), samples=_pow_samples)
 def pow(x, y):  # noqa: A001 - TF's name
     """x ** y, broadcasting; the gradient in y uses log(x) where x > 0, else 0. Source: tf.math.pow."""
     return torch.pow(x, y)
@@ -124,9 +130,12 @@ def pow(x, y):  # noqa: A001 - TF's name
 
 @pow.grad
 def _(dy, ans, x, y):
-    gx = dy * y * torch.pow(x, y - 1)
-    if not isinstance(x, (int, float)) and (isinstance(y, (int, float)) or not _is_float(y)):
+    scalar_x = isinstance(x, (int, float))
+    gx = None if scalar_x else dy * y * torch.pow(x, y - 1)
+    if isinstance(y, (int, float)) or not _is_float(y):
         return gx, None
+    if scalar_x:
+        return gx, dy * ans * math.log(x) if x > 0 else dy * 0
     safe = torch.where(x > 0, x, torch.ones_like(x))
     return gx, dy * ans * torch.where(x > 0, torch.log(safe), torch.zeros_like(safe))
 
@@ -295,7 +304,9 @@ def _(dy, ans, t, lo, hi):
 def _matmul_samples(rng):
     return [((S.randn(rng, 3, 4), S.randn(rng, 4, 2)), {}),
             ((S.randn(rng, 2, 3, 4), S.randn(rng, 4, 5)), {}),
-            ((S.randn(rng, 3, 4), S.randn(rng, 3, 5)), {"transpose_a": True})]
+            ((S.randn(rng, 3, 4), S.randn(rng, 3, 5)), {"transpose_a": True}),
+            ((S.randn(rng, 3, 4), S.randn(rng, 5, 4)), {"transpose_b": True}),
+            ((S.randn(rng, 2, 4, 3), S.randn(rng, 5, 4)), {"transpose_a": True, "transpose_b": True})]
 
 
 @defop(n_in=2, samples=_matmul_samples)
@@ -493,7 +504,14 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return _minmax_grad(dy, ans, x, axis, keepdims)
 
 
-@defop(samples=S.reduction)
+def _prod_samples(rng):
+    x = S.away_from_zero(rng, 2, 3, 4)
+    x[0, 1, 2] = 0.0
+    x[1, 2, 1] = x[1, 2, 3] = 0.0
+    return S.reduction(rng) + [((x,), {"axis": -1}), ((x,), {"axis": (0, 1)})]
+
+
+@defop(samples=_prod_samples)
 def reduce_prod(x, axis=None, keepdims=False):
     """Product over `axis`; the gradient is exact with zeros in x. Source: tf.math.reduce_prod."""
     axes = _axes(x.ndim, axis)
@@ -567,13 +585,23 @@ def argmin(x, axis=None, output_type=torch.int64):
     return torch.argmin(x, dim=0 if axis is None else axis).to(output_type)
 
 
+def _torch_reduce(torch_fn, op):
+    """torch.sum/mean adapter: the op, or the autograd fallback when torch's `dtype=` is given."""
+    def adapter(x, dim=None, keepdim=False, *, dtype=None):
+        if dtype is None:
+            return op(x, axis=dim, keepdims=keepdim)
+        from dtape.ops._dispatch import call_fallback
+        kwargs = {"dtype": dtype} if dim is None else {"dim": dim, "keepdim": keepdim, "dtype": dtype}
+        return call_fallback(torch_fn, (x,), kwargs)
+    return adapter
+
+
 def _register_torch_adapters():
     from dtape.ops._registry import TORCH_TABLE
     TORCH_TABLE[torch.matmul] = _matmul_torch
     TORCH_TABLE[torch.Tensor.__matmul__] = _matmul_torch
-    TORCH_TABLE[torch.sum] = lambda x, dim=None, keepdim=False, dtype=None: (
-        reduce_sum(x, axis=dim, keepdims=keepdim) if dtype is None else reduce_sum(x, dim, keepdim))
-    TORCH_TABLE[torch.mean] = lambda x, dim=None, keepdim=False, dtype=None: reduce_mean(x, axis=dim, keepdims=keepdim)
+    TORCH_TABLE[torch.sum] = _torch_reduce(torch.sum, reduce_sum)
+    TORCH_TABLE[torch.mean] = _torch_reduce(torch.mean, reduce_mean)
     TORCH_TABLE[torch.einsum] = lambda eq, *ops: einsum(eq, *(ops[0] if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops))
 
 

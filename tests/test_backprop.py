@@ -1,0 +1,367 @@
+"""GradientTape, the backward walk and the functional forms, against torch.autograd in float64."""
+import math
+
+import pytest
+import torch
+
+import dtape
+from dtape import backprop
+
+D = torch.float64
+
+
+def _c(values):
+    return dtape.constant(values, dtype=D)
+
+
+def _close(a, b):
+    torch.testing.assert_close(a.torch() if isinstance(a, dtape.Tensor) else a, b)
+
+
+# -- seed 2 tests (tf backprop_test.py) -----------------------------------------
+def test_watched_variables_automatic_with_reset_lists_variable():
+    with dtape.GradientTape() as t:
+        assert len(t.watched_variables()) == 0
+        v = dtape.Variable(1.0)
+        loss = v * v
+        assert t.watched_variables() == (v,)
+        t.reset()
+        assert len(t.watched_variables()) == 0
+        loss += v * v
+        assert t.watched_variables() == (v,)
+    assert float(t.gradient(loss, v)) == 2.0
+
+
+def test_watched_variables_explicit_with_reset_lists_variable():
+    with dtape.GradientTape() as t:
+        assert len(t.watched_variables()) == 0
+        v = dtape.Variable(1.0)
+        t.watch(v)
+        assert t.watched_variables() == (v,)
+        t.reset()
+        assert len(t.watched_variables()) == 0
+        t.watch(v)
+        assert t.watched_variables() == (v,)
+
+
+# -- basics ---------------------------------------------------------------------
+def test_gradient_persistent_many_calls_same_values():
+    x = _c([1.0, 2.0, 3.0])
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        y = dtape.reduce_sum(x * x)
+        z = dtape.reduce_sum(dtape.exp(x))
+    for _ in range(3):
+        _close(t.gradient(y, x), 2 * x.torch())
+        _close(t.gradient(z, x), torch.exp(x.torch()))
+
+
+def test_gradient_second_call_non_persistent_raises():
+    x = _c(2.0)
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = x * x
+    t.gradient(y, x)
+    with pytest.raises(RuntimeError, match="persistent=True"):
+        t.gradient(y, x)
+
+
+def test_gradient_nested_structures_result_has_sources_structure():
+    a, b, c = _c([1.0, 2.0]), _c(3.0), _c([[0.5]])
+    with dtape.GradientTape() as t:
+        t.watch([a, b, c])
+        targets = {"p": dtape.reduce_sum(a * b), "q": [dtape.reduce_sum(c * c), b * b]}
+    g = t.gradient(targets, {"x": a, "rest": (b, [c])})
+    assert set(g) == {"x", "rest"} and isinstance(g["rest"], tuple) and isinstance(g["rest"][1], list)
+    _close(g["x"], torch.full((2,), 3.0, dtype=D))
+    _close(g["rest"][0], torch.tensor(3.0 + 6.0, dtype=D))
+    _close(g["rest"][1][0], torch.tensor([[1.0]], dtype=D))
+
+
+def test_gradient_output_gradients_weight_targets():
+    x = _c([1.0, 2.0])
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = x * x
+        z = x * 3.0
+    g = t.gradient([y, z], x, output_gradients=[_c([10.0, 100.0]), _c([1.0, -1.0])])
+    _close(g, torch.tensor([20.0 + 3.0, 400.0 - 3.0], dtype=D))
+
+
+def test_gradient_unconnected_none_and_zero():
+    x, u = _c([1.0, 2.0]), _c([[1.0, 2.0, 3.0]])
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch([x, u])
+        y = x * 2.0
+    assert t.gradient(y, [x, u])[1] is None
+    z = t.gradient(y, [x, u], unconnected_gradients=dtape.UnconnectedGradients.ZERO)[1]
+    _close(z, torch.zeros(1, 3, dtype=D))
+
+
+def test_gradient_second_derivative_nested_tapes_cube_exact():
+    x = _c([1.0, -2.0, 0.5])
+    with dtape.GradientTape() as outer:
+        outer.watch(x)
+        with dtape.GradientTape() as inner:
+            inner.watch(x)
+            y = x ** 3
+        g = inner.gradient(y, x)
+    gg = outer.gradient(g, x)
+    _close(g, 3 * x.torch() ** 2)
+    _close(gg, 6 * x.torch())
+
+
+def test_gradient_third_derivative_sin_exact():
+    x = _c([0.3, 1.2])
+    with dtape.GradientTape() as t3:
+        t3.watch(x)
+        with dtape.GradientTape() as t2:
+            t2.watch(x)
+            with dtape.GradientTape() as t1:
+                t1.watch(x)
+                y = dtape.sin(x)
+            g1 = t1.gradient(y, x)
+        g2 = t2.gradient(g1, x)
+    g3 = t3.gradient(g2, x)
+    _close(g2, -torch.sin(x.torch()))
+    _close(g3, -torch.cos(x.torch()))
+
+
+def test_gradient_integer_source_none_with_dtype_warning():
+    i = dtape.constant([1, 2])
+    with dtape.GradientTape() as t:
+        with pytest.warns(UserWarning, match="int64"):
+            t.watch(i)
+        y = dtape.cast(i, D) * 2.0
+    with pytest.warns(UserWarning, match="int64"):
+        assert t.gradient(y, i) is None
+
+
+def test_gradient_integer_target_none_with_dtype_warning():
+    x = _c([1.0, 2.0])
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = dtape.cast(x, torch.int32)
+    with pytest.warns(UserWarning, match="int32"):
+        assert t.gradient(y, x) is None
+
+
+def test_gradient_integer_target_in_list_keeps_output_gradients_aligned():
+    x = _c([1.0, 2.0])
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        k = dtape.cast(x, torch.int64)
+        y = x * x
+    with pytest.warns(UserWarning, match="int64"):
+        g = t.gradient([k, y], x, output_gradients=[None, _c([1.0, 10.0])])
+    _close(g, torch.tensor([2.0, 40.0], dtype=D))
+
+
+def test_watch_accessed_variables_false_ignores_reads():
+    v, w = dtape.Variable(_c(2.0)), dtape.Variable(_c(5.0))
+    with dtape.GradientTape(persistent=True, watch_accessed_variables=False) as t:
+        t.watch(w)
+        y = v * w
+    assert t.watched_variables() == (w,)
+    assert t.gradient(y, v) is None
+    assert float(t.gradient(y, w)) == 2.0
+
+
+def test_watched_variables_first_watch_order_no_duplicates():
+    a, b, c = dtape.Variable(1.0), dtape.Variable(2.0), dtape.Variable(3.0)
+    with dtape.GradientTape() as t:
+        y = c * b + a * c + b * a
+        t.watch([a, c])
+    assert t.watched_variables() == (c, b, a)
+    del y
+
+
+def test_gradient_reentered_tape_keeps_records():
+    x = _c(3.0)
+    t = dtape.GradientTape(persistent=True)
+    with t:
+        t.watch(x)
+        y = x * x
+    with t:
+        z = y * x
+    assert float(t.gradient(z, x)) == 27.0
+
+
+def test_gradient_broadcast_inputs_reduce_to_their_shapes():
+    xt, yt = torch.randn(3, 1, dtype=D), torch.randn(4, dtype=D)
+    x, y = _c(xt), _c(yt)
+    with dtape.GradientTape() as t:
+        t.watch([x, y])
+        z = dtape.reduce_sum((x + y) * (x * y))
+    gx, gy = t.gradient(z, [x, y])
+    xr, yr = xt.clone().requires_grad_(), yt.clone().requires_grad_()
+    ex, ey = torch.autograd.grad(((xr + yr) * (xr * yr)).sum(), [xr, yr])
+    assert gx.shape == (3, 1) and gy.shape == (4,)
+    _close(gx, ex)
+    _close(gy, ey)
+
+
+def test_gradient_torch_functions_on_dtape_tensors_recorded():
+    torch.manual_seed(0)
+    xt, wt = torch.randn(1, 2, 5, 5, dtype=D), torch.randn(3, 2, 3, 3, dtype=D)
+    x, w = _c(xt), _c(wt)
+    with dtape.GradientTape() as t:
+        t.watch([x, w])
+        y = torch.tanh(torch.nn.functional.conv2d(x, w, padding=1))
+        loss = dtape.reduce_sum(y * y)
+    assert isinstance(y, dtape.Tensor)
+    gx, gw = t.gradient(loss, [x, w])
+    xr, wr = xt.clone().requires_grad_(), wt.clone().requires_grad_()
+    ex, ew = torch.autograd.grad((torch.tanh(torch.nn.functional.conv2d(xr, wr, padding=1)) ** 2).sum(), [xr, wr])
+    _close(gx, ex)
+    _close(gw, ew)
+
+
+def test_gradient_wrong_shape_rule_raises_value_error_naming_op():
+    class BadOp:
+        name = "BadShapeOp"
+
+        def backward(self, dys, outputs, inputs, attrs, raw):
+            return (dys[0][:1],)
+
+    x = _c([1.0, 2.0, 3.0])
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = dtape.Tensor(x.torch() * 2)
+        dtape.tape.record(BadOp(), (x._id,), (x,), (y,), None)
+    with pytest.raises(ValueError, match="BadShapeOp"):
+        t.gradient(y, x)
+
+
+def test_gradient_raw_torch_source_raises_value_error():
+    x = _c(1.0)
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = x * x
+    with pytest.raises(ValueError, match="dtape.Tensors or Variables"):
+        t.gradient(y, torch.tensor(1.0))
+
+
+# -- jacobians ------------------------------------------------------------------
+def _f_jac(z):
+    return torch.tanh(z) * z.sum() + z ** 2
+
+
+def test_jacobian_matches_torch_autograd():
+    at = torch.randn(2, 3, dtype=D)
+    a = _c(at)
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(a)
+        y = dtape.tanh(a) * dtape.reduce_sum(a) + a ** 2
+    j = t.jacobian(y, a)
+    assert j.shape == (2, 3, 2, 3)
+    _close(j, torch.autograd.functional.jacobian(_f_jac, at))
+
+
+def test_jacobian_nested_sources_and_non_persistent_tape():
+    at, bt = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+    a, b = _c(at), _c(bt)
+    with dtape.GradientTape() as t:
+        t.watch([a, b])
+        y = dtape.sin(a)[:2] * b
+    j = t.jacobian(y, {"a": a, "b": [b]})
+    ea, eb = torch.autograd.functional.jacobian(lambda p, q: torch.sin(p)[:2] * q, (at, bt))
+    _close(j["a"], ea)
+    _close(j["b"][0], eb)
+
+
+def test_jacobian_unconnected_zero_gives_zeros():
+    a, u = _c([1.0, 2.0]), _c([3.0, 4.0, 5.0])
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch([a, u])
+        y = a * a
+    assert t.jacobian(y, [a, u])[1] is None
+    z = t.jacobian(y, [a, u], unconnected_gradients=dtape.UnconnectedGradients.ZERO)[1]
+    _close(z, torch.zeros(2, 3, dtype=D))
+
+
+def test_batch_jacobian_matches_torch_autograd_per_example():
+    xt, wt = torch.randn(4, 3, dtype=D), torch.randn(3, 2, dtype=D)
+    x, w = _c(xt), _c(wt)
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        y = dtape.tanh(x @ w)
+    bj = t.batch_jacobian(y, x)
+    assert bj.shape == (4, 2, 3)
+    full = torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ wt), xt)  # [4, 2, 4, 3]
+    _close(bj, torch.stack([full[i, :, i, :] for i in range(4)]))
+
+
+def test_batch_jacobian_mismatched_batch_raises_value_error():
+    x = _c([[1.0, 2.0]])
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        y = dtape.concat([x, x], axis=0)
+    with pytest.raises(ValueError, match="batch dimension"):
+        t.batch_jacobian(y, x)
+
+
+# -- functional forms -----------------------------------------------------------
+def test_implicit_val_and_grad_variables_in_creation_order():
+    b, a = dtape.Variable(_c(3.0)), dtape.Variable(_c(2.0))
+    val, grads = backprop.implicit_val_and_grad(lambda x: a * a * x + b * x)(_c(4.0))
+    assert float(val) == 2.0 * 2.0 * 4.0 + 3.0 * 4.0
+    assert [v for _, v in grads] == [b, a]
+    assert [float(g) for g, _ in grads] == [4.0, 16.0]
+
+
+def test_implicit_grad_no_variables_raises_value_error():
+    with pytest.raises(ValueError, match="No trainable variables"):
+        backprop.implicit_grad(lambda x: x * 2.0)(_c(1.0))
+
+
+def test_implicit_val_and_grad_none_result_raises_value_error():
+    v = dtape.Variable(1.0)
+
+    def f():
+        v.read_value()
+
+    with pytest.raises(ValueError, match="returns None"):
+        backprop.implicit_val_and_grad(f)()
+
+
+def test_gradients_function_params_by_name_and_position():
+    def f(x, y):
+        return x * x * y
+
+    x, y = _c(3.0), _c(2.0)
+    assert [float(g) for g in backprop.gradients_function(f)(x, y)] == [12.0, 9.0]
+    assert [float(g) for g in backprop.gradients_function(f, params=["y"])(x, y)] == [9.0]
+    assert [float(g) for g in backprop.gradients_function(f, params=[0])(x, y)] == [12.0]
+
+
+def test_gradients_function_nested_second_derivative_exact():
+    def f(x):
+        return x ** 3
+
+    df = backprop.gradients_function(f)
+    ddf = backprop.gradients_function(lambda x: df(x)[0])
+    assert float(ddf(_c(2.0))[0]) == 12.0
+
+
+def test_gradients_function_same_tensor_twice_gets_both_gradients():
+    x = _c(3.0)
+    gx, gy = backprop.gradients_function(lambda a, b: a * b)(x, x)
+    assert (float(gx), float(gy)) == (3.0, 3.0)
+
+
+def test_val_and_grad_function_dy_scales_gradient():
+    val, (g,) = backprop.val_and_grad_function(lambda x: dtape.sin(x))(_c(0.5), dy=_c(2.0))
+    assert math.isclose(float(val), math.sin(0.5))
+    assert math.isclose(float(g), 2.0 * math.cos(0.5))
+
+
+def test_make_vjp_vector_jacobian_product_vs_torch():
+    xt = torch.randn(3, dtype=D)
+    result, vjp = backprop.make_vjp(lambda x: [dtape.exp(x), x * x])(_c(xt))
+    _close(result[0], torch.exp(xt))
+    dy = [torch.ones(3, dtype=D), torch.arange(3, dtype=D)]
+    (g,) = vjp([_c(dy[0]), _c(dy[1])])
+    _close(g, torch.exp(xt) * dy[0] + 2 * xt * dy[1])
+    (g2,) = vjp()  # persistent: callable again
+    _close(g2, torch.exp(xt) + 2 * xt)
