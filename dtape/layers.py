@@ -27,27 +27,19 @@ __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "Dropo
 
 # -- activations -------------------------------------------------------------
 
-def _nn_or_torch(name, fallback):
-    """dtape.nn's op `name`, or `fallback` (torch, recorded through __torch_function__) until it exists."""
-    op = getattr(_nn, name, None)
-    return op if op is not None else fallback
-
-
-def _softmax(x):
-    op = getattr(_nn, "softmax", None)
-    return op(x, axis=-1) if op is not None else torch.softmax(x, dim=-1)
-
-
 _ACTIVATIONS = {
     "linear": lambda x: x,
-    "relu": lambda x: _nn_or_torch("relu", torch.relu)(x),
+    "relu": _nn.relu,
+    "relu6": _nn.relu6,
+    "leaky_relu": _nn.leaky_relu,
+    "elu": _nn.elu,
+    "gelu": _nn.gelu,
+    "silu": _nn.silu,
+    "softplus": _nn.softplus,
     "tanh": _math.tanh,
     "sigmoid": _math.sigmoid,
-    "softmax": _softmax,
-    "gelu": lambda x: _nn_or_torch("gelu", torch.nn.functional.gelu)(x),
-    "silu": lambda x: _nn_or_torch("silu", torch.nn.functional.silu)(x),
-    "elu": lambda x: _nn_or_torch("elu", torch.nn.functional.elu)(x),
-    "softplus": lambda x: _nn_or_torch("softplus", torch.nn.functional.softplus)(x),
+    "softmax": lambda x: _nn.softmax(x, axis=-1),
+    "log_softmax": lambda x: _nn.log_softmax(x, axis=-1),
 }
 
 
@@ -277,7 +269,7 @@ class Conv2D(Layer):
             self.bias = self.add_weight("bias", (self.filters,), "zeros")
 
     def call(self, x):
-        y = _conv2d_nhwc(x, self.kernel, self.strides, self.padding)
+        y = _nn.conv2d(x, self.kernel, strides=[1, *self.strides, 1], padding=self.padding)
         if self.use_bias:
             y = y + self.bias
         return self.activation(y)
@@ -288,27 +280,6 @@ def _pair(v, what):
     if len(pair) != 2 or min(pair) <= 0:
         raise ValueError(f"{what} must be a positive int or a pair of them, got {v!r}")
     return pair
-
-
-def _conv2d_nhwc(x, kernel, strides, padding):
-    """dtape.nn.conv2d when present; else torch's conv2d on transposed views (recorded via interop)."""
-    op = getattr(_nn, "conv2d", None)
-    if op is not None:
-        return op(x, kernel, strides=[1, *strides, 1], padding=padding)
-    xt = _array.transpose(x, [0, 3, 1, 2])
-    kt = _array.transpose(kernel, [3, 2, 0, 1])
-    if padding == "SAME":
-        xt = _same_pad(xt, kernel.shape[:2], strides)
-    y = torch.nn.functional.conv2d(xt, kt, stride=strides)
-    return _array.transpose(y, [0, 2, 3, 1])
-
-
-def _same_pad(xt, ksize, strides):
-    pads = []
-    for size, k, s in zip(reversed(xt.shape[2:]), reversed(tuple(ksize)), reversed(strides)):
-        total = max((math.ceil(size / s) - 1) * s + k - size, 0)
-        pads += [total // 2, total - total // 2]
-    return torch.nn.functional.pad(xt, pads)
 
 
 class Embedding(Layer):
@@ -334,7 +305,7 @@ class Embedding(Layer):
 
     def __call__(self, ids, training=False):
         ids = ids if isinstance(ids, Tensor) else convert_to_tensor(ids, dtype=torch.int64)
-        return self.embeddings[ids]
+        return _nn.embedding_lookup(self.embeddings, ids)
 
 
 class LayerNormalization(Layer):
@@ -388,8 +359,7 @@ class Dropout(Layer):
         if not training or self.rate == 0.0:
             return x
         keep = torch.rand(tuple(x.shape), generator=self._generator, device=x.device) >= self.rate
-        scale = keep.to(x.dtype) / (1.0 - self.rate)
-        return x * Tensor(scale)
+        return x * Tensor(keep.to(x.dtype) / (1.0 - self.rate))
 
 
 class Sequential(Layer):
