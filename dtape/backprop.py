@@ -38,7 +38,8 @@ def _diff_dtype(dtype):
 
 
 def _prune(records, target_ids, source_ids):
-    """Records on a path from a source to a target, in recording order."""
+    """Records on a path from a source to a target (reverse recording order), and the
+    ids reachable from a source."""
     reach = set(source_ids)
     forward = []
     for rec in records:
@@ -55,7 +56,7 @@ def _prune(records, target_ids, source_ids):
                 needed.update(i for i in rec[1] if i is not None)
                 kept.append(rec)
                 break
-    return kept  # reverse recording order
+    return kept, reach
 
 
 def _unbroadcast(g, shape, rec, argnum):
@@ -85,8 +86,12 @@ def _gather_multi(rec, grads, keep, raw):
     return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, rec[4]))
 
 
-def _walk(records, grads, keep, raw):
-    """Reverse walk: calls each record's backward once its outputs' gradients are summed."""
+def _walk(records, reach, grads, keep, raw):
+    """Reverse walk: calls each record's backward once its outputs' gradients are summed.
+
+    Only inputs reachable from a source get gradients; ops whose rule takes
+    `needs` skip computing the others (TF's skip_input_indices).
+    """
     for rec in records:
         op, in_ids, out_ids, inputs, outputs, attrs = rec
         if len(out_ids) == 1:
@@ -99,10 +104,13 @@ def _walk(records, grads, keep, raw):
             dys = _gather_multi(rec, grads, keep, raw)
             if dys is None:
                 continue
-        in_grads = op.backward(dys, outputs, inputs, attrs, raw)
+        if getattr(op, "takes_needs", False):
+            in_grads = op.backward(dys, outputs, inputs, attrs, raw, tuple([i in reach for i in in_ids]))
+        else:
+            in_grads = op.backward(dys, outputs, inputs, attrs, raw)
         for argnum, i in enumerate(in_ids):
             g = in_grads[argnum]
-            if g is None or i is None:
+            if g is None or i not in reach:
                 continue
             shape = inputs[argnum].shape
             if g.shape != shape:
@@ -133,7 +141,8 @@ def imperative_grad(tape, targets, sources, output_gradients=None):
         prev = grads.get(t._id)
         grads[t._id] = dy if prev is None else prev + dy
     keep = set(source_ids)
-    _walk(_prune(tape.records(), target_ids, source_ids), grads, keep, raw)
+    records, reach = _prune(tape.records(), target_ids, source_ids)
+    _walk(records, reach, grads, keep, raw)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 

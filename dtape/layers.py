@@ -313,6 +313,7 @@ class LayerNormalization(Layer):
 
     Args:
       epsilon: added to the variance.
+      input_dim: size d of the last axis; when given, the variables are created now.
       name, dtype, seed: see `Layer`.
 
     Variables: `gamma` [d] (ones), `beta` [d] (zeros).
@@ -320,9 +321,11 @@ class LayerNormalization(Layer):
     Source: tf.keras.layers.LayerNormalization(axis=-1).
     """
 
-    def __init__(self, epsilon=1e-3, name=None, dtype=torch.float32, seed=None):
+    def __init__(self, epsilon=1e-3, input_dim=None, name=None, dtype=torch.float32, seed=None):
         super().__init__(name=name, dtype=dtype, seed=seed)
         self.epsilon = float(epsilon)
+        if input_dim is not None:
+            self._maybe_build((int(input_dim),))
 
     def build(self, input_shape):
         d = _last_dim(input_shape, self)

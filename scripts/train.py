@@ -68,7 +68,11 @@ def make_strategy(args):
         return dtape.distribute.OneDeviceStrategy(devices[0] if devices else "cpu")
     if args.strategy == "mirrored":
         return dtape.distribute.MirroredStrategy(devices=devices or ["cpu:0", "cpu:1"])
-    return dtape.distribute.MultiWorkerMirroredStrategy()
+    factory = getattr(dtape.distribute, "MultiWorkerMirroredStrategy", None)
+    if factory is None:
+        raise SystemExit("train.py: --strategy multi_worker needs dtape.distribute.MultiWorkerMirroredStrategy, "
+                         "which this dtape build does not have yet; use one_device or mirrored")
+    return factory()
 
 
 def make_optimizer(name, lr):

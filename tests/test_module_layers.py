@@ -192,3 +192,8 @@ def test_sequential_passes_training_to_dropout():
     model = layers.Sequential([layers.Dropout(0.9, seed=0)])
     assert (model(dtape.ones([100]), training=True).numpy() == 0).sum() > 50
     assert (model(dtape.ones([100])).numpy() == 1).all()
+
+
+def test_layer_normalization_input_dim_builds_at_construction():
+    ln = layers.LayerNormalization(input_dim=6)
+    assert [tuple(v.shape) for v in ln.variables] == [(6,), (6,)]

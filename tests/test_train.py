@@ -84,3 +84,45 @@ def test_train_command_line_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "final test accuracy" in proc.stdout
     assert (tmp_path / "metrics.json").exists()
+
+
+def test_train_charlm_without_implementation_exits_with_message(train, monkeypatch):
+    def not_yet(name):
+        raise NotImplementedError(f"task {name!r} is not implemented yet; use --task digits")
+
+    monkeypatch.setattr(train.tasks, "get_task", not_yet)
+    with pytest.raises(SystemExit, match="not implemented yet"):
+        train.main(["--task", "charlm", "--steps", "1"])
+
+
+def test_readme_starts_with_title_and_the_two_commands_ci_runs():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    assert text.startswith("# dtape")
+    commands = [line for line in text.splitlines() if line.startswith("python3 -m venv")]
+    assert len(commands) == 2
+    assert "scripts/train.py --task digits --strategy mirrored --devices cpu:0,cpu:1" in commands[0]
+    assert "torch==2.13.0" in commands[0] and "torch==2.13.0" in ci
+    assert commands[1].endswith("lint-imports && python -m pytest -q -p no:cacheprovider")
+    assert 'pip install -e ".[test,examples]"' in commands[1] and '-e ".[test,examples]"' in ci
+    assert "lint-imports" in ci and "pytest -q -p no:cacheprovider" in ci
+
+
+def test_readme_python_examples_run(tmp_path, monkeypatch):
+    import re
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        exec(compile(block.replace("/tmp/model.pt", str(tmp_path / "model.pt")), "README.md", "exec"), {})
+
+
+def test_train_charlm_short_mirrored_run_matches_one_device(train):
+    args = ["--task", "charlm", "--steps", 2, "--batch-size", 4]
+    one = _run(train, *args)
+    two = _run(train, *args, "--strategy", "mirrored", "--devices", "cpu:0,cpu:1")
+    assert len(one["loss"]) == 2 and one["loss"][0] > 1.0
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)

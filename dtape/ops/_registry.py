@@ -32,7 +32,7 @@ class OpDef:
     """
 
     __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
-                 "second_order", "multi_output", "attr_names", "in_names", "fn")
+                 "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs")
 
     def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output):
         self.name = name
@@ -40,6 +40,7 @@ class OpDef:
         self.n_in = n_in
         self.list_input = list_input
         self.grad_fn = None
+        self.takes_needs = False
         self.samples = samples
         self.second_order = second_order
         self.multi_output = multi_output
@@ -49,11 +50,16 @@ class OpDef:
         self.fn = None
 
     def grad(self, fn):
-        """Decorator: registers `fn` as this op's gradient rule."""
+        """Decorator: registers `fn` as this op's gradient rule.
+
+        A rule with a `needs` parameter receives a tuple of bools, one per
+        input, and may return None for inputs that need no gradient.
+        """
         self.grad_fn = fn
+        self.takes_needs = "needs" in inspect.signature(fn).parameters
         return fn
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs=None):
         if raw:
             inputs = [x._t if type(x) is Tensor else x for x in inputs]
             outputs = [o._t for o in outputs]
@@ -63,6 +69,8 @@ class OpDef:
             dy, ans = dys[0], outputs[0]
         if self.list_input:
             inputs = (list(inputs),)
+        if needs is not None:
+            attrs = dict(attrs or (), needs=needs)
         grads = self.grad_fn(dy, ans, *inputs, **attrs) if attrs else self.grad_fn(dy, ans, *inputs)
         return (grads,) if self.n_in == 1 and not self.list_input else grads
 

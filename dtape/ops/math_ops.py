@@ -240,6 +240,8 @@ def tanh(x):
 
 @tanh.grad
 def _(dy, ans, x):
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+        return torch.ops.aten.tanh_backward(dy, ans)
     return dy * (1 - ans * ans)
 
 
@@ -251,6 +253,8 @@ def sigmoid(x):
 
 @sigmoid.grad
 def _(dy, ans, x):
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+        return torch.ops.aten.sigmoid_backward(dy, ans)
     return dy * ans * (1 - ans)
 
 
@@ -329,14 +333,19 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
 
 
 @matmul.grad
-def _(dy, ans, a, b, transpose_a=False, transpose_b=False):
+def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
     t = _t
-    if transpose_a:
-        ga = torch.matmul(b, t(dy)) if not transpose_b else torch.matmul(t(b), t(dy))
-        gb = torch.matmul(a, dy) if not transpose_b else torch.matmul(t(dy), t(a))
-    else:
-        ga = torch.matmul(dy, t(b)) if not transpose_b else torch.matmul(dy, b)
-        gb = torch.matmul(t(a), dy) if not transpose_b else torch.matmul(t(dy), a)
+    ga = gb = None
+    if needs[0]:
+        if transpose_a:
+            ga = torch.matmul(b, t(dy)) if not transpose_b else torch.matmul(t(b), t(dy))
+        else:
+            ga = torch.matmul(dy, t(b)) if not transpose_b else torch.matmul(dy, b)
+    if needs[1]:
+        if transpose_a:
+            gb = torch.matmul(a, dy) if not transpose_b else torch.matmul(t(dy), t(a))
+        else:
+            gb = torch.matmul(t(a), dy) if not transpose_b else torch.matmul(t(dy), a)
     return ga, gb
 
 
