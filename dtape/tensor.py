@@ -115,7 +115,7 @@ def _to_torch(value, dtype=None, device=None):
     if isinstance(value, torch.Tensor):
         t = value.detach()
     elif isinstance(value, np.ndarray) or np.isscalar(value) and not isinstance(value, (int, float, bool)):
-        t = torch.from_numpy(np.ascontiguousarray(value))
+        t = torch.from_numpy(np.array(value, copy=True))
     else:
         try:
             t = torch.tensor(value, dtype=dtype or _infer_dtype(value))

@@ -15,7 +15,7 @@ import numpy as np
 import dtape
 from dtape import layers
 
-DEFAULTS = {"epochs": 1, "batch_size": 32, "lr": 3e-3, "optimizer": "adam"}
+DEFAULTS = {"epochs": 3, "batch_size": 32, "lr": 3e-3, "optimizer": "adam"}
 CONTEXT = 64
 WIDTH, HEADS, DEPTH = 64, 4, 2
 MODULES = ("argparse.py", "textwrap.py", "string.py", "functools.py", "dataclasses.py", "typing.py",
