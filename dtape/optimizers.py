@@ -61,6 +61,17 @@ class Optimizer:
             self._slots[id(var)] = slots
         return slots
 
+    def build(self, var_list):
+        """Creates the slot variables (and `iterations`) for `var_list` now.
+
+        Call it in the cross-replica context (e.g. inside `strategy.scope()`)
+        before a checkpoint restore, so restored slots have somewhere to go.
+        Source: tf.keras.optimizers.Optimizer.build.
+        """
+        for var in var_list:
+            self._slots_for(distribute.value_container(var))
+        return self.iterations
+
     def variables(self):
         """The optimizer's state: iterations, then slots in creation order."""
         out = [self.iterations]

@@ -147,21 +147,8 @@ class Trainer:
         return True
 
     def _create_optimizer_slots(self):
-        """Makes the optimizer create its slots so that restore can fill them.
-
-        Uses `optimizer.build(vars)` when the optimizer has it; otherwise applies
-        zero gradients once in every replica (what that changes is overwritten by the restore).
-        """
-        model, optimizer = self.model, self.optimizer
-        build = getattr(optimizer, "build", None)
-        if build is not None:
-            build(model.trainable_variables)
-            return
-
-        def zero_step():
-            variables = model.trainable_variables
-            optimizer.apply_gradients([(dtape.zeros_like(v), v) for v in variables])
-        self.strategy.run(zero_step)
+        """Makes the optimizer create its slots so that restore can fill them."""
+        self.optimizer.build(self.model.trainable_variables)
 
     # -- training ---------------------------------------------------------------
     def total_steps(self, steps_per_epoch):

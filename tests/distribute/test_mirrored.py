@@ -267,3 +267,13 @@ def test_mirrored_strategy_bad_devices_raise():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="not available"):
             ds.MirroredStrategy(["cuda:0"])
+
+
+def test_optimizer_build_creates_mirrored_slots_before_any_step(strategy):
+    with strategy.scope():
+        v = dtape.Variable(torch.ones(3))
+        opt = dtape.optimizers.SGD(0.1, momentum=0.5)
+        opt.build([v])
+    slots = opt.variables()
+    assert len(slots) == 2 and int(opt.iterations.numpy()) == 0
+    assert isinstance(slots[1], ds.MirroredVariable) and slots[1].shape == (3,)
