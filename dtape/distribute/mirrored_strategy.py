@@ -8,7 +8,7 @@ from dtape import _config
 from dtape import tape as _tp
 from dtape.distribute import context, mirrored_run
 from dtape.distribute.distribute_lib import Strategy, StrategyExtended
-from dtape.distribute.values import MirroredVariable, PerReplica, SyncOnReadVariable, regroup
+from dtape.distribute.values import MirroredVariable, PerReplica, SyncOnReadVariable, regroup, select_replica
 from dtape.tensor import normalize_device
 from dtape.variables import VariableSynchronization
 
@@ -54,6 +54,14 @@ class MirroredStrategy(Strategy):
         self._threads = None
 
     def _create_variable(self, next_creator, **kwargs):
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.strategy is self:
+            # Created inside `run` (e.g. a layer's lazy build): every replica
+            # reaches this point; one merge_call makes one variable for all.
+            return ctx.merge_call(_create_in_merge, args=(next_creator,), kwargs=kwargs)
+        return self._create_mirrored(next_creator, **kwargs)
+
+    def _create_mirrored(self, next_creator, **kwargs):
         init = kwargs["initial_value"]
         if callable(init):
             with _tp.stop_recording():
@@ -99,6 +107,11 @@ class MirroredStrategy(Strategy):
                 self._threads = None  # stuck threads are abandoned; fresh ones serve the next step
                 raise
         return _group_results(results)
+
+
+def _create_in_merge(strategy, next_creator, **kwargs):
+    """merge_fn: creates the variable once, from replica 0's arguments."""
+    return strategy._create_mirrored(select_replica(0, next_creator), **select_replica(0, kwargs))
 
 
 def _group_results(results):

@@ -277,3 +277,15 @@ def test_optimizer_build_creates_mirrored_slots_before_any_step(strategy):
     slots = opt.variables()
     assert len(slots) == 2 and int(opt.iterations.numpy()) == 0
     assert isinstance(slots[1], ds.MirroredVariable) and slots[1].shape == (3,)
+
+
+def test_variable_created_inside_run_is_one_mirrored_variable_for_all_replicas(strategy):
+    with strategy.scope():
+        layer = dtape.layers.Dense(3)  # built lazily, on the replica threads
+    for _ in range(5):  # the race this guards against was intermittent
+        created = strategy.run(lambda: dtape.Variable(torch.zeros(2)))
+        assert isinstance(created, ds.MirroredVariable)
+    x = ds.PerReplica((dtape.constant(torch.ones(2, 4)), dtape.constant(torch.ones(1, 4))))
+    strategy.run(lambda xi: layer(xi), args=(x,))
+    assert len(layer.trainable_variables) == 2
+    assert all(isinstance(v, ds.MirroredVariable) for v in layer.trainable_variables)
