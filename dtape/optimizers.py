@@ -15,7 +15,6 @@ import torch
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.tensor import Tensor
 from dtape.variables import Variable, VariableAggregation
 
 
@@ -219,4 +218,4 @@ class AdamW(Adam):
         return self._lr() * self.weight_decay * var.torch()
 
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Tensor"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]

@@ -358,4 +358,4 @@ class capture_variable_reads:
 __all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
            "variable_accessed", "should_record", "record", "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver", "Tensor"]
+           "register_watched_variable_resolver"]

@@ -12,7 +12,7 @@ import torch
 
 from dtape import tape as _tp
 from dtape.ops._dispatch import _torch_function
-from dtape.tensor import Tensor, _next_id, _to_torch, normalize_device
+from dtape.tensor import Tensor, _next_id, _to_torch
 
 
 class VariableSynchronization(enum.Enum):
@@ -283,4 +283,3 @@ def _delegate(dunder):
 
 
 install_tensor_protocol(Variable)
-_ = normalize_device

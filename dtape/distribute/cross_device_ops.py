@@ -11,7 +11,7 @@ from dtape import ops
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.ops import _samples as S
 from dtape.ops._registry import defop
-from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.tensor import convert_to_tensor, normalize_device
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})])
@@ -58,4 +58,4 @@ def broadcast(value, devices):
     return tuple(_on(value, normalize_device(d)) for d in devices)
 
 
-__all__ = ["reduce_values", "broadcast", "copy_to_device", "Tensor"]
+__all__ = ["reduce_values", "broadcast", "copy_to_device"]

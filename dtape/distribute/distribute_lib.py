@@ -3,15 +3,13 @@
 Source: tensorflow/python/distribute/distribute_lib.py. Public methods
 validate and normalise, then call private `_impl`s.
 """
-import torch
-
 from dtape import nest, ops
 from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops, input_lib
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, PerReplica,
-                                     regroup, select_replica, value_container)
-from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, select_replica,
+                                     value_container)
+from dtape.tensor import convert_to_tensor, normalize_device
 from dtape.variables import current_creator_stack, variable_creator_scope
 
 
@@ -262,4 +260,4 @@ _DEFAULT_REPLICA = ReplicaContext(_DEFAULT_STRATEGY, 0)
 _DEFAULT_MODE = context._Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
 context.register_default_mode_factory(lambda: _DEFAULT_MODE)
 
-__all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "PerReplica", "Tensor", "torch"]
+__all__ = ["Strategy", "StrategyExtended", "ReplicaContext"]

@@ -10,7 +10,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dtape import tape as _tp
-from dtape.ops import _registry
 from dtape.ops._registry import TORCH_TABLE, Tensor
 
 
@@ -136,4 +135,3 @@ def _rmethod(fn):
 
 
 __all__ = []
-_ = _registry
