@@ -177,13 +177,13 @@ def _make_nary(opdef):
             if not isinstance(args[0], (list, tuple)):
                 raise TypeError(f"{opdef.name}: first argument must be a list of tensors, got {type(args[0]).__name__}")
             inputs = tuple(convert_to_tensor(v) for v in args[0])
-            rest = args[1:]
-            raw = fwd([t._t for t in inputs], **_attrs(opdef, rest, attrs))
+            attrs = _attrs(opdef, args[1:], attrs)
+            raw = fwd([t._t for t in inputs], **attrs)
         else:
             inputs = tuple(as_input(v) for v in args[:n])
-            rest = args[n:]
-            raw = fwd(*[_raw(t) for t in inputs], **_attrs(opdef, rest, attrs))
-        return _finish_multi(opdef, raw, inputs, _attrs(opdef, rest, attrs))
+            attrs = _attrs(opdef, args[n:], attrs)
+            raw = fwd(*[_raw(t) for t in inputs], **attrs)
+        return _finish_multi(opdef, raw, inputs, attrs)
     return call
 
 
