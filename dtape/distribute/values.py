@@ -105,6 +105,17 @@ class DistributedVariable(DistributedValues):
     def __array__(self, dtype=None, copy=None):
         return self._component().__array__(dtype)
 
+    # writes: each subclass's `_write(method, value)` decides which components change
+    def assign(self, value, read_value=False):
+        """Sets the value (see the subclass for which components change). Returns self."""
+        return self._write("assign", value)
+
+    def assign_add(self, delta, read_value=False):
+        return self._write("assign_add", delta)
+
+    def assign_sub(self, delta, read_value=False):
+        return self._write("assign_sub", delta)
+
     def __hash__(self):
         return id(self)
 
@@ -129,16 +140,6 @@ class MirroredVariable(DistributedVariable):
 
     value = read_value
     _dtape_read = read_value
-
-    def assign(self, value, read_value=False):
-        """Sets every component (cross-replica), or aggregates replica writes."""
-        return self._write("assign", value)
-
-    def assign_add(self, delta, read_value=False):
-        return self._write("assign_add", delta)
-
-    def assign_sub(self, delta, read_value=False):
-        return self._write("assign_sub", delta)
 
     def _write(self, method, value):
         if context.update_index() is not None or context.in_cross_replica_context() or \
@@ -197,16 +198,8 @@ class SyncOnReadVariable(DistributedVariable):
     value = read_value
     _dtape_read = read_value
 
-    def assign(self, value, read_value=False):
-        return self._sync_write("assign", value)
-
-    def assign_add(self, delta, read_value=False):
-        return self._sync_write("assign_add", delta)
-
-    def assign_sub(self, delta, read_value=False):
-        return self._sync_write("assign_sub", delta)
-
-    def _sync_write(self, method, value):
+    def _write(self, method, value):
+        """Replica context: this replica's component; cross-replica: every component."""
         idx = _local_index(self)
         if idx is not None:
             getattr(self._values[idx], method)(value)
