@@ -15,13 +15,8 @@ import torch
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.distribute.reduce_util import ReduceOp
+from dtape.tensor import convert_to_tensor
 from dtape.variables import Variable, VariableAggregation
-
-
-def _raw(g):
-    if g is None:
-        return None
-    return g.torch() if hasattr(g, "torch") else torch.as_tensor(g)
 
 
 class Optimizer:
@@ -116,7 +111,7 @@ class Optimizer:
     def _apply_one(self, var, grad, step):
         container = distribute.value_container(var)
         slots = {n: _component_like(s, var) for n, s in self._slots_for(container).items()}
-        self._update(var, _raw(grad).to(var.device), slots, step)
+        self._update(var, convert_to_tensor(grad).torch().to(var.device), slots, step)
 
     def minimize(self, loss, var_list, tape):
         """Computes the gradients of `loss` with `tape` and applies them to `var_list`."""
