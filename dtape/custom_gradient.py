@@ -9,8 +9,6 @@ variables=...)`.
 import functools
 import inspect
 
-import torch
-
 from dtape import nest
 from dtape import tape as _tp
 from dtape.tensor import Tensor, convert_to_tensor
@@ -104,7 +102,7 @@ class _CustomGradientOp:
         if raw:
             dys = [Tensor(d) for d in dys]
         grads = self._user_grads(dys)
-        return [_to_grad(g, raw) for g in grads]
+        return [_tp.to_walk_grad(g, raw) for g in grads]
 
     def _user_grads(self, dys):
         if self.variables:
@@ -120,17 +118,6 @@ class _CustomGradientOp:
             raise ValueError(f"custom_gradient {self.name!r}: grad_fn returned {len(flat)} gradients for "
                              f"{self.n_args} inputs; return one per positional argument (None allowed)")
         return flat + var_grads
-
-
-def _to_grad(g, raw):
-    """The walk's gradient type for a user gradient: torch.Tensor (raw) or dtape.Tensor."""
-    if g is None:
-        return None
-    if raw:
-        if isinstance(g, torch.Tensor):
-            return g
-        return convert_to_tensor(g).torch()
-    return g if isinstance(g, Tensor) else convert_to_tensor(g)
 
 
 __all__ = ["custom_gradient"]

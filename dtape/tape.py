@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from dtape.tensor import Tensor
+from dtape.tensor import Tensor, convert_to_tensor
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
 # (never mutated) under _set_lock. Readers take a snapshot without locking.
@@ -232,14 +232,16 @@ class _CallableBackward:
             dys = [Tensor(d) for d in dys]
         grads = self.fn(*dys)
         grads = grads if isinstance(grads, (tuple, list)) else (grads,)
-        return [_raw_grad(g) for g in grads] if raw else grads
+        return [to_walk_grad(g, raw) for g in grads]
 
 
-def _raw_grad(g):
-    """A torch.Tensor (or None) from what a seed-style backward function returned."""
-    if g is None or isinstance(g, torch.Tensor):
-        return g
-    return g.torch() if isinstance(g, Tensor) else torch.as_tensor(g)
+def to_walk_grad(g, raw):
+    """A user-returned gradient as the backward walk wants it: torch.Tensor (raw) or dtape.Tensor."""
+    if g is None:
+        return None
+    if raw:
+        return g if isinstance(g, torch.Tensor) else convert_to_tensor(g).torch()
+    return g if isinstance(g, Tensor) else convert_to_tensor(g)
 
 
 def record_operation(op_type, output_tensors, input_tensors, backward_function):
