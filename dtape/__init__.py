@@ -3,7 +3,8 @@
 The public surface is described in API.md; this module re-exports it.
 """
 from dtape import tape, nn  # noqa: F401
-from dtape.tensor import Tensor, constant, convert_to_tensor  # noqa: F401
+from dtape.tensor import Tensor, constant, convert_to_tensor, device  # noqa: F401
+from dtape import random  # noqa: F401
 from dtape.ops import *  # noqa: F401,F403
 from dtape.ops import __all__ as _ops_all
 from dtape.tape import stop_recording  # noqa: F401
@@ -15,7 +16,7 @@ from dtape import layers, checkpoint  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["Tensor", "constant", "convert_to_tensor", "stop_recording", "Variable",
+__all__ = ["Tensor", "constant", "convert_to_tensor", "device", "random", "stop_recording", "Variable",
            "VariableAggregation", "VariableSynchronization", "variable_creator_scope",
            "GradientTape", "UnconnectedGradients", "tape", "nn"] + list(_ops_all)
 __all__ += ["Module", "layers", "checkpoint"]

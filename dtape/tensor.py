@@ -6,11 +6,13 @@ reads of variables are filled in from above (`ops/_dispatch.py`,
 array methods from its numpy layer.
 """
 import itertools
+import threading
 
 import numpy as np
 import torch
 
 from dtape import _config
+from dtape._local import ThreadLocalScope
 
 # Process-wide source of tensor ids. `next()` on itertools.count is atomic
 # under the GIL; on free-threaded builds ids stay unique because count's
@@ -125,9 +127,67 @@ def _to_torch(value, dtype=None, device=None):
             t = t.to(DEFAULT_FLOAT_DTYPE)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
+    if device is None and not isinstance(value, torch.Tensor):
+        device = _device_state.device  # new tensors follow the thread's dtape.device scope
     if device is not None:
         t = t.to(normalize_device(device))
     return t
+
+
+class _DeviceState(threading.local):
+    """Per-thread default device for new tensors (None: torch's own default, the CPU)."""
+
+    device = None
+
+
+_device_state = _DeviceState()
+
+
+def current_device():
+    """The device of the innermost `dtape.device` scope on this thread, or None outside any."""
+    return _device_state.device
+
+
+class device(ThreadLocalScope):
+    """Thread-local scope: tensor factories and conversions place new tensors on `name`.
+
+    Read by `constant`, `convert_to_tensor` (for values that are not already
+    tensors), `zeros`, `ones`, `fill`, `range` and `dtape.random`. Each
+    replica thread of a strategy runs inside its own device. Scopes nest;
+    other threads are not affected.
+
+    Args:
+      name: a device name ("cpu", "cpu:1", "cuda:0", "gpu:1") or torch.device;
+        "cpu:N" (a CPU replica) places tensors on the CPU.
+
+    Raises:
+      RuntimeError: (from torch) when a tensor is then made on a device that does not exist.
+
+    Source: tf.device (eager placement).
+
+    Example:
+      >>> with dtape.device("cpu"):
+      ...     x = dtape.constant([1.0])
+      >>> x.device
+      device(type='cpu')
+    """
+
+    __slots__ = ()
+    _state = _device_state
+    _attr = "device"
+
+    def __init__(self, name):
+        super().__init__(None if name is None else normalize_device(name))
+
+
+def default_device(device=None):
+    """`device` as a torch.device if given, else the scope's device, else the CPU."""
+    if device is not None:
+        return normalize_device(device)
+    return _device_state.device or _CPU
+
+
+_CPU = torch.device("cpu")
 
 
 def normalize_device(device):
@@ -150,7 +210,8 @@ def constant(value, dtype=None, shape=None, device=None):
       dtype: torch.dtype; default float32 for Python floats, int64 for ints,
         the source dtype for numpy and torch values.
       shape: optional shape; a scalar value is broadcast to it.
-      device: torch device or name ('cpu', 'cuda:0'); default the value's own (cpu).
+      device: torch device or name ('cpu', 'cuda:0'); default: a torch.Tensor's
+        own device, else the current `dtape.device` scope's, else the CPU.
 
     Returns:
       A Tensor that shares no memory with `value`.

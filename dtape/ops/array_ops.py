@@ -9,7 +9,7 @@ import torch
 
 from dtape.ops import _samples as S
 from dtape.ops._registry import TORCH_TABLE, defop
-from dtape.tensor import Tensor, _to_torch, normalize_device
+from dtape.tensor import Tensor, _to_torch, default_device
 
 _brange = builtins.range  # `range` below is tf.range
 
@@ -208,15 +208,15 @@ def _creation_dtype(dtype):
 
 
 def zeros(shape, dtype=None, device=None):
-    """A tensor of zeros of `shape` (default float32, cpu). Source: tf.zeros."""
+    """A tensor of zeros of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.zeros."""
     return Tensor(torch.zeros(tuple(_to_list(shape)), dtype=_creation_dtype(dtype),
-                              device=normalize_device(device or "cpu")))
+                              device=default_device(device)))
 
 
 def ones(shape, dtype=None, device=None):
-    """A tensor of ones of `shape` (default float32, cpu). Source: tf.ones."""
+    """A tensor of ones of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.ones."""
     return Tensor(torch.ones(tuple(_to_list(shape)), dtype=_creation_dtype(dtype),
-                             device=normalize_device(device or "cpu")))
+                             device=default_device(device)))
 
 
 def _to_list(shape):
@@ -587,4 +587,4 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     vals = [v.torch().item() if isinstance(v, Tensor) else v for v in (start, limit, delta)]
     if dtype is None:
         dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
-    return Tensor(torch.arange(*vals, dtype=dtype))
+    return Tensor(torch.arange(*vals, dtype=dtype, device=default_device()))

@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dtape import random as _random
 from dtape.ops import _samples as S
 from dtape.ops._registry import defop
 from dtape.ops.array_ops import gather, one_hot
@@ -260,7 +261,8 @@ def dropout(x, rate, noise_shape=None, seed=None):
       x: floating tensor, any shape.
       rate: drop probability in [0, 1).
       noise_shape: shape broadcastable to x.shape (shared mask along size-1 dims).
-      seed: int, seeds a private generator (reproducible mask).
+      seed: int, seeds a private generator (reproducible mask); default: the
+        current replica's generator (`dtape.random`), torch's default outside replicas.
 
     Returns:
       x's shape and dtype.
@@ -274,11 +276,12 @@ def dropout(x, rate, noise_shape=None, seed=None):
     if not 0 <= float(rate) < 1:
         raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
     shape = tuple(x.shape) if noise_shape is None else tuple(int(s) for s in noise_shape)
-    gen = None
     if seed is not None:
         gen = torch.Generator(device=x.device).manual_seed(int(seed))
-    keep = torch.rand(shape, generator=gen, device=x.device) >= float(rate)
-    mask = keep.to(x.dtype) / (1 - float(rate))
+        keep = torch.rand(shape, generator=gen, device=x.device) >= float(rate)
+        mask = keep.to(x.dtype) / (1 - float(rate))
+    else:
+        mask = _random.bernoulli_mask(shape, 1 - float(rate), x.dtype, x.device)
     return multiply(x, Tensor(mask))
 
 

@@ -1,0 +1,127 @@
+"""Random numbers from the current replica's generator.
+
+Each thread may install its own `torch.Generator` (`generator_scope`); a
+strategy gives every replica thread one, on its device, seeded from the
+strategy's seed and the replica id, so replicas never share random state and
+identically seeded runs draw identical numbers whatever the thread schedule.
+Outside any scope torch's default generator for the device is used (seeded
+by `torch.manual_seed`).
+
+Source: tf.random (uniform, normal, categorical) and the per-replica
+`tf.random.Generator` / `split` model of tf.distribute.
+"""
+import threading
+
+import torch
+
+from dtape._local import ThreadLocalScope
+from dtape.tensor import DEFAULT_FLOAT_DTYPE, Tensor, convert_to_tensor, default_device
+
+
+class _GeneratorState(threading.local):
+    """Per-thread generator (None: torch's default generator of the device)."""
+
+    generator = None
+
+
+_gen_state = _GeneratorState()
+
+
+class generator_scope(ThreadLocalScope):
+    """Thread-local: draws on this thread use `generator` (a torch.Generator) inside the block."""
+
+    __slots__ = ()
+    _state = _gen_state
+    _attr = "generator"
+
+
+def get_generator(device=None):
+    """The generator random ops use on this thread for `device` (default: the scope's device).
+
+    The thread's own generator (a replica's) when its device type matches,
+    else torch's default generator of that device.
+    """
+    device = default_device(device)
+    gen = _gen_state.generator
+    if gen is not None and gen.device.type == device.type:
+        return gen
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _dtype(dtype):
+    return DEFAULT_FLOAT_DTYPE if dtype is None else dtype
+
+
+def _shape(shape):
+    return tuple(int(s) for s in (shape if isinstance(shape, (list, tuple, torch.Size)) else [shape]))
+
+
+def _seeded(seed, device):
+    if seed is None:
+        return get_generator(device)
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None, device=None):
+    """Samples from U[minval, maxval).
+
+    Args:
+      shape: output shape (ints).
+      minval, maxval: Python numbers, the range.
+      dtype: floating torch dtype (default float32).
+      seed: int for a private generator (reproducible), else the replica's generator.
+      device: default the current `dtape.device` scope's, else the CPU.
+
+    Returns:
+      A Tensor of `shape` and `dtype` on `device` (never recorded: no gradient).
+
+    Source: tf.random.uniform.
+    """
+    device = default_device(device)
+    t = torch.rand(_shape(shape), dtype=_dtype(dtype), device=device, generator=_seeded(seed, device))
+    return Tensor(t * (maxval - minval) + minval)
+
+
+def normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None, device=None):
+    """Samples from N(mean, stddev^2).
+
+    Args: as `uniform`. Returns: a Tensor of `shape` and `dtype` on `device`.
+    Source: tf.random.normal.
+    """
+    device = default_device(device)
+    t = torch.randn(_shape(shape), dtype=_dtype(dtype), device=device, generator=_seeded(seed, device))
+    return Tensor(t * stddev + mean)
+
+
+def categorical(logits, num_samples, dtype=torch.int64, seed=None):
+    """Draws class indices from the unnormalised log-probabilities `logits`.
+
+    Args:
+      logits: [batch, num_classes] floating tensor.
+      num_samples: samples per row.
+      dtype: integer dtype of the result (default int64).
+      seed: int for a private generator, else the replica's generator.
+
+    Returns:
+      [batch, num_samples] Tensor of `dtype` on logits' device.
+
+    Source: tf.random.categorical.
+    """
+    logits = convert_to_tensor(logits).torch()
+    if logits.dim() != 2:
+        raise ValueError(f"categorical: logits must be [batch, num_classes], got shape {tuple(logits.shape)}")
+    probs = torch.softmax(logits.to(torch.float64), dim=-1)
+    out = torch.multinomial(probs, int(num_samples), replacement=True,
+                            generator=_seeded(seed, logits.device))
+    return Tensor(out.to(dtype))
+
+
+def bernoulli_mask(shape, keep_prob, dtype, device):
+    """A raw torch mask of `shape`: 1/keep_prob with probability keep_prob, else 0 (dropout's)."""
+    keep = torch.rand(_shape(shape), device=device, generator=get_generator(device)) < keep_prob
+    return keep.to(dtype) / keep_prob
+
+
+__all__ = ["uniform", "normal", "categorical", "get_generator", "generator_scope"]
