@@ -3,18 +3,24 @@
 Each layer is a `Module`; its variables are made with `dtape.Variable` when it
 is built (on the first call, or at construction when the input size is given),
 so a strategy's `scope()` turns them into distributed variables. Initial
-values are computed once, eagerly, from a `torch.Generator` seeded by the
-layer's `seed` (or from torch's global generator, seeded by
-`torch.manual_seed`, when `seed` is None).
+values are drawn once, where the variable is created, from a
+`torch.Generator` seeded by the layer's `seed` (or from torch's global
+generator, seeded by `torch.manual_seed`, when `seed` is None). The initial
+value is passed to `Variable` as a callable, so a layer built lazily inside
+`strategy.run` draws it once, in the strategy's merge_call on the caller's
+thread: creation is deterministic and equals building the layer outside.
 
 Source: tf.keras.layers.
 """
 import inspect
 import math
+import threading
 
+import numpy as np
 import torch
 
 from dtape import nn as _nn
+from dtape import random as _random
 from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
@@ -137,9 +143,15 @@ class Layer(Module):
         raise NotImplementedError(f"{type(self).__name__} must define call(x)")
 
     def add_weight(self, name, shape, initializer="glorot_uniform", trainable=True):
-        """Creates a variable `<layer>/<name>` of `shape`, initialised once, eagerly."""
-        value = get_initializer(initializer)(tuple(shape), self.dtype, self._generator)
-        return Variable(value, trainable=trainable, name=f"{self.name}/{name}", dtype=self.dtype)
+        """Creates a variable `<layer>/<name>` of `shape`, its initial value drawn once where it is created.
+
+        The value is given to `Variable` as a callable: inside `strategy.run`
+        the strategy calls it once, in its merge_call on the caller's thread,
+        so replica threads never draw (and never race on) initial values.
+        """
+        init, shape, dtype, gen = get_initializer(initializer), tuple(shape), self.dtype, self._generator
+        return Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
+                        dtype=self.dtype)
 
     def _maybe_build(self, input_shape):
         if not self.built:
@@ -344,10 +356,20 @@ class Dropout(Layer):
 
     Args:
       rate: float in [0, 1).
-      name, seed: see `Layer`. The mask draws from this layer's generator.
+      name: see `Layer`.
+      seed: None (default): the mask draws from the current replica's
+        generator (`dtape.random.get_generator`: one per replica under a
+        strategy, saved by `strategy.get_rng_state()`; torch's default
+        generator outside replicas). An int: the layer draws from its own
+        stateful generators: outside replicas one seeded with `seed` (per
+        device); on replica i of a strategy one seeded from (seed, i), so
+        replicas never share (or race on) one generator and each replica's
+        masks are reproducible. These layer-owned streams are not part of
+        the strategy's RNG state: for a bit-exact resume use seed=None.
 
-    Identity unless called with `training=True`.
-    Source: tf.keras.layers.Dropout.
+    Shapes: x any shape -> the same shape and dtype. Identity unless called
+    with `training=True`.
+    Source: tf.keras.layers.Dropout (per-replica streams: tf.random.Generator.split).
     """
 
     def __init__(self, rate, name=None, seed=None):
@@ -355,14 +377,36 @@ class Dropout(Layer):
         if not 0.0 <= float(rate) < 1.0:
             raise ValueError(f"Dropout rate must be in [0, 1), got {rate!r}")
         self.rate = float(rate)
+        self.seed = None if seed is None else int(seed)
+        self._streams = {}  # (replica id or None, device) -> torch.Generator; only with a seed
+        self._streams_lock = threading.Lock()
         self.built = True
 
     def __call__(self, x, training=False):
         x = x if isinstance(x, Tensor) or hasattr(x, "_dtape_read") else convert_to_tensor(x)
         if not training or self.rate == 0.0:
             return x
-        keep = torch.rand(tuple(x.shape), generator=self._generator, device=x.device) >= self.rate
+        if self.seed is None:
+            return _nn.dropout(x, self.rate)
+        keep = torch.rand(tuple(x.shape), generator=self._stream(x.device), device=x.device) >= self.rate
         return x * Tensor(keep.to(x.dtype) / (1.0 - self.rate))
+
+    def _stream(self, device):
+        """This layer's generator for the current replica (None outside replicas) on `device`."""
+        replica_id = getattr(_random.get_generator(device), "replica_id", None)
+        key = (replica_id, device)
+        with self._streams_lock:
+            gen = self._streams.get(key)
+            if gen is None:
+                seed = self.seed if replica_id is None else _derive_seed(self.seed, replica_id)
+                gen = self._streams[key] = torch.Generator(device=device).manual_seed(seed)
+        return gen
+
+
+def _derive_seed(seed, replica_id):
+    """A well-mixed 63-bit seed for replica `replica_id`'s stream of `seed`."""
+    ss = np.random.SeedSequence([seed & (2**64 - 1), int(replica_id), 0x64726F70])  # domain tag: "drop"
+    return int(ss.generate_state(1, np.uint64)[0]) & (2**63 - 1)
 
 
 class Sequential(Layer):

@@ -13,7 +13,7 @@ import time
 
 from dtape import tape as _tp
 from dtape import variables
-from dtape.distribute import context
+from dtape.distribute import context, replica_scope
 from dtape.distribute.distribute_lib import ReplicaContext
 from dtape.distribute.values import regroup, select_replica
 
@@ -62,13 +62,13 @@ class Coordinator:
         self.aborted = False
 
     # -- replica side ---------------------------------------------------------
-    def replica_job(self, fn, replica_id, args, kwargs, stack, creators):
+    def replica_job(self, fn, replica_id, args, kwargs, stack, creators, caller):
         rctx = ReplicaContext(self.strategy, replica_id, self)
 
         def job():
             try:
-                with context.set_stack(stack), variables.set_creator_stack(creators), \
-                        context.enter_mode(self.strategy, rctx):
+                with replica_scope.replica_scope(self.strategy, replica_id, caller), context.set_stack(stack), \
+                        variables.set_creator_stack(creators), context.enter_mode(self.strategy, rctx):
                     self.results[replica_id] = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - every failure must reach run()
                 self.errors[replica_id] = e
@@ -161,7 +161,8 @@ def run_on_replicas(strategy, threads, fn, args, kwargs, timeout):
     coord = Coordinator(strategy, len(threads), timeout)
     stack = context.current_stack()
     creators = variables.current_creator_stack()
+    caller = replica_scope.capture_caller_state()  # autocast, grad mode: thread-local in torch
     for i, thread in enumerate(threads):
         thread.submit(coord.replica_job(fn, i, select_replica(i, args), select_replica(i, kwargs),
-                                        stack, creators))
+                                        stack, creators, caller))
     return coord.wait()

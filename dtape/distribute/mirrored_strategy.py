@@ -6,7 +6,7 @@ import torch
 
 from dtape import _config
 from dtape import tape as _tp
-from dtape.distribute import context, mirrored_run
+from dtape.distribute import context, mirrored_run, replica_scope
 from dtape.distribute.distribute_lib import Strategy, StrategyExtended
 from dtape.distribute.values import MirroredVariable, PerReplica, SyncOnReadVariable, regroup, select_replica
 from dtape.tensor import normalize_device
@@ -39,6 +39,17 @@ class MirroredStrategy(Strategy):
         for replicas simulated as threads on the CPU. Default: every GPU, else one CPU.
       timeout: seconds a step may wait on a replica before TimeoutError
         (default DTAPE_DISTRIBUTE_TIMEOUT, 300).
+      seed: int in [0, 2**63 - 1] seeding the replicas' random generators:
+        replica i draws (dtape.random, nn.dropout, layers.Dropout) from its
+        own torch.Generator on its device, seeded from (seed, i), made once
+        and never re-seeded across steps. None (default): one seed is drawn
+        now from torch's default CPU generator (advancing it by one draw),
+        so `torch.manual_seed` before construction fixes every replica's
+        stream. Save/restore the streams with get_rng_state/set_rng_state.
+
+    Each replica thread runs inside its device (`dtape.device`), its
+    generator (`dtape.random.generator_scope`) and the caller's thread-local
+    torch state at `run` time (autocast, grad mode, inference mode).
 
     Example:
       >>> strategy = dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -47,11 +58,48 @@ class MirroredStrategy(Strategy):
       >>> strategy.run(lambda: v * 2)           # PerReplica of two tensors
     """
 
-    def __init__(self, devices=None, timeout=None):
+    def __init__(self, devices=None, timeout=None, seed=None):
         devices = _validate_devices(devices)
         super().__init__(StrategyExtended(self, devices))
         self._timeout = float(timeout or _config.DISTRIBUTE_TIMEOUT_S)
         self._threads = None
+        self._generators = replica_scope.ReplicaGenerators(devices, replica_scope.check_seed(seed))
+
+    # -- random state (TF: tf.random.Generator split per replica) ---------------
+    def replica_generator(self, replica_id):
+        """The torch.Generator replica `replica_id` draws from (on its device; see `seed`)."""
+        return self._generators[replica_id]
+
+    def get_rng_state(self):
+        """Every replica's generator state: a list of uint8 CPU tensors, one per replica (copies).
+
+        Named after torch.get_rng_state (PyTorch convention for RNG state);
+        save it with the model to resume bit-identically. Call it between
+        steps, in the cross-replica context.
+
+        Raises:
+          RuntimeError: inside `run` (a replica context of this strategy).
+        """
+        self._check_cross_replica("get_rng_state")
+        return self._generators.get_state()
+
+    def set_rng_state(self, states):
+        """Restores every replica's generator from a `get_rng_state()` list (all or nothing).
+
+        Raises:
+          TypeError: `states` is not a list of uint8 tensors.
+          ValueError: a different number of replicas, or a state that does
+            not fit its replica's generator (saved on other device types).
+          RuntimeError: inside `run`.
+        """
+        self._check_cross_replica("set_rng_state")
+        self._generators.set_state(states)
+
+    def _check_cross_replica(self, what):
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.strategy is self:
+            raise RuntimeError(f"{what} was called inside strategy.run; call it between steps, "
+                               "outside strategy.run")
 
     def _create_variable(self, next_creator, **kwargs):
         ctx = context.get_replica_context()

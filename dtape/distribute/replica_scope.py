@@ -1,0 +1,167 @@
+"""Everything a replica thread enters, so that a replica runs like its caller.
+
+A replica of `MirroredStrategy.run` runs on its own thread. Thread-local
+state does not cross threads by itself, so each replica job enters:
+
+  * its device: `dtape.device(device)` (tensor factories, conversions and
+    `dtape.random` place new tensors there) and, for a CUDA device, torch's
+    current CUDA device;
+  * its random generator: `dtape.random.generator_scope(gen)` with the
+    replica's own `torch.Generator` (one per replica, on its device, made
+    once per strategy from the strategy seed and the replica id);
+  * the caller's thread-local torch state, captured on the caller thread by
+    `capture_caller_state()` when `run` is called: grad mode, inference
+    mode and autocast (enabled, dtype, cache) for the CPU and CUDA.
+    torch's default dtype is process-global, so replicas see it as is.
+
+Source: DESIGN.md "A replica runs like its caller"; the per-replica
+generators follow tf.random.Generator.split (one independent stream per
+replica, derived from one seed).
+"""
+import contextlib
+
+import numpy as np
+import torch
+
+from dtape.random import generator_scope
+from dtape.tensor import device as device_scope
+from dtape.tensor import normalize_device
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_MAX_SEED = 2**63 - 1
+
+
+class ReplicaGenerator(torch.Generator):
+    """A `torch.Generator` that knows which replica it serves.
+
+    `replica_id` lets code below `dtape.distribute` (e.g. a seeded
+    `layers.Dropout`) derive per-replica streams from the generator that
+    `dtape.random.get_generator()` returns, without importing this package.
+    """
+
+    def __new__(cls, device, replica_id):
+        gen = super().__new__(cls, device=device)  # torch.Generator takes its device in __new__
+        gen.replica_id = replica_id
+        return gen
+
+    def __init__(self, device, replica_id):
+        pass
+
+
+def derive_seed(seed, replica_id):
+    """A 63-bit seed for stream `replica_id` of `seed` (well mixed: nearby inputs give unrelated seeds)."""
+    return int(np.random.SeedSequence([int(seed), int(replica_id)]).generate_state(1, np.uint64)[0]) & _MAX_SEED
+
+
+def check_seed(seed):
+    """`seed` as an int in [0, 2**63 - 1]; None draws one from torch's default CPU generator.
+
+    Raises:
+      TypeError: a seed that is not an int.
+      ValueError: a negative or too large seed.
+    """
+    if seed is None:
+        return int(torch.randint(0, _MAX_SEED, (), generator=torch.default_generator))
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"strategy seed must be an int or None, got {type(seed).__name__} {seed!r}")
+    if not 0 <= int(seed) <= _MAX_SEED:
+        raise ValueError(f"strategy seed must be in [0, 2**63 - 1], got {seed}")
+    return int(seed)
+
+
+class ReplicaGenerators:
+    """One generator per replica, on the replica's device, seeded by `derive_seed(seed, replica_id)`.
+
+    Made once per strategy and reused across steps (never re-seeded), so a
+    replica's draws depend only on the seed, its id and its own past draws.
+    """
+
+    def __init__(self, devices, seed):
+        self.seed = seed
+        self._generators = tuple(
+            _seeded(ReplicaGenerator(normalize_device(d), i), derive_seed(seed, i)) for i, d in enumerate(devices))
+
+    def __getitem__(self, replica_id):
+        return self._generators[replica_id]
+
+    def get_state(self):
+        """[uint8 CPU tensor] per replica (copies; torch.Generator.get_state)."""
+        return [g.get_state() for g in self._generators]
+
+    def set_state(self, states):
+        """Restores every replica's generator from `get_state()`'s list; all or nothing.
+
+        Raises:
+          TypeError: `states` is not a list/tuple of uint8 torch tensors.
+          ValueError: wrong number of states, or a state that does not fit its
+            replica's generator (e.g. saved on other devices); no generator is changed.
+        """
+        if not isinstance(states, (list, tuple)):
+            raise TypeError(f"set_rng_state expects a list of uint8 tensors (from get_rng_state), "
+                            f"got {type(states).__name__}")
+        if len(states) != len(self._generators):
+            raise ValueError(f"set_rng_state got {len(states)} states for {len(self._generators)} replicas; "
+                             "restore states saved from a strategy with the same devices")
+        for i, s in enumerate(states):
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.uint8:
+                raise TypeError(f"set_rng_state: state {i} must be a uint8 torch.Tensor (from get_rng_state), "
+                                f"got {type(s).__name__} {getattr(s, 'dtype', '')}")
+        previous = self.get_state()
+        for i, (g, s) in enumerate(zip(self._generators, states)):
+            try:
+                g.set_state(s.detach().cpu())
+            except (RuntimeError, ValueError, TypeError) as e:
+                for g0, s0 in zip(self._generators, previous):
+                    g0.set_state(s0)
+                raise ValueError(f"set_rng_state: state {i} ({s.numel()} bytes) does not fit replica {i}'s "
+                                 f"generator on {g.device} (saved from a strategy on other devices?): {e}") from None
+
+
+def _seeded(gen, seed):
+    gen.manual_seed(seed)
+    return gen
+
+
+class CallerState:
+    """The caller thread's thread-local torch state, to be re-entered on each replica thread."""
+
+    __slots__ = ("grad_enabled", "inference", "autocast")
+
+    def __init__(self, grad_enabled, inference, autocast):
+        self.grad_enabled = grad_enabled
+        self.inference = inference
+        self.autocast = autocast  # ((device_type, dtype, cache_enabled), ...) for enabled types
+
+    def enter(self, stack):
+        """Enters this state on the current thread, on `stack` (a contextlib.ExitStack)."""
+        if self.inference:
+            stack.enter_context(torch.inference_mode(True))
+        else:
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+        for device_type, dtype, cache in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache))
+
+
+def capture_caller_state():
+    """Captures the calling thread's grad mode, inference mode and autocast settings."""
+    cache = torch.is_autocast_cache_enabled()
+    autocast = tuple((t, torch.get_autocast_dtype(t), cache)
+                     for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t))
+    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+
+@contextlib.contextmanager
+def replica_scope(strategy, replica_id, caller):
+    """Enters, on the current (replica) thread, replica `replica_id`'s device and generator and `caller`'s state."""
+    device = normalize_device(strategy.extended.worker_devices[replica_id])
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(device_scope(device))
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        stack.enter_context(generator_scope(strategy.replica_generator(replica_id)))
+        caller.enter(stack)
+        yield
+
+
+__all__ = ["replica_scope", "capture_caller_state", "CallerState", "ReplicaGenerators", "ReplicaGenerator",
+           "derive_seed", "check_seed"]
