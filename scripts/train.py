@@ -13,10 +13,17 @@ Batches: each epoch shuffles the training set with a permutation derived from
 (--seed, epoch) and drops the last short batch, so every strategy sees the
 same global batches and a resumed run continues exactly where it stopped.
 
+Random numbers: --dropout RATE adds the task's dropout layers. Under
+--strategy mirrored the strategy is seeded with --seed and every replica draws
+its masks from its own generator (seeded from (seed, replica id)), so a run
+is reproducible whatever the thread schedule.
+
 Outputs: --out DIR gets metrics.json (per-step loss, per-epoch train/test
 accuracy, examples/second) and loss.png; --checkpoint-dir DIR gets last.pt,
 written atomically at the end of each epoch and of the run; --resume continues
-from it (model, optimizer, step counter, torch RNG state, metrics so far).
+from it (model, optimizer, step counter, metrics so far, and every random
+state: torch's default CPU and CUDA generators and the replicas' generators),
+so a resumed run, dropout included, continues bit-identically.
 Only the public dtape API is used.
 """
 import argparse
@@ -50,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch size, split across replicas")
     p.add_argument("--lr", type=float, default=None, help="learning rate (task default)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=None, help="(task default)")
+    p.add_argument("--dropout", type=float, default=None, help="dropout rate in [0, 1) (task default: 0)")
     p.add_argument("--checkpoint-dir", default=None, help="save last.pt here after each epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/last.pt")
     p.add_argument("--out", default=None, help="folder for metrics.json and loss.png")
@@ -58,6 +66,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     return args
 
 
@@ -67,7 +77,7 @@ def make_strategy(args):
     if args.strategy == "one_device":
         return dtape.distribute.OneDeviceStrategy(devices[0] if devices else "cpu")
     if args.strategy == "mirrored":
-        return dtape.distribute.MirroredStrategy(devices=devices or ["cpu:0", "cpu:1"])
+        return dtape.distribute.MirroredStrategy(devices=devices or ["cpu:0", "cpu:1"], seed=args.seed)
     factory = getattr(dtape.distribute, "MultiWorkerMirroredStrategy", None)
     if factory is None:
         raise SystemExit("train.py: --strategy multi_worker needs dtape.distribute.MultiWorkerMirroredStrategy, "
@@ -98,12 +108,13 @@ class Trainer:
         torch.manual_seed(args.seed)
         self.data = task.load_data(args.seed)
         with self.strategy.scope():
-            self.model = task.build_model(args.seed)
+            self.model = task.build_model(args.seed, dropout=args.dropout)
             self.optimizer = make_optimizer(args.optimizer, args.lr)
         self.step = 0
         self.metrics = {"task": args.task, "strategy": args.strategy, "seed": args.seed,
                         "num_replicas": self.strategy.num_replicas_in_sync, "global_batch_size": args.batch_size,
-                        "lr": args.lr, "optimizer": args.optimizer, "loss": [], "epochs": []}
+                        "lr": args.lr, "optimizer": args.optimizer, "dropout": args.dropout, "loss": [],
+                        "epochs": []}
         self._train_step = self._make_train_step()
 
     def _make_train_step(self):
@@ -132,7 +143,7 @@ class Trainer:
             return
         os.makedirs(self.args.checkpoint_dir, exist_ok=True)
         dtape.checkpoint.save(self.checkpoint_path(), model=self.model, optimizer=self.optimizer,
-                              step=self.step, rng=torch.get_rng_state(), metrics=self.metrics)
+                              step=self.step, metrics=self.metrics, **self.rng_states())
 
     def restore(self):
         """Restores the last checkpoint if there is one; returns whether it did."""
@@ -143,8 +154,38 @@ class Trainer:
         data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
         self.step, self.metrics = int(data["step"]), data["metrics"]
         self.metrics.update(strategy=self.args.strategy, num_replicas=self.strategy.num_replicas_in_sync)
-        torch.set_rng_state(data["rng"])
+        self.set_rng_states(data)
         return True
+
+    def rng_states(self):
+        """Every random state a step draws from, as checkpoint data (uint8 CPU tensors and lists of them)."""
+        states = {"rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            states["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if hasattr(self.strategy, "get_rng_state"):  # one generator per replica (MirroredStrategy)
+            states["replica_rng"] = self.strategy.get_rng_state()
+        return states
+
+    def set_rng_states(self, data):
+        """Restores `rng_states()`; states that do not fit this run (other devices or strategy) are skipped, with a warning."""
+        torch.set_rng_state(data["rng"])
+        skipped = []
+        cuda = data.get("cuda_rng")
+        if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        elif cuda is not None:
+            skipped.append("CUDA generators (saved with other GPUs)")
+        replica = data.get("replica_rng")
+        if replica is not None and hasattr(self.strategy, "set_rng_state"):
+            try:
+                self.strategy.set_rng_state(replica)
+            except (TypeError, ValueError) as e:
+                skipped.append(f"replica generators ({e})")
+        elif replica is not None or hasattr(self.strategy, "set_rng_state"):
+            skipped.append("replica generators (saved under another strategy)")
+        if skipped:
+            print(f"--resume: random state not restored for {'; '.join(skipped)}; the run continues, "
+                  "but not bit-identically", file=sys.stderr)
 
     def _create_optimizer_slots(self):
         """Makes the optimizer create its slots so that restore can fill them."""

@@ -60,6 +60,23 @@ def test_train_resume_under_mirrored_continues(train, tmp_path):
     np.testing.assert_allclose(resumed["loss"], full["loss"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "one_device"])
+def test_train_resume_with_dropout_is_bit_identical(train, tmp_path, strategy):
+    """The checkpoint holds every random state (replicas' generators, torch's default one)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # force replica interleaving: results must not depend on it
+    try:
+        common = ["--strategy", strategy, "--devices", "cpu:0,cpu:1", "--batch-size", 128, "--dropout", 0.3]
+        full = _run(train, "--steps", 9, *common)
+        _run(train, "--steps", 4, "--checkpoint-dir", tmp_path, *common)
+        resumed = _run(train, "--steps", 9, "--checkpoint-dir", tmp_path, "--resume", *common)
+        no_dropout = _run(train, "--steps", 4, *common[:-2])
+    finally:
+        sys.setswitchinterval(old)
+    assert resumed["loss"] == full["loss"] and resumed["dropout"] == 0.3
+    assert no_dropout["loss"] != full["loss"][:4]
+
+
 def test_train_mirrored_per_step_losses_match_one_device(train):
     one = _run(train, "--steps", 30, "--strategy", "one_device")
     two = _run(train, "--steps", 30, "--strategy", "mirrored", "--devices", "cpu:0,cpu:1")

@@ -1,11 +1,13 @@
 """Training tasks for scripts/train.py: each module exposes the same small interface.
 
 A task module has:
-  DEFAULTS: dict of default command-line values (epochs, batch_size, lr, optimizer).
+  DEFAULTS: dict of default command-line values (epochs, batch_size, lr, optimizer, dropout).
   load_data(seed) -> dict with numpy arrays "x_train", "y_train", "x_test", "y_test".
-  build_model(seed) -> a dtape.Module, callable on a batch of inputs (variables created now).
-  per_example_loss(model, x, y) -> dtape.Tensor [batch] of losses.
-  accuracy(model, x, y) -> float in [0, 1].
+  build_model(seed, dropout=0.0) -> a dtape.Module, callable on a batch of inputs as
+    model(x, training=False) (variables created now; `dropout` is the rate of its
+    layers.Dropout layers, which draw from the current replica's generator).
+  per_example_loss(model, x, y) -> dtape.Tensor [batch] of training losses (dropout active).
+  accuracy(model, x, y) -> float in [0, 1] (dropout off).
 """
 import importlib
 

@@ -3,7 +3,8 @@
 No download: the text is a fixed list of stdlib modules read from this Python's
 installation. Characters outside printable ASCII map to "?". Sequences are
 non-overlapping windows of CONTEXT + 1 characters; the last 10% of the text
-is the test set. Metrics: next-character accuracy.
+is the test set. Metrics: next-character accuracy. Optional dropout (--dropout)
+on each block's attention and MLP outputs.
 """
 import math
 import os
@@ -15,7 +16,7 @@ import numpy as np
 import dtape
 from dtape import layers
 
-DEFAULTS = {"epochs": 3, "batch_size": 32, "lr": 3e-3, "optimizer": "adam"}
+DEFAULTS = {"epochs": 3, "batch_size": 32, "lr": 3e-3, "optimizer": "adam", "dropout": 0.0}
 CONTEXT = 64
 WIDTH, HEADS, DEPTH = 64, 4, 2
 MODULES = ("argparse.py", "textwrap.py", "string.py", "functools.py", "dataclasses.py", "typing.py",
@@ -57,7 +58,7 @@ def load_data(seed):
 class Block(dtape.Module):
     """Pre-norm transformer block: causal self-attention, then a GELU MLP. h [b, t, d] -> [b, t, d]."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, dropout=0.0):
         super().__init__()
         self.ln1 = layers.LayerNormalization(input_dim=WIDTH)
         self.qkv = layers.Dense(3 * WIDTH, input_dim=WIDTH, seed=seed)
@@ -65,6 +66,7 @@ class Block(dtape.Module):
         self.ln2 = layers.LayerNormalization(input_dim=WIDTH)
         self.fc1 = layers.Dense(4 * WIDTH, activation="gelu", input_dim=WIDTH, seed=seed + 2)
         self.fc2 = layers.Dense(WIDTH, input_dim=4 * WIDTH, seed=seed + 3)
+        self.drop = layers.Dropout(dropout)
 
     def attention(self, h):
         b, t = h.shape[0], h.shape[1]
@@ -76,38 +78,38 @@ class Block(dtape.Module):
         out = dtape.transpose(dtape.matmul(weights, v), [0, 2, 1, 3])
         return self.proj(dtape.reshape(out, (b, t, WIDTH)))
 
-    def __call__(self, h):
-        h = h + self.attention(self.ln1(h))
-        return h + self.fc2(self.fc1(self.ln2(h)))
+    def __call__(self, h, training=False):
+        h = h + self.drop(self.attention(self.ln1(h)), training=training)
+        return h + self.drop(self.fc2(self.fc1(self.ln2(h))), training=training)
 
 
 class CharTransformer(dtape.Module):
     """ids [b, t] (t <= CONTEXT) -> next-character logits [b, t, len(VOCAB)]."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, dropout=0.0):
         super().__init__()
         self.tokens = layers.Embedding(len(VOCAB), WIDTH, seed=seed)
         self.positions = layers.Embedding(CONTEXT, WIDTH, seed=seed + 1)
-        self.blocks = [Block(seed + 10 * (i + 1)) for i in range(DEPTH)]
+        self.blocks = [Block(seed + 10 * (i + 1), dropout) for i in range(DEPTH)]
         self.ln = layers.LayerNormalization(input_dim=WIDTH)
         self.head = layers.Dense(len(VOCAB), input_dim=WIDTH, seed=seed + 2)
 
-    def __call__(self, ids):
+    def __call__(self, ids, training=False):
         ids = dtape.convert_to_tensor(ids)
         h = self.tokens(ids) + self.positions(np.arange(ids.shape[1]))
         for block in self.blocks:
-            h = block(h)
+            h = block(h, training=training)
         return self.head(self.ln(h))
 
 
-def build_model(seed):
+def build_model(seed, dropout=0.0):
     """The transformer; variables are created now (call in the strategy's scope)."""
-    return CharTransformer(seed)
+    return CharTransformer(seed, dropout)
 
 
 def per_example_loss(model, x, y):
-    """Mean next-character cross entropy of each sequence: x, y [b, t] -> [b]."""
-    xent = dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
+    """Mean next-character cross entropy of each sequence, in training mode: x, y [b, t] -> [b]."""
+    xent = dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x, training=True))
     return dtape.reduce_mean(xent, axis=-1)
 
 

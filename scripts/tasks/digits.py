@@ -1,12 +1,14 @@
 """Digits: scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), an MLP 64-128-10.
 
+Optional dropout (--dropout) after the hidden layer.
+
 No download: the data ships with scikit-learn. Features are scaled to [0, 1];
 the train/test split (80/20, stratified) is fixed by the seed.
 """
 import numpy as np
 import dtape
 
-DEFAULTS = {"epochs": 20, "batch_size": 64, "lr": 0.1, "optimizer": "sgd"}
+DEFAULTS = {"epochs": 20, "batch_size": 64, "lr": 0.1, "optimizer": "sgd", "dropout": 0.0}
 HIDDEN = 128
 
 
@@ -22,17 +24,18 @@ def load_data(seed):
     return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
 
 
-def build_model(seed):
-    """An MLP 64 -> 128 (relu) -> 10 logits; variables are created now (call in the strategy's scope)."""
+def build_model(seed, dropout=0.0):
+    """An MLP 64 -> 128 (relu) -> dropout -> 10 logits; variables are created now (call in the strategy's scope)."""
     return dtape.layers.Sequential([
         dtape.layers.Dense(HIDDEN, activation="relu", input_dim=64, seed=seed),
+        dtape.layers.Dropout(dropout),
         dtape.layers.Dense(10, input_dim=HIDDEN, seed=seed + 1),
     ], name="digits_mlp")
 
 
 def per_example_loss(model, x, y):
-    """Softmax cross entropy of each example: x [b, 64], y [b] -> [b]."""
-    return dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
+    """Softmax cross entropy of each example in training mode: x [b, 64], y [b] -> [b]."""
+    return dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x, training=True))
 
 
 def accuracy(model, x, y):
