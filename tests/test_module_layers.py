@@ -1,4 +1,6 @@
 """dtape.Module variable discovery and dtape.layers, checked against torch.autograd in float64."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,37 @@ def test_sequential_passes_training_to_dropout():
 def test_layer_normalization_input_dim_builds_at_construction():
     ln = layers.LayerNormalization(input_dim=6)
     assert [tuple(v.shape) for v in ln.variables] == [(6,), (6,)]
+
+
+def test_add_weight_passes_a_callable_so_the_value_is_drawn_where_the_variable_is_made():
+    seen = []
+
+    def creator(next_creator, **kwargs):
+        seen.append(callable(kwargs["initial_value"]))
+        torch.manual_seed(4)  # the draw happens after this point, inside the creator
+        return next_creator(**kwargs)
+    with dtape.variable_creator_scope(creator):
+        layer = layers.Dense(3, input_dim=2)
+    torch.manual_seed(4)
+    expected = (torch.rand(2, 3) * 2 - 1) * math.sqrt(6.0 / 5)
+    assert seen == [True, True]
+    np.testing.assert_allclose(layer.kernel.numpy(), expected.numpy(), rtol=1e-6)
+
+
+def test_dropout_without_seed_draws_from_the_threads_generator():
+    drop = layers.Dropout(0.5)
+    x = dtape.ones([256])
+    with dtape.random.generator_scope(torch.Generator().manual_seed(3)):
+        a = drop(x, training=True).numpy()
+    with dtape.random.generator_scope(torch.Generator().manual_seed(3)):
+        b = drop(x, training=True).numpy()
+    np.testing.assert_array_equal(a, b)
+    assert set(np.unique(a)) == {0.0, 2.0}
+
+
+def test_seeded_dropout_outside_replicas_is_a_stateful_stream_of_its_seed():
+    a, b = layers.Dropout(0.5, seed=9), layers.Dropout(0.5, seed=9)
+    x = dtape.ones([128])
+    first, second = a(x, training=True).numpy(), a(x, training=True).numpy()
+    assert not np.array_equal(first, second)  # the stream advances
+    np.testing.assert_array_equal(first, b(x, training=True).numpy())
