@@ -106,6 +106,9 @@ class MirroredStrategy(Strategy):
         if ctx is not None and ctx.strategy is self:
             # Created inside `run` (e.g. a layer's lazy build): every replica
             # reaches this point; one merge_call makes one variable for all.
+            # A callable initial value (layers pass one) is called there once,
+            # on the caller's thread and generator, so the value does not
+            # depend on how the replica threads were scheduled.
             return ctx.merge_call(_create_in_merge, args=(next_creator,), kwargs=kwargs)
         return self._create_mirrored(next_creator, **kwargs)
 

@@ -44,7 +44,7 @@ class ReplicaGenerator(torch.Generator):
         gen.replica_id = replica_id
         return gen
 
-    def __init__(self, device, replica_id):
+    def __init__(self, device, replica_id):  # everything is set in __new__
         pass
 
 
