@@ -167,7 +167,7 @@ class Trainer:
         return states
 
     def set_rng_states(self, data):
-        """Restores `rng_states()`; states that do not fit this run (other devices or strategy) are skipped, with a warning."""
+        """Restores `rng_states()`; a state that does not fit this run is skipped, with a warning."""
         torch.set_rng_state(data["rng"])
         skipped = []
         cuda = data.get("cuda_rng")
