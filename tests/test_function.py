@@ -371,7 +371,12 @@ def test_function_concurrent_replicas_each_get_their_own_gradient(wrap, interlea
     with _mirrored() as strategy:
         with strategy.scope():
             v = dtape.Variable(torch.tensor(1.5, dtype=D))
-        f = wrap(lambda x: dtape.nn.dropout(x * v, 0.5))
+        both_inside = threading.Barrier(2, timeout=5)
+
+        def body(x):
+            both_inside.wait()  # the two replicas run the body at the same time
+            return dtape.nn.dropout(x * v, 0.5)
+        f = wrap(body)
 
         def step():
             rid = ds.get_replica_context().replica_id_in_sync_group
@@ -525,6 +530,7 @@ def test_recompute_grad_replays_snapshot_thread_locally_and_leaves_generator_alo
         with dtape.GradientTape() as t:
             t.watch(x)
             y = f(x)
+        dtape.random.uniform([10])
         state = gen.get_state()
         v.assign(7.0)
         g = t.gradient(y, x)
