@@ -20,6 +20,7 @@ on the inputs.
 with the variable values it read and the generator state of the forward.
 No compilation: correctness never depends on `torch.compile`.
 """
+import contextlib
 import functools
 
 import torch
@@ -73,7 +74,8 @@ class Function:
         tensors = _tensor_args(args, kwargs)
         inner = _tp.push_new_tape(persistent=True, watch_accessed_variables=True)
         try:
-            inner._watch_ids([t._id for t in tensors])
+            for t in tensors:
+                _tp.watch(inner, t)
             with _tp.capture_variable_reads() as captured, _tp.record_only(inner):
                 result = self.python_function(*args, **kwargs)
         finally:
@@ -186,6 +188,7 @@ class _Recompute(Function):
         generator = _random.get_generator()
         rng_state = generator.get_state()
         read = {}
+        # record_only(None): the caller's tapes pause on this thread; tapes opened in the body record
         with _tp.capture_variable_reads() as captured, _tp.record_only(None), \
                 read_hook_scope(_snapshot_reads(read)):
             result = self.python_function(*args, **kwargs)
@@ -250,21 +253,12 @@ class _RecomputeOp:
         args, kwargs, read, device, rng_state = self.forward
         generator = torch.Generator(device=device)  # private clone: the caller's generator is untouched
         generator.set_state(rng_state)
-        tape._watch_ids([x._id for x in inputs])
-        with (_tp.record_only(tape) if raw else _nullcontext()), read_hook_scope(_replay_reads(read)), \
+        for x in inputs:
+            _tp.watch(tape, x)
+        with (_tp.record_only(tape) if raw else contextlib.nullcontext()), read_hook_scope(_replay_reads(read)), \
                 _random.generator_scope(generator):
             result = self.function.python_function(*args, **kwargs)
         return [y for y in nest.flatten(result) if isinstance(y, Tensor)]
-
-
-class _nullcontext:
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def recompute_grad(fn):

@@ -417,7 +417,13 @@ def _torch_second_order(body, xt, vt, ct):
     return gx.detach(), [gxx, gxv], hess
 
 
-@pytest.mark.parametrize("wrap", [dtape.function, dtape.recompute_grad], ids=["function", "recompute_grad"])
+def _nested_function(body):
+    inner = dtape.function(body)
+    return dtape.function(lambda x, v: inner(x, v) * 1.0)
+
+
+@pytest.mark.parametrize("wrap", [dtape.function, dtape.recompute_grad, _nested_function],
+                         ids=["function", "recompute_grad", "function_in_function"])
 def test_second_order_and_mixed_derivatives_match_torch(wrap):
     gen = torch.Generator().manual_seed(3)
     xt, vt, ct = (torch.randn(3, generator=gen, dtype=D), torch.randn(3, 2, generator=gen, dtype=D),
