@@ -544,3 +544,18 @@ def test_recompute_grad_replays_snapshot_thread_locally_and_leaves_generator_alo
     torch.testing.assert_close(g.torch(), y.torch() / 1.0)  # mask * v / keep, with the forward's v
     assert float(v.read_value()) == 7.0  # reads after the backward see the current value
     assert other_thread_reads == ["forward", 7.0, "forward"]  # the replay is thread-local
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wrap", [dtape.function, dtape.recompute_grad], ids=["function", "recompute_grad"])
+def test_function_and_recompute_dropout_on_cuda_use_the_forward_mask(wrap):
+    f = wrap(lambda x: dtape.nn.dropout(x * 2.0, 0.5))
+    with dtape.device("cuda:0"):
+        x = dtape.ones([256], dtype=D)
+        with dtape.GradientTape() as t:
+            t.watch(x)
+            y = f(x)
+        dtape.random.uniform([10])
+        g = t.gradient(y, x)
+    assert g.device.type == "cuda"
+    torch.testing.assert_close(g.torch(), y.torch())  # mask * 2 / keep, x == 1
