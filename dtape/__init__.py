@@ -25,5 +25,5 @@ from dtape import optimizers  # noqa: E402,F401
 __all__ += ["distribute", "optimizers"]
 from dtape import backprop  # noqa: F401,E402
 from dtape.custom_gradient import custom_gradient  # noqa: F401,E402
-from dtape.function import function  # noqa: F401,E402
-__all__ += ["backprop", "custom_gradient", "function"]
+from dtape.function import function, recompute_grad  # noqa: F401,E402
+__all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]

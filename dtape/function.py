@@ -1,20 +1,36 @@
-"""`dtape.function`: run a Python function as one unit on the tapes.
+"""`dtape.function` and `dtape.recompute_grad`: a Python function as one op on the tapes.
 
 Source: tf.function / eager `function.py` (`Function.__call__` reports the
 captured variables with `tape.variable_accessed`, seed 2, and records one
-op). The body runs under `stop_recording()` inside `capture_variable_reads()`;
-the one recorded op's backward re-runs the body under a private tape and
-differentiates it, so it composes with outer tapes for higher order. No
-compilation: correctness never depends on `torch.compile`.
+op whose inputs are the tensor arguments and the captured variables) and
+tf.recompute_grad.
+
+`dtape.function` records its body once, during the call: the caller's tapes
+are paused on this thread only (other threads keep recording) and the body
+runs under a private inner tape; tapes opened inside the body record as in
+eager code. The one op recorded on the outer tapes keeps the inner tape as
+its saved state and its backward walks those records, so the body never
+runs again: gradients use forward-time values (variables, random masks) and
+side effects happen once. When an outer tape records the backward (higher
+order), the inner records are first re-recorded ("spliced") onto the
+recording tapes, so they learn how the intermediates the rules use depend
+on the inputs.
+
+`dtape.recompute_grad` keeps no intermediates: its backward re-runs the body
+with the variable values it read and the generator state of the forward.
+No compilation: correctness never depends on `torch.compile`.
 """
+import contextlib
 import functools
 
 import torch
 
 from dtape import nest
+from dtape import random as _random
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
 from dtape.tensor import Tensor
+from dtape.variables import current_read_hook, read_hook_scope
 
 
 class Function:
@@ -24,11 +40,13 @@ class Function:
       python_function: a function of Tensors, Variables, Python values and
         nests of them, returning a Tensor, a nest of Tensors, or other Python values.
 
-    Calling it returns what `python_function` returns (Tensors are new
-    objects). Gradients flow to the Tensor arguments (positional and keyword,
-    nests included) and to the trainable variables the body reads; tensors
-    the body closes over are constants. The body is re-run in the backward
-    pass with the same torch random state (dropout masks agree).
+    Calling it returns what `python_function` returns (recorded Tensors are
+    new objects with the same torch tensors, dtypes and devices). Gradients
+    flow to the Tensor arguments (positional and keyword, nests included)
+    and to the trainable variables the body reads; tensors the body closes
+    over are constants. The body runs once per call; its backward uses the
+    values of the forward pass (later `assign`s and random draws do not
+    change it). Tapes opened inside the body work as in eager code.
 
     Source: tf.function (eager semantics, no tracing).
 
@@ -48,130 +66,99 @@ class Function:
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        return Function(self.python_function.__get__(instance, owner))
+        return type(self)(self.python_function.__get__(instance, owner))
 
     def __call__(self, *args, **kwargs):
-        rng = _rng_state() if _tp._tape_set else None
-        with _tp.capture_variable_reads() as captured, _tp.stop_recording():
-            result = self.python_function(*args, **kwargs)
-        variables = list(captured.values())
-        for v in variables:  # same path as plain reads: the resolver picks container or components
-            _tp.variable_accessed(v)
-        if not _tp._tape_set:
-            return result
-        return self._record(args, kwargs, variables, result, _rng_if_used(rng))
+        if not _tp.could_possibly_record():  # nothing can record on this thread: plain eager call
+            return self.python_function(*args, **kwargs)
+        tensors = _tensor_args(args, kwargs)
+        inner = _tp.push_new_tape(persistent=True, watch_accessed_variables=True)
+        try:
+            for t in tensors:
+                _tp.watch(inner, t)
+            with _tp.capture_variable_reads() as captured, _tp.record_only(inner):
+                result = self.python_function(*args, **kwargs)
+        finally:
+            _tp.pop_tape(inner)  # kept only as the op's saved state
+        handles = _report(captured)
+        return _record_call(lambda targets: _FunctionOp(self._name(), inner, targets),
+                            tensors + handles, result)
 
-    def _record(self, args, kwargs, variables, result, rng):
-        tensors = [x for x in nest.flatten((args, kwargs)) if isinstance(x, Tensor)]
-        handles = [v._handle() for v in variables]
-        leaves = nest.flatten(result)
-        outputs = [Tensor(y.torch()) if isinstance(y, Tensor) else y for y in leaves]
-        recorded = tuple(o for o in outputs if isinstance(o, Tensor))
-        if recorded:
-            op = _FunctionOp(self, args, kwargs, len(tensors), rng)
-            inputs = tuple(tensors) + tuple(handles)
-            _tp.record(op, tuple([x._id for x in inputs]), inputs, recorded, None)
-        return nest.pack_sequence_as(result, outputs)
+    def _name(self):
+        return getattr(self.python_function, "__name__", "function")
 
 
 class _FunctionOp:
-    """Record op of one `Function` call; backward differentiates a re-run of the body."""
+    """Record op of one `Function` call: backward walks the inner tape's records."""
 
-    __slots__ = ("name", "function", "args", "kwargs", "n_tensors", "rng")
+    __slots__ = ("name", "tape", "targets")
 
-    def __init__(self, function, args, kwargs, n_tensors, rng):
-        self.name = getattr(function.python_function, "__name__", "function")
-        self.function = function
-        self.args = args
-        self.kwargs = kwargs
-        self.n_tensors = n_tensors
-        self.rng = rng
+    def __init__(self, name, tape, targets):
+        self.name = name
+        self.tape = tape
+        self.targets = targets
 
     def backward(self, dys, outputs, inputs, attrs, raw):
-        if raw:
-            dys = [Tensor(d) for d in dys]
-        inner = _tp.push_new_tape(persistent=False, watch_accessed_variables=False)
-        try:
-            targets = self._rerun(inner, inputs, raw)
-        finally:
-            _tp.pop_tape(inner)
-        pairs = [(t, d) for t, d in zip(targets, dys) if _is_float(t)]
-        grads = imperative_grad(inner, [t for t, _ in pairs], list(inputs), [d for _, d in pairs])
-        return [g.torch() if raw and g is not None else g for g in grads]
-
-    def _rerun(self, inner, inputs, raw):
-        """Runs the body again, recorded on `inner` (watching every input), with the saved RNG state.
-
-        In a raw walk nothing else records; otherwise the outer tapes record
-        the re-run too, which connects the gradients for higher order.
-        """
-        inner._watch_ids([x._id for x in inputs])
-        with (_tp.record_only(inner) if raw else _nullcontext()), _restored_rng(self.rng):
-            result = self.function.python_function(*self.args, **self.kwargs)
-        return [y for y in nest.flatten(result) if isinstance(y, Tensor)]
+        if not raw:
+            _splice(self.tape)
+        return _walk(self.tape, self.targets, dys, inputs, raw)
 
 
-class _nullcontext:
-    __slots__ = ()
+def _splice(inner):
+    """Re-records `inner`'s records, in forward order, on the tapes recording on this thread.
 
-    def __enter__(self):
-        return self
+    A tape records a record only if it watches one of its inputs, so an
+    outer tape learns exactly the dependencies of the intermediates on what
+    it watches (what differentiating the backward again needs).
+    """
+    for op, in_ids, _, inputs, outputs, attrs in inner.records():
+        _tp.record(op, in_ids, inputs, outputs, attrs)
 
-    def __exit__(self, *exc):
-        return False
+
+def _walk(inner, targets, dys, inputs, raw):
+    """Input gradients from `inner`'s records: the walk type (torch in a raw walk), None if unconnected."""
+    pairs = [(t, d) for t, d in zip(targets, dys) if _is_float(t)]
+    grads = imperative_grad(inner, [t for t, _ in pairs], list(inputs), [d for _, d in pairs])
+    return [g.torch() if raw and g is not None else g for g in grads]
+
+
+def _tensor_args(args, kwargs):
+    """The distinct Tensors in the arguments (a repeated one is one input, so its gradient is not doubled)."""
+    seen, out = set(), []
+    for x in nest.flatten((args, kwargs)):
+        if isinstance(x, Tensor) and x._id not in seen:
+            seen.add(x._id)
+            out.append(x)
+    return out
+
+
+def _report(captured):
+    """Reports the captured variables to the tapes (the resolver picks container or components);
+    returns their handles."""
+    variables = list(captured.values())
+    for v in variables:
+        _tp.variable_accessed(v)
+    return [v._handle() for v in variables]
+
+
+def _record_call(make_op, inputs, result):
+    """Records one op `make_op(body_result_tensors)` from `inputs` to new output Tensors.
+
+    Returns `result` unchanged when no tape recording on this thread watches
+    an input (nothing is kept).
+    """
+    leaves = nest.flatten(result)
+    targets = [y for y in leaves if isinstance(y, Tensor)]
+    if not targets or not _tp.should_record(inputs):
+        return result
+    outputs = [Tensor(y.torch()) if isinstance(y, Tensor) else y for y in leaves]
+    recorded = tuple(o for o in outputs if isinstance(o, Tensor))
+    _tp.record(make_op(targets), tuple([x._id for x in inputs]), tuple(inputs), recorded, None)
+    return nest.pack_sequence_as(result, outputs)
 
 
 def _is_float(t):
     return t.dtype.is_floating_point or t.dtype.is_complex
-
-
-def _rng_state():
-    """The CPU and initialised CUDA random states (for a faithful re-run)."""
-    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _rng_if_used(before):
-    """`before` if the body drew random numbers, else None (the re-run then needs no RNG swap)."""
-    if before is None:
-        return None
-    after = _rng_state()
-    same_cpu = torch.equal(before[0], after[0])
-    same_cuda = (before[1] is None) == (after[1] is None) and all(
-        torch.equal(a, b) for a, b in zip(before[1] or (), after[1] or ()))
-    return None if same_cpu and same_cuda else before
-
-
-class _restored_rng:
-    """Sets the saved RNG state, restores the previous one on exit.
-
-    Process-wide (torch's default generators are global): concurrent re-runs
-    of random bodies on several threads may interleave their draws.
-    """
-
-    __slots__ = ("_saved", "_prev")
-
-    def __init__(self, saved):
-        self._saved = saved
-
-    def __enter__(self):
-        if self._saved is not None:
-            self._prev = _rng_state()
-            _set_rng_state(self._saved)
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            _set_rng_state(self._prev)
-        return False
-
-
-def _set_rng_state(state):
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    for i, s in enumerate(cuda or ()):
-        torch.cuda.set_rng_state(s, i)
 
 
 def function(fn=None, **options):
@@ -192,4 +179,119 @@ def function(fn=None, **options):
     return Function(fn)
 
 
-__all__ = ["function", "Function"]
+class _Recompute(Function):
+    """A `Function` whose backward re-runs the body instead of keeping its records (see `recompute_grad`)."""
+
+    def __call__(self, *args, **kwargs):
+        if not _tp.could_possibly_record():
+            return self.python_function(*args, **kwargs)
+        generator = _random.get_generator()
+        rng_state = generator.get_state()
+        read = {}
+        # record_only(None): the caller's tapes pause on this thread; tapes opened in the body record
+        with _tp.capture_variable_reads() as captured, _tp.record_only(None), \
+                read_hook_scope(_snapshot_reads(read)):
+            result = self.python_function(*args, **kwargs)
+        handles = _report(captured)
+        forward = (args, kwargs, read, generator.device, rng_state)
+        return _record_call(lambda targets: _RecomputeOp(self, forward),
+                            _tensor_args(args, kwargs) + handles, result)
+
+
+def _snapshot_reads(read):
+    """A read hook keeping each variable's first-read torch value in `read` (id -> (variable, value)).
+
+    Chains to an enclosing hook, so nested recomputes see the same values.
+    `assign` replaces a variable's tensor, so holding it is a snapshot.
+    """
+    prev = current_read_hook()
+
+    def hook(variable, value):
+        if prev is not None:
+            value = prev(variable, value)
+        read.setdefault(id(variable), (variable, value))
+        return value
+    return hook
+
+
+def _replay_reads(read):
+    """A read hook giving the variables read in the forward their forward-time values."""
+    prev = current_read_hook()
+
+    def hook(variable, value):
+        saved = read.get(id(variable))
+        if saved is not None:
+            return saved[1]
+        return value if prev is None else prev(variable, value)
+    return hook
+
+
+class _RecomputeOp:
+    """Record op of one `recompute_grad` call: backward re-runs the body, then walks it."""
+
+    __slots__ = ("name", "function", "forward")
+
+    def __init__(self, function, forward):
+        self.name = function._name()
+        self.function = function
+        self.forward = forward
+
+    def backward(self, dys, outputs, inputs, attrs, raw):
+        tape = _tp.push_new_tape(persistent=False, watch_accessed_variables=False)
+        try:
+            targets = self._rerun(tape, inputs, raw)
+        finally:
+            _tp.pop_tape(tape)
+        return _walk(tape, targets, dys, inputs, raw)
+
+    def _rerun(self, tape, inputs, raw):
+        """Runs the body again on `tape` (watching every input) with the forward's reads and RNG state.
+
+        In a raw walk only `tape` records; otherwise the outer tapes record
+        the re-run too, which connects the gradients for higher order.
+        """
+        args, kwargs, read, device, rng_state = self.forward
+        generator = torch.Generator(device=device)  # private clone: the caller's generator is untouched
+        generator.set_state(rng_state)
+        for x in inputs:
+            _tp.watch(tape, x)
+        with (_tp.record_only(tape) if raw else contextlib.nullcontext()), read_hook_scope(_replay_reads(read)), \
+                _random.generator_scope(generator):
+            result = self.function.python_function(*args, **kwargs)
+        return [y for y in nest.flatten(result) if isinstance(y, Tensor)]
+
+
+def recompute_grad(fn):
+    """Wraps `fn` so that its backward recomputes the body instead of keeping intermediates.
+
+    Args:
+      fn: a function of Tensors, Variables, Python values and nests of them,
+        returning a Tensor or a nest of Tensors (as for `dtape.function`).
+
+    Returns:
+      A callable with `fn`'s signature and value. On the tapes it is one op
+      whose inputs are the Tensor arguments and the trainable variables the
+      body reads; it saves only the arguments and the forward-time variable
+      values. The backward re-runs `fn` with those values and with the
+      forward's state of this thread's generator (`dtape.random.get_generator()`
+      of the current device; dropout and `dtape.random` then draw the same
+      numbers), on a private generator clone, so other threads are
+      undisturbed. Draws from other generators (torch's global RNG called
+      directly, another device's) are not replayed, and side effects in the
+      body (assignments) happen again in the backward: keep `fn` free of them.
+
+    Source: tf.recompute_grad.
+
+    Example:
+      >>> block = dtape.recompute_grad(lambda x: dtape.tanh(x) * 2.0)
+      >>> x = dtape.constant(0.0)
+      >>> with dtape.GradientTape() as tape:
+      ...     tape.watch(x)
+      ...     y = block(x)
+      >>> float(tape.gradient(y, x))
+      2.0
+    """
+    return _Recompute(fn)
+
+
+__all__ = ["function", "Function", "recompute_grad"]

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from dtape import tape as _tp
+from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import _torch_function
 from dtape.tensor import Tensor, _next_id, _to_torch
 
@@ -44,6 +45,32 @@ class _ReadVariableOp:
 
 
 _READ_OP = _ReadVariableOp()
+
+
+class _ReadHookState(threading.local):
+    """Per-thread hook `fn(variable, value) -> value` applied to every read (None: none)."""
+
+    fn = None
+
+
+_read_hook = _ReadHookState()
+
+
+class read_hook_scope(ThreadLocalScope):
+    """Thread-local: reads on this thread return `fn(variable, torch_value)` inside the block.
+
+    For `dtape.recompute_grad`, which snapshots the values its body read and
+    replays them in the backward re-run. Other threads are not affected.
+    """
+
+    __slots__ = ()
+    _state = _read_hook
+    _attr = "fn"
+
+
+def current_read_hook():
+    """This thread's read hook (set by `read_hook_scope`), or None."""
+    return _read_hook.fn
 
 
 class _CreatorState(threading.local):
@@ -205,7 +232,10 @@ class Variable(metaclass=_VariableMeta):
     # -- reads --------------------------------------------------------------
     def read_value(self):
         """The current value as a Tensor; notifies the tapes and is recorded."""
-        out = Tensor(self._t)
+        t = self._t
+        if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
+            t = _read_hook.fn(self, t)
+        out = Tensor(t)
         if _tp._tape_set:
             if self._trainable:
                 _tp.variable_accessed(self)
