@@ -109,7 +109,8 @@ def _saved_value(var):
     """
     with _tp.stop_recording():
         value = var._dtape_read().torch()
-    return value.detach().to("cpu", copy=True).contiguous()
+    dtype = getattr(var, "dtype", value.dtype)      # a MEAN of int components reads as float
+    return value.detach().to("cpu", dtype, copy=True).contiguous()
 
 
 def _assign_all(var, value):
@@ -287,7 +288,8 @@ def _serialize(tensors, stored, data):
     except (ValueError, TypeError, safetensors.SafetensorError) as e:
         raise TypeError(f"checkpoint: a tensor cannot be stored in the safetensors format: {e}") from None
     start = _digest_offset(payload, _ZERO_DIGEST)
-    assert start is not None, "checksum field not found once in the header"
+    if start is None:       # safetensors changed how it writes metadata: fail loudly, never write unchecked
+        raise RuntimeError("checkpoint: the checksum field was not found once in the safetensors header")
     payload[start:start + 64] = hashlib.sha256(payload).hexdigest().encode()
     return bytes(payload)
 
@@ -308,14 +310,15 @@ def _temporary_pattern(base):
 
 
 def _process_alive(pid):
-    if pid == os.getpid():
-        return True             # another thread of this process is saving the same path now
+    """Whether process `pid` may still be writing (True when unsure)."""
+    if pid == os.getpid() or os.name != "posix":
+        return True             # this process: another thread is saving now; Windows: os.kill would kill
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)         # signal 0: existence check only
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
-        return True
+    except OSError:
+        return True             # e.g. another user's process
     return True
 
 

@@ -500,3 +500,25 @@ def test_manager_sees_earlier_files_and_ignores_others(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(CheckpointError, match="is a file, not a directory"):
         checkpoint.latest_checkpoint(tmp_path / "file")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_and_mixed_device_variables_round_trip(tmp_path):
+    path = str(tmp_path / "ckpt")
+    v = dtape.Variable(torch.arange(4.0, device="cuda:0"))
+    strategy = ds.MirroredStrategy(["cpu:0", "cuda:0"], timeout=30)
+    try:
+        with strategy.scope():
+            w = dtape.Variable(torch.arange(3.0))
+        checkpoint.save(path, v=v, w=w)
+        assert checkpoint.read(path)["v"].device.type == "cpu"
+        v2 = dtape.Variable(torch.zeros(4, device="cuda:0"))
+        with strategy.scope():
+            w2 = dtape.Variable(torch.zeros(3))
+        checkpoint.restore(path, v=v2, w=w2)
+        assert v2.torch().device.type == "cuda" and v2.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert [c.torch().device.type for c in w2.values] == ["cpu", "cuda"]
+        _components_equal(w2, [0.0, 1.0, 2.0])
+    finally:
+        getattr(strategy, "close", lambda: None)()
