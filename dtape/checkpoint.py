@@ -1,28 +1,79 @@
-"""Checkpoints: save/restore variables, modules and optimizers to one file, atomically.
+"""Checkpoints: save/restore variables, modules and optimizers to one file, safely and atomically.
 
-The file is a `torch.save` of a dict `{key: torch.Tensor}` plus plain data:
-a variable passed as `name` is stored under `name`; a module's or an
-optimizer's variables under `name/0`, `name/1`, ... in their stable order.
+A variable passed as `name` is stored under the key `name`; a module's or an
+optimizer's variables under `name/0`, `name/1`, ... in their stable order,
+each with its `.name` (for a distributed variable, the container's name).
 Objects are recognised by duck typing: a variable has `_dtape_read` and
 `_handle`; a distributed variable also has a `.values` tuple of components
-(the primary, `values[0]`, is saved; restore assigns every component); a
+(its logical value is saved: a MirroredVariable's primary, a
+SyncOnReadVariable's aggregate; restore assigns every component); a
 container has a `variables()` method or a `.variables` attribute.
 
-Source: tf.train.Checkpoint (save / restore), by key instead of object graph.
-"""
-import os
-import tempfile
+File format: a safetensors file (an 8-byte header length, a JSON header, raw
+tensor bytes) whose `__metadata__` holds the format tag, the stored objects
+and variable names, the plain data as a JSON tree, and a SHA-256 of the whole
+file (computed with the digest's own 64 hex digits set to "0"). Loading
+checks the checksum before it uses anything, so a flipped bit is refused
+instead of loading different weights.
 
+Why safetensors and not `torch.load(weights_only=True)`: a checksum is not a
+signature (whoever can write the file can write a matching checksum), so the
+reader itself must be unable to run code. safetensors parsing is a JSON
+header plus byte copies: no object is ever constructed from the file.
+`weights_only=True` is still an unpickler restricted by an allow-list; it
+has had bypasses (CVE-2025-32434 ran code in torch <= 2.5.1) and loading
+numpy arrays with it means allow-listing numpy internals. The files are also
+readable by any safetensors tool.
+
+Plain data (`save(path, step=3, metrics={...})`): None, bool, int, float,
+str, lists, tuples and dicts of them (dict keys: str, int, float, bool,
+None, tuples of these), torch tensors (any dense strided dtype safetensors
+knows, e.g. the uint8 RNG state, int64) and numpy arrays of bool/int/uint/
+float/complex dtypes. They come back with their types: tensors as CPU torch
+tensors (detached), arrays as numpy arrays (native byte order), tuples as
+tuples; numpy scalars (`np.float64(0.5)`) come back as Python scalars.
+Anything else is a TypeError at save time naming the key.
+
+Source: tf.train.Checkpoint (save / restore), by key instead of object graph;
+tf.train.CheckpointManager and tf.train.latest_checkpoint.
+"""
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import struct
+
+import numpy as np
+import safetensors
+import safetensors.torch
 import torch
 
 from dtape import tape as _tp
+from dtape.distribute import SyncOnReadVariable
 from dtape.module import is_variable
+from dtape.tensor import Tensor
+from dtape.variables import VariableAggregation
 
-__all__ = ["save", "restore", "read"]
+__all__ = ["save", "restore", "read", "CheckpointError", "CheckpointManager", "latest_checkpoint"]
 
-_FORMAT = "dtape.checkpoint/1"
+_FORMAT = "dtape.checkpoint/2"
 _DATA_PREFIX = "__data__/"
+_SHA_KEY = "dtape.sha256"
+_ZERO_DIGEST = "0" * 64
 
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, corrupt or not a dtape checkpoint.
+
+    The message names the file. Raised by `read` and `restore` for every such
+    file, whatever went wrong (truncated, empty, random bytes, a flipped bit,
+    a pickle, a directory, no file at all).
+    """
+
+
+# -- objects -> keys ------------------------------------------------------------
 
 def _variables_of(obj):
     """The variables of a module/optimizer, or None when `obj` has none to offer."""
@@ -44,14 +95,43 @@ def _named_variables(name, obj):
     return [(f"{name}/{i}", v) for i, v in enumerate(found)]
 
 
-def _primary_value(var):
-    """The value of `var` (its primary component when distributed) as a detached CPU tensor."""
+def _components(var):
+    """The components of a distributed variable (duck-typed `.values` tuple), else (var,)."""
     components = getattr(var, "values", None)
-    if isinstance(components, tuple) and components:
-        var = components[0]
+    return components if isinstance(components, tuple) and components else (var,)
+
+
+def _saved_value(var):
+    """The logical value of `var` as a detached CPU tensor.
+
+    A MirroredVariable's is its primary component; a SyncOnReadVariable's is
+    its cross-replica read, the aggregate of the components (as TF saves it).
+    """
     with _tp.stop_recording():
         value = var._dtape_read().torch()
-    return value.detach().to("cpu", copy=True)
+    dtype = getattr(var, "dtype", value.dtype)      # a MEAN of int components reads as float
+    return value.detach().to("cpu", dtype, copy=True).contiguous()
+
+
+def _assign_all(var, value):
+    """Assigns `value` to every component of `var` so that its logical value becomes `value`.
+
+    A SUM SyncOnReadVariable gets `value` on its primary and zeros on the
+    other components: their sum is `value` exactly, for any dtype (TF writes
+    `value / n` to each, which rounds for floats and truncates for ints).
+    """
+    components = _components(var)
+    if isinstance(var, SyncOnReadVariable) and var.aggregation == VariableAggregation.SUM:
+        rest = (torch.zeros_like(value),) * (len(components) - 1)
+    else:
+        rest = (value,) * (len(components) - 1)
+    for component, part in zip(components, (value,) + rest):
+        component.assign(part)
+
+
+def _var_name(var, key):
+    name = getattr(var, "name", None)
+    return name if isinstance(name, str) else key
 
 
 def _check_name(name):
@@ -59,41 +139,218 @@ def _check_name(name):
         raise ValueError(f"checkpoint object name {name!r} may not contain '/' or start with '__'")
 
 
+# -- plain data <-> JSON tree -----------------------------------------------------
+
+_SCALAR_TAGS = {"none": type(None), "bool": bool, "int": int, "float": float, "str": str}
+
+
+def _encode(value, where, tensors, active):
+    """`value` as a JSON-able tagged tree; tensors/arrays go to `tensors` under `__data__/i` keys."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return [kind.__name__ if value is not None else "none", value]
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return _encode(value.item(), where, tensors, active)
+    if isinstance(value, torch.Tensor):
+        return ["tensor", _add_tensor(_data_tensor(value, where), tensors)]
+    if kind is np.ndarray:
+        return ["ndarray", _add_tensor(_array_tensor(value, where), tensors)]
+    if kind in (list, tuple, dict):
+        if id(value) in active:
+            raise TypeError(f"checkpoint data {where} contains itself; only trees of plain data can be saved")
+        active.add(id(value))
+        try:
+            return _encode_container(value, where, tensors, active)
+        finally:
+            active.discard(id(value))
+    hint = "; pass t.torch() or t.numpy()" if isinstance(value, Tensor) else ""
+    raise TypeError(f"checkpoint data {where} is a {kind.__module__}.{kind.__qualname__}; only None, bool, int, "
+                    f"float, str, lists/tuples/dicts of them, torch tensors and numpy arrays can be saved{hint}")
+
+
+def _encode_container(value, where, tensors, active):
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            key = _encode(k, f"{where} key {k!r}", tensors, active)
+            if not _is_plain_key(key):
+                raise TypeError(f"checkpoint data {where} has a key of type {type(k).__name__}; "
+                                f"dict keys must be str, int, float, bool, None or tuples of them")
+            items.append([key, _encode(v, f"{where}[{k!r}]", tensors, active)])
+        return ["dict", items]
+    return [type(value).__name__, [_encode(v, f"{where}[{i}]", tensors, active) for i, v in enumerate(value)]]
+
+
+def _is_plain_key(node):
+    """True for an encoded scalar or tuple of them (no tensor, array, list or dict)."""
+    tag, payload = node
+    return tag in _SCALAR_TAGS or (tag == "tuple" and all(_is_plain_key(n) for n in payload))
+
+
+def _add_tensor(t, tensors):
+    key = f"{_DATA_PREFIX}{len(tensors)}"
+    tensors[key] = t
+    return key
+
+
+def _data_tensor(value, where):
+    if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
+        raise TypeError(f"checkpoint data {where}: only dense tensors can be saved, got layout {value.layout} "
+                        f"on {value.device}{' (quantized)' if value.is_quantized else ''}")
+    return value.detach().resolve_conj().resolve_neg().to("cpu", copy=True).contiguous()
+
+
+def _array_tensor(value, where):
+    if value.dtype.kind not in "biufc":
+        raise TypeError(f"checkpoint data {where}: numpy arrays of dtype {value.dtype} cannot be saved "
+                        f"(bool, int, uint, float and complex dtypes can)")
+    native = np.ascontiguousarray(value.astype(value.dtype.newbyteorder("="), copy=False))
+    try:
+        return torch.from_numpy(native).clone()
+    except TypeError as e:
+        raise TypeError(f"checkpoint data {where}: numpy dtype {value.dtype} has no torch dtype ({e})") from None
+
+
+def _decode(node, tensors, path):
+    """Inverse of `_encode`; anything malformed is a CheckpointError."""
+    try:
+        tag, payload = node
+        if tag in _SCALAR_TAGS and type(payload) is _SCALAR_TAGS[tag]:
+            return payload
+        if tag == "tensor":
+            return tensors[payload]
+        if tag == "ndarray":
+            return tensors[payload].numpy()
+        if tag in ("list", "tuple"):
+            items = [_decode(item, tensors, path) for item in payload]
+            return items if tag == "list" else tuple(items)
+        if tag == "dict":
+            return {_decode(k, tensors, path): _decode(v, tensors, path) for k, v in payload}
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: malformed data entry ({type(e).__name__}: {e})")
+    raise CheckpointError(f"checkpoint {path!r} is corrupt: malformed data entry {node!r:.80}")
+
+
+# -- save -----------------------------------------------------------------------
+
 def save(path, **objects):
     """Saves `objects` to the file `path`, atomically (a reader never sees a partial file).
 
     Args:
-      path: file path; its folder must exist.
+      path: file path (str or os.PathLike); its folder must exist. An
+        existing file is replaced. The new file gets the mode the umask gives
+        (0o644 under umask 0o022). Temporary files `.<name>.<pid>.<hex>.tmp`
+        left in the folder by a killed save of the same path are removed
+        (those of a process still running are kept).
       **objects: name -> variable, module, optimizer (anything with a
-        `variables()` method or `.variables` attribute), or plain data
-        (ints, floats, strings, tensors, lists/dicts of them) returned by
-        `restore` / `read`.
+        `variables()` method or `.variables` attribute), or plain data (see
+        the module docstring) returned by `restore` / `read`. Names may not
+        contain '/' or start with '__'.
+
+    Returns:
+      str: `path`.
+
+    Raises:
+      TypeError: plain data of another type (the message names the key).
+      ValueError: a bad object name.
+      OSError: the file could not be written; an existing file is then left
+        as it was.
 
     Call it in the cross-replica context (outside `strategy.run`).
+    Source: tf.train.Checkpoint.write.
 
     Example:
-      >>> dtape.checkpoint.save("/tmp/ckpt.pt", model=model, optimizer=opt, step=10)
+      >>> dtape.checkpoint.save("/tmp/ckpt", model=model, optimizer=opt, step=10)
     """
-    state = {"__format__": _FORMAT, "__names__": {}, "__objects__": {}}
+    path = os.fspath(path)
+    tensors, stored, data = {}, {}, {}
     for name, obj in objects.items():
         _check_name(name)
         pairs = _named_variables(name, obj)
         if pairs is None:
-            state[_DATA_PREFIX + name] = obj
+            data[name] = _encode(obj, repr(name), tensors, set())
             continue
-        state["__objects__"][name] = [key for key, _ in pairs]
+        stored[name] = [[key, _var_name(var, key)] for key, var in pairs]
         for key, var in pairs:
-            state[key] = _primary_value(var)
-            state["__names__"][key] = getattr(var, "name", key)
-    _atomic_torch_save(state, path)
+            tensors[key] = _saved_value(var)
+    _write_atomically(path, _serialize(tensors, stored, data))
+    return path
 
 
-def _atomic_torch_save(state, path):
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+def _serialize(tensors, stored, data):
+    """The file's bytes: safetensors with our metadata, the checksum filled in last."""
+    metadata = {"dtape.format": _FORMAT, "dtape.objects": json.dumps(stored), "dtape.data": json.dumps(data),
+                _SHA_KEY: _ZERO_DIGEST}
+    try:
+        payload = bytearray(safetensors.torch.save(tensors, metadata=metadata))
+    except (ValueError, TypeError, safetensors.SafetensorError) as e:
+        raise TypeError(f"checkpoint: a tensor cannot be stored in the safetensors format: {e}") from None
+    start = _digest_offset(payload, _ZERO_DIGEST)
+    if start is None:       # safetensors changed how it writes metadata: fail loudly, never write unchecked
+        raise RuntimeError("checkpoint: the checksum field was not found once in the safetensors header")
+    payload[start:start + 64] = hashlib.sha256(payload).hexdigest().encode()
+    return bytes(payload)
+
+
+def _digest_offset(payload, digest):
+    """Offset of the 64 digest characters in the header, or None unless found exactly once."""
+    header_end = 8 + struct.unpack("<Q", bytes(payload[:8]))[0]
+    field = f'"{_SHA_KEY}":"{digest}"'.encode()
+    at = payload.find(field, 8, header_end)
+    if at < 0 or payload.find(field, at + 1, header_end) >= 0:
+        return None
+    return at + len(field) - 65
+
+
+def _temporary_pattern(base):
+    # `.<base>.<pid>.<hex>.tmp` (this version) or mkstemp's `.<base>.<8 chars>.tmp` (the previous one).
+    return re.compile(rf"^\.{re.escape(base)}\.(?:(\d+)\.[0-9a-f]+|[a-z0-9_]{{8}})\.tmp$")
+
+
+def _process_alive(pid):
+    """Whether process `pid` may still be writing (True when unsure)."""
+    if pid == os.getpid() or os.name != "posix":
+        return True             # this process: another thread is saving now; Windows: os.kill would kill
+    try:
+        os.kill(pid, 0)         # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True             # e.g. another user's process
+    return True
+
+
+def _remove_stale_temporaries(folder, base):
+    """Removes temporary files of earlier saves of `base` whose process is gone (a killed save)."""
+    pattern = _temporary_pattern(base)
+    for entry in os.listdir(folder):
+        match = pattern.match(entry)
+        if match and not (match.group(1) and _process_alive(int(match.group(1)))):
+            try:
+                os.remove(os.path.join(folder, entry))
+            except FileNotFoundError:
+                pass            # removed by a concurrent save
+
+
+def _create_temporary(folder, base):
+    """Opens a new temporary file; mode 0o666 lets the umask decide (mkstemp would force 0o600)."""
+    while True:
+        tmp = os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except FileExistsError:
+            continue
+
+
+def _write_atomically(path, payload):
+    folder, base = os.path.split(os.path.abspath(path))
+    _remove_stale_temporaries(folder, base)
+    tmp, fd = _create_temporary(folder, base)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -101,53 +358,166 @@ def _atomic_torch_save(state, path):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder):
+    """Makes the rename durable (POSIX); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- load -----------------------------------------------------------------------
+
+def _read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path!r} is missing: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint {path!r} is a directory, not a dtape checkpoint file") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path!r} cannot be read: {e}") from None
+
+
+def _not_ours(path, why):
+    return CheckpointError(f"checkpoint {path!r} is corrupt or not a dtape checkpoint: {why}")
+
+
+def _parse_header(path, raw):
+    """The metadata dict of `raw` after checking the format tag and the checksum."""
+    size = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else None
+    try:
+        if size is None or size > len(raw) - 8:
+            raise ValueError(f"a file of {len(raw)} bytes has no room for its header")
+        metadata = json.loads(raw[8:8 + size])["__metadata__"]
+        version = metadata["dtape.format"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise _not_ours(path, _why_not_ours(raw, e)) from None
+    if version != _FORMAT:
+        raise _not_ours(path, f"format {version!r}, expected {_FORMAT!r}")
+    _verify_checksum(path, raw, metadata.get(_SHA_KEY))
+    return metadata
+
+
+def _why_not_ours(raw, error):
+    if not raw:
+        return "the file is empty"
+    if raw[:2] == b"PK" or raw[:1] == b"\x80":
+        return ("it looks like a torch.save/pickle file; dtape never loads pickles, since loading one can run "
+                "code (re-save it with this version from a trusted process)")
+    return f"no dtape header ({type(error).__name__}: {error})"
+
+
+def _verify_checksum(path, raw, digest):
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: malformed checksum field")
+    start = _digest_offset(raw, digest)
+    if start is None:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: checksum field not found once in the header")
+    zeroed = bytearray(raw)
+    zeroed[start:start + 64] = _ZERO_DIGEST.encode()
+    if not hmac.compare_digest(hashlib.sha256(zeroed).hexdigest(), digest):
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: its SHA-256 does not match its contents "
+                              f"(a changed or damaged file); refusing to load it")
+
+
+def _load(path):
+    """(tensors, stored objects, plain data) of the checkpoint at `path`, all verified."""
+    path = os.fspath(path)
+    raw = _read_bytes(path)
+    metadata = _parse_header(path, raw)
+    try:
+        tensors = safetensors.torch.load(raw)
+        stored = json.loads(metadata["dtape.objects"])
+        data = json.loads(metadata["dtape.data"])
+        data = {name: _decode(node, tensors, path) for name, node in data.items()}
+        _check_stored(path, stored, tensors)
+    except CheckpointError:
+        raise
+    except Exception as e:     # a checksummed but inconsistent file: crafted, or a bug
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: {type(e).__name__}: {e}") from None
+    return tensors, stored, data
+
+
+def _check_stored(path, stored, tensors):
+    for name, pairs in stored.items():
+        for key, var_name in pairs:
+            if not (isinstance(key, str) and isinstance(var_name, str) and key in tensors):
+                raise CheckpointError(f"checkpoint {path!r} is corrupt: bad entry {key!r} for {name!r}")
 
 
 def read(path):
     """Loads the checkpoint at `path` without restoring anything.
 
+    Args:
+      path: a file written by `save` (str or os.PathLike).
+
     Returns:
-      dict: each variable's value under its key (`name` or `name/i`), and the
-      plain data under its own name.
+      dict: each variable's value under its key (`name` or `name/i`), a CPU
+      torch.Tensor of the saved dtype and shape, and the plain data under its
+      own name (types as in the module docstring).
+
+    Raises:
+      CheckpointError: the file is missing, unreadable, corrupt (checksum) or
+        not a dtape checkpoint; no code from the file ever runs.
+
+    Source: tf.train.load_checkpoint (a reader, by key).
     """
-    state = _load(path)
-    out = {k: v for k, v in state.items() if not k.startswith("__")}
-    out.update(_data_of(state))
+    tensors, stored, data = _load(path)
+    out = {key: tensors[key] for pairs in stored.values() for key, _ in pairs}
+    out.update(data)
     return out
 
 
-def _load(path):
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(state, dict) or state.get("__format__") != _FORMAT:
-        raise ValueError(f"{path} is not a dtape checkpoint (expected format {_FORMAT!r})")
-    return state
+# -- restore --------------------------------------------------------------------
 
-
-def _data_of(state):
-    n = len(_DATA_PREFIX)
-    return {k[n:]: v for k, v in state.items() if k.startswith(_DATA_PREFIX)}
-
-
-def restore(path, **objects):
+def restore(path, *, strict=True, **objects):
     """Restores the variables of `objects` from `path`, all or nothing.
 
+    Each variable is matched by position within its object (`name/0`,
+    `name/1`, ...) and checked against the stored one:
+      * names: the stored `.name` must equal the variable's, ignoring the
+        `_<n>` suffixes that default names get to be unique in a process
+        (`dense_1/kernel` matches `dense/kernel`, `Variable_7` matches
+        `Variable_3`); with `strict=False` names may differ (restore by
+        position);
+      * shape and dtype must be equal (no cast; as TF's restore, which
+        refuses a dtype mismatch), whatever `strict` is.
+
     Args:
-      path: a file written by `save`.
+      path: a file written by `save` (str or os.PathLike).
+      strict: if True (default), a renamed or reordered variable is an error.
       **objects: name -> variable, module or optimizer, as given to `save`.
-        An optimizer must already have its slot variables (restore after it
-        has been built or applied once).
+        An optimizer must already have its slot variables (restore after
+        `optimizer.build(variables)` or one `apply_gradients`). For a
+        distributed variable every component is assigned.
 
     Returns:
       dict of the plain data stored in the file (name -> value).
 
     Raises:
+      CheckpointError: the file is missing, unreadable, corrupt or not a
+        dtape checkpoint.
       ValueError: a name is missing from the file, a module/optimizer has a
-        different number of variables, or a shape differs; nothing is
-        assigned then.
+        different number of variables, or a variable's name (strict),
+        shape or dtype differs; nothing is assigned then.
+      TypeError: an object is plain data, not a variable/module/optimizer.
 
     Call it in the cross-replica context (outside `strategy.run`).
+    Source: tf.train.Checkpoint.restore.
     """
-    state = _load(path)
+    tensors, stored, data = _load(path)
+    path = os.fspath(path)
     plan = []
     for name, obj in objects.items():
         _check_name(name)
@@ -155,32 +525,181 @@ def restore(path, **objects):
         if pairs is None:
             raise TypeError(f"restore: {name!r} is a {type(obj).__name__}, not a variable, module or optimizer; "
                             f"plain data comes back in restore()'s return value")
-        plan += _plan_restore(path, name, pairs, state)
+        plan += _plan_restore(path, name, pairs, stored, tensors, data, strict)
     for var, value in plan:
         _assign_all(var, value)
-    return _data_of(state)
+    return data
 
 
-def _plan_restore(path, name, pairs, state):
-    stored = state["__objects__"].get(name)
-    if stored is None:
+def _plan_restore(path, name, pairs, stored, tensors, data, strict):
+    entries = stored.get(name)
+    if entries is None:
         raise ValueError(f"restore: no {name!r} in checkpoint {path}; it holds variables for "
-                         f"{sorted(state['__objects__'])} and data {sorted(_data_of(state))}")
-    if [k for k, _ in pairs] != stored:
-        raise ValueError(f"restore: {name!r} has {len(pairs)} variables but checkpoint {path} holds {len(stored)} "
+                         f"{sorted(stored)} and data {sorted(data)}")
+    if [k for k, _ in pairs] != [k for k, _ in entries]:
+        raise ValueError(f"restore: {name!r} has {len(pairs)} variables but checkpoint {path} holds {len(entries)} "
                          f"for it (an optimizer creates its slots on first use: build or apply it before restore)")
+    if strict:
+        _check_names(path, name, pairs, entries)
     plan = []
-    for key, var in pairs:
-        value = state[key]
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"restore: shape mismatch for {key} ({getattr(var, 'name', key)}): checkpoint has "
-                             f"{tuple(value.shape)}, variable has {tuple(var.shape)}")
-        plan.append((var, value))
+    for (key, var), (_, stored_name) in zip(pairs, entries):
+        plan.append((var, _checked_value(path, key, var, stored_name, tensors[key])))
     return plan
 
 
-def _assign_all(var, value):
-    components = getattr(var, "values", None)
-    targets = components if isinstance(components, tuple) and components else (var,)
-    for component in targets:
-        component.assign(value)
+_UNIQUE_SUFFIX = re.compile(r"_\d+$")
+
+
+def _base_name(name):
+    """`name` without the `_<n>` suffixes that make default names unique (per '/' component)."""
+    return "/".join(_UNIQUE_SUFFIX.sub("", part) for part in name.split("/"))
+
+
+def _check_names(path, name, pairs, entries):
+    wrong = [f"{key}: checkpoint has {stored!r}, variable is {_var_name(var, key)!r}"
+             for (key, var), (_, stored) in zip(pairs, entries)
+             if _base_name(stored) != _base_name(_var_name(var, key))]
+    if wrong:
+        raise ValueError(f"restore: variable names of {name!r} differ from checkpoint {path} (renamed or reordered "
+                         f"variables): " + "; ".join(wrong) + ". Pass strict=False to restore by position.")
+
+
+def _checked_value(path, key, var, stored_name, value):
+    what = f"{key} ({_var_name(var, key)!r}, stored as {stored_name!r})"
+    if tuple(value.shape) != tuple(var.shape):
+        raise ValueError(f"restore: shape mismatch for {what}: checkpoint {path} has {tuple(value.shape)}, "
+                         f"variable has {tuple(var.shape)}")
+    if value.dtype != var.dtype:
+        raise ValueError(f"restore: dtype mismatch for {what}: checkpoint {path} has {value.dtype}, variable has "
+                         f"{var.dtype} (no cast, as TF; cast the variable or re-save)")
+    return value
+
+
+# -- numbered checkpoints ---------------------------------------------------------
+
+def _numbered(directory, checkpoint_name):
+    """[(number, path)] of `<checkpoint_name>-<n>` files in `directory`, by number; [] if it is missing."""
+    pattern = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise CheckpointError(f"checkpoint directory {directory!r} is a file, not a directory") from None
+    found = [(int(m.group(1)), os.path.join(directory, e)) for e in entries if (m := pattern.match(e))]
+    return sorted(found)
+
+
+def latest_checkpoint(directory, checkpoint_name="ckpt"):
+    """The path of the highest-numbered checkpoint `<checkpoint_name>-<n>` in `directory`.
+
+    Args:
+      directory: folder (str or os.PathLike), as given to `CheckpointManager`.
+      checkpoint_name: the file prefix (default "ckpt", as TF).
+
+    Returns:
+      str or None: the path, or None when there is none (or no folder).
+
+    Raises:
+      CheckpointError: `directory` is a file.
+
+    Source: tf.train.latest_checkpoint (which reads TF's state file; here the
+    folder is listed, and numbers order the checkpoints).
+    """
+    found = _numbered(os.fspath(directory), checkpoint_name)
+    return found[-1][1] if found else None
+
+
+class CheckpointManager:
+    """Saves numbered checkpoints `<directory>/<checkpoint_name>-<n>` and keeps the newest `max_to_keep`.
+
+    Args:
+      directory: folder for the checkpoints (str or os.PathLike); created by
+        the first `save`.
+      max_to_keep: how many checkpoints to keep (a positive int), or None to
+        keep all.
+      checkpoint_name: the file prefix (default "ckpt", as TF).
+
+    Raises:
+      ValueError: `max_to_keep` is not a positive int or None.
+
+    Checkpoints are ordered by number (TF orders by save time; with numbers
+    that grow with the step, as here enforced, the two agree). The state is
+    the folder itself: a new manager on the same folder sees the files an
+    earlier run left.
+    Source: tf.train.CheckpointManager.
+
+    Example:
+      >>> manager = dtape.checkpoint.CheckpointManager("/tmp/run", max_to_keep=3)
+      >>> manager.save(model=model, optimizer=opt, step=step)      # /tmp/run/ckpt-1, ckpt-2, ...
+      >>> dtape.checkpoint.restore(manager.latest_checkpoint, model=model, optimizer=opt)
+    """
+
+    def __init__(self, directory, max_to_keep, checkpoint_name="ckpt"):
+        if max_to_keep is not None and (type(max_to_keep) is not int or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        if not isinstance(checkpoint_name, str) or not checkpoint_name or os.sep in checkpoint_name:
+            raise ValueError(f"checkpoint_name must be a non-empty file name, got {checkpoint_name!r}")
+        self._directory = os.fspath(directory)
+        self._max_to_keep = max_to_keep
+        self._checkpoint_name = checkpoint_name
+
+    @property
+    def directory(self):
+        """The folder of the checkpoints (str)."""
+        return self._directory
+
+    @property
+    def checkpoints(self):
+        """Paths of the kept checkpoints, oldest (lowest number) first (list of str)."""
+        return [p for _, p in _numbered(self._directory, self._checkpoint_name)]
+
+    @property
+    def latest_checkpoint(self):
+        """Path of the newest checkpoint, or None when there is none."""
+        return latest_checkpoint(self._directory, self._checkpoint_name)
+
+    def save(self, checkpoint_number=None, **objects):
+        """Saves `objects` as the next numbered checkpoint, then deletes the oldest beyond `max_to_keep`.
+
+        Args:
+          checkpoint_number: the file's number (an int >= 0, e.g. the step);
+            None for the latest number + 1 (1 for the first). It may not be
+            below the latest kept number (that one would be deleted first or
+            mistaken for an older one); equal overwrites it.
+          **objects: as for `save`.
+
+        Returns:
+          str: the path written.
+
+        Raises:
+          TypeError, ValueError: a bad `checkpoint_number`; as `save`.
+        """
+        found = _numbered(self._directory, self._checkpoint_name)
+        latest = found[-1][0] if found else None
+        number = self._number(checkpoint_number, latest)
+        os.makedirs(self._directory, exist_ok=True)
+        path = save(os.path.join(self._directory, f"{self._checkpoint_name}-{number}"), **objects)
+        self._sweep()
+        return path
+
+    def _number(self, checkpoint_number, latest):
+        if checkpoint_number is None:
+            return 1 if latest is None else latest + 1
+        if type(checkpoint_number) is not int and not isinstance(checkpoint_number, np.integer):
+            raise TypeError(f"checkpoint_number must be an int, got {type(checkpoint_number).__name__}")
+        number = int(checkpoint_number)
+        if number < 0 or (latest is not None and number < latest):
+            raise ValueError(f"checkpoint_number {number} is below the latest kept checkpoint number {latest} in "
+                             f"{self._directory!r} (or negative); use a larger number or remove the newer files")
+        return number
+
+    def _sweep(self):
+        kept = self.checkpoints
+        if self._max_to_keep is None:
+            return
+        for path in kept[:max(0, len(kept) - self._max_to_keep)]:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass            # removed by another manager on the same folder
