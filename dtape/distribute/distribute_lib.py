@@ -98,7 +98,8 @@ def _merge_all_gather(strategy, value, axis):
     def gather(v):
         if not isinstance(v, DistributedValues):  # the same object on every replica
             v = PerReplica((v,) * n)
-        return Mirrored(cross_device_ops.broadcast(strategy.gather(v, axis), strategy.extended._torch_devices))
+        gathered = strategy.gather(v, axis)
+        return Mirrored(cross_device_ops.broadcast(gathered, strategy.extended._destinations(gathered)))
     return nest.map_structure(gather, value)
 
 

@@ -257,13 +257,16 @@ def _split_sum(t, n):
 def replica_operand(value):
     """A replica's operand for a collective or an aggregated write, as a value of its own.
 
-    Tensors and distributed values are kept as they are (a tensor shared by
-    every replica stays one object, a non-distributed value); Python and
-    numpy numbers and variables become a new Tensor on this replica, so
-    `all_reduce(SUM, 1.0)` sums one 1.0 per replica whatever CPython's
-    caching of constants makes identical.
+    Tensors and PerReplica/Mirrored values are kept as they are (a tensor
+    shared by every replica stays one object: a non-distributed value);
+    Python and numpy numbers and variables (distributed ones included)
+    become a new Tensor on this replica (a variable: a recorded read of its
+    local component), so `all_reduce(SUM, 1.0)` sums one 1.0 per replica
+    whatever CPython's caching of constants makes identical.
     """
-    if value is None or isinstance(value, (Tensor, DistributedValues)):
+    if value is None or isinstance(value, Tensor):
+        return value
+    if isinstance(value, DistributedValues) and not isinstance(value, DistributedVariable):
         return value
     return convert_to_tensor(value)
 

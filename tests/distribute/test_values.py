@@ -52,6 +52,15 @@ def test_all_reduce_of_a_python_number_counts_it_once_per_replica(strategy):
     assert _floats(out[1], strategy) == [3.0, 3.0]
 
 
+def test_all_reduce_of_a_variable_reads_it_once_per_replica(strategy):
+    with strategy.scope():
+        mirrored = dtape.Variable(2.0)
+    plain = dtape.Variable(5.0)
+    out = strategy.run(lambda: (_ctx().all_reduce(SUM, mirrored), _ctx().all_reduce(SUM, plain)))
+    assert _floats(out[0], strategy) == [4.0, 4.0]
+    assert _floats(out[1], strategy) == [10.0, 10.0]
+
+
 @pytest.mark.parametrize("made", ["outside", "inside"])
 def test_assign_add_with_sum_aggregation_never_depends_on_where_the_delta_was_made(strategy, made):
     with strategy.scope():
@@ -266,6 +275,15 @@ def test_standard_loop_runs_on_single_replica_strategies(make):
         wt = wt - 0.1 * g
     np.testing.assert_allclose(losses, expected, rtol=1e-12)
     np.testing.assert_allclose(w.numpy(), wt.numpy(), rtol=1e-12)
+
+
+def test_default_strategy_dataset_passes_batches_and_run_takes_replica_zero_part():
+    default = ds.get_strategy()
+    batches = [np.ones((3, 2)), np.zeros((2, 2))]
+    assert list(default.experimental_distribute_dataset(batches)) == batches  # TF: the dataset itself
+    out = default.run(lambda x, scale: x * scale, args=(ds.PerReplica((dtape.constant(2.0),)),),
+                      kwargs={"scale": ds.PerReplica((dtape.constant(3.0),))})
+    assert float(out) == 6.0
 
 
 def test_default_replica_context_collectives_return_tensors():
