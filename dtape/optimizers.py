@@ -60,7 +60,7 @@ class Optimizer:
             self._slots[key] = slots
             # The key is never reused, so a new variable never inherits these;
             # dropping the variable frees them (the finalizer holds no optimizer).
-            weakref.finalize(var, _forget_slots, weakref.ref(self), key)
+            weakref.finalize(var, _forget_slots, weakref.ref(self), key).atexit = False
         return slots
 
     def build(self, var_list):
