@@ -359,8 +359,16 @@ def _check_source(s):
 
 
 def _as_target(t):
+    """A gradient target as the walk sees it: a Tensor, or for a variable its concrete handle.
+
+    A variable target stands for its value at its handle's id (TF's
+    `_handle_or_self`), exactly as a read of it recorded on the tape would:
+    `tape.gradient(v, v)` is ones, and `max(list_of_variables)` is
+    differentiable. A distributed variable resolves to this replica's
+    component (the primary in the cross-replica context).
+    """
     if _is_variable(t):
-        return t._dtape_read()
+        return t._handle()
     if not isinstance(t, Tensor):
         raise ValueError(f"gradient target must be a dtape.Tensor, got {type(t).__name__}")
     return t

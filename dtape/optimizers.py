@@ -4,18 +4,21 @@ Under a strategy, `apply_gradients` in a replica context all-reduces the
 gradients (SUM) in one `merge_call` and applies one update to every
 component, so mirrored components stay bit-identical. Slot variables are
 created in their variable's strategy scope, so they are mirrored like it.
+Every write goes through `Variable._update_value` (the variable's lock);
+slots are keyed by the variable's never-reused id and freed when it dies.
 Source: tf.keras.optimizers (SGD, Adam, AdamW).
 """
 import contextlib
 import math
 import warnings
+import weakref
 
 import torch
 
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.tensor import convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 from dtape.variables import Variable, VariableAggregation
 
 
@@ -23,7 +26,8 @@ class Optimizer:
     """Base class: slot bookkeeping, gradient aggregation, the update loop.
 
     Subclasses define `_slot_names` and `_update(var, grad, slots, step)`
-    on torch tensors (`var` a component Variable, `grad` a torch.Tensor).
+    (`var` a component Variable, `grad` a torch.Tensor on its device); they
+    write with `_write(variable, fn)`, never by touching a variable's tensor.
     """
 
     _slot_names = ()
@@ -31,7 +35,7 @@ class Optimizer:
     def __init__(self, learning_rate, name):
         self.learning_rate = learning_rate
         self.name = name
-        self._slots = {}          # id(var) -> {slot name: variable}
+        self._slots = {}          # _slot_key(var) -> {slot name: variable}, in creation order
         self._iterations = None
 
     @property
@@ -49,10 +53,14 @@ class Optimizer:
                             aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
 
     def _slots_for(self, var):
-        slots = self._slots.get(id(var))
+        key = _slot_key(var)
+        slots = self._slots.get(key)
         if slots is None:
             slots = {n: self._make_variable(0, None, var, f"{var.name}/{n}") for n in self._slot_names}
-            self._slots[id(var)] = slots
+            self._slots[key] = slots
+            # The key is never reused, so a new variable never inherits these;
+            # dropping the variable frees them (the finalizer holds no optimizer).
+            weakref.finalize(var, _forget_slots, weakref.ref(self), key).atexit = False
         return slots
 
     def build(self, var_list):
@@ -78,32 +86,41 @@ class Optimizer:
 
         Args:
           grads_and_vars: iterable of (gradient, variable); gradients are
-            dtape.Tensors with the variable's shape, or None (skipped, with a warning).
+            dtape.Tensors with the variable's shape, or None.
 
         In a replica context of a strategy the gradients are summed over
-        replicas (one merge_call) and every component gets the same update.
-        In the cross-replica context gradients are applied as given.
+        replicas (one merge_call) and every component gets the same update;
+        a variable whose gradient is None on some replicas only gets zeros
+        there (the replicas agree), and one that is None on every replica
+        is skipped with a warning. In the cross-replica context gradients
+        are applied as given (None skipped, with a warning).
 
         Returns:
           The iterations variable.
+
+        Raises:
+          ValueError: (under a strategy) a gradient that is the same object
+            on every replica (not distributed) cannot be summed.
         """
         pairs = [(g, v) for g, v in grads_and_vars]
-        missing = [v.name for g, v in pairs if g is None]
-        if missing:
-            warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss", stacklevel=2)
-        pairs = [(g, v) for g, v in pairs if g is not None]
         ctx = distribute.get_replica_context()
         if ctx is not None:
-            return ctx.merge_call(self._distributed_apply, args=(pairs,))
-        return self._distributed_apply(distribute.get_strategy(), pairs)
+            return ctx.merge_call(self._merge_apply, args=(pairs,))
+        return self._apply(distribute.get_strategy(), _drop_missing(pairs))
 
-    def _distributed_apply(self, strategy, pairs):
+    def _merge_apply(self, strategy, pairs):
+        """merge_fn: fills one-sided None gradients with zeros, sums over replicas, applies."""
+        devices = strategy.extended.worker_devices
+        kept = [(_fill_missing(g, v, devices), v) for g, v in _drop_missing(pairs)]
+        reduced = strategy.extended.batch_reduce_to(ReduceOp.SUM, kept)
+        return self._apply(strategy, [(g, v) for g, (_, v) in zip(reduced, kept)])
+
+    def _apply(self, strategy, pairs):
         for _, var in pairs:  # slots are made here, once, in the cross-replica context
             self._slots_for(distribute.value_container(var))
-        reduced = strategy.extended.batch_reduce_to(ReduceOp.SUM, pairs)
         step = int(self.iterations.numpy()) + 1
         with _tp.stop_recording():
-            for (_, var), grad in zip(pairs, reduced):
+            for grad, var in pairs:
                 strategy.extended.update(var, self._apply_one, args=(grad, step))
             self.iterations.assign_add(1)
         return self.iterations
@@ -123,12 +140,42 @@ class Optimizer:
         return float(lr(int(self.iterations.numpy()))) if callable(lr) else float(lr)
 
 
-def _replace(var, value):
-    """Sets a component's value to a fresh tensor the optimizer owns (no defensive copy)."""
-    if value.shape != var.shape or value.dtype != var.dtype:
-        raise ValueError(f"update of {var.name!r} has shape {tuple(value.shape)} / {value.dtype}, "
-                         f"expected {tuple(var.shape)} / {var.dtype}")
-    var._t = value
+def _write(var, fn):
+    """Sets component `var` to `fn(current torch value)` through the variable's one write path.
+
+    Returns the new torch value.
+    """
+    return var._update_value(fn, "optimizer update")
+
+
+def _slot_key(var):
+    """A never-reused key for a variable (a container: its primary component's id)."""
+    handle = var.values[0] if isinstance(var, distribute.DistributedValues) else var
+    return handle._id
+
+
+def _forget_slots(optimizer_ref, key):
+    """Finalizer of a variable: its slots go with it (if the optimizer still exists)."""
+    optimizer = optimizer_ref()
+    if optimizer is not None:
+        optimizer._slots.pop(key, None)
+
+
+def _drop_missing(pairs):
+    """The pairs with a gradient; warns naming the variables that have none (on any replica)."""
+    missing = [v.name for g, v in pairs if g is None]
+    if missing:
+        warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss", stacklevel=4)
+    return [(g, v) for g, v in pairs if g is not None]
+
+
+def _fill_missing(grad, var, devices):
+    """A PerReplica gradient with zeros (on the replica's device) where a replica had None."""
+    if not isinstance(grad, distribute.PerReplica) or all(g is not None for g in grad.values):
+        return grad
+    return distribute.PerReplica(tuple(
+        Tensor(torch.zeros(tuple(var.shape), dtype=var.dtype, device=normalize_device(d))) if g is None else g
+        for g, d in zip(grad.values, devices)))
 
 
 def _component_like(slot, var):
@@ -162,13 +209,11 @@ class SGD(Optimizer):
     def _update(self, var, g, slots, step):
         lr = self._lr()
         if not self.momentum:
-            _replace(var, torch.add(var.torch(), g, alpha=-lr))
+            _write(var, lambda w: torch.add(w, g, alpha=-lr))
             return
-        m = slots["momentum"]
-        velocity = torch.add(self.momentum * m.torch(), g, alpha=-lr)
-        _replace(m, velocity)
+        velocity = _write(slots["momentum"], lambda m: torch.add(self.momentum * m, g, alpha=-lr))
         delta = torch.add(self.momentum * velocity, g, alpha=-lr) if self.nesterov else velocity
-        _replace(var, var.torch() + delta)
+        _write(var, lambda w: w + delta)
 
 
 class Adam(Optimizer):
@@ -188,13 +233,11 @@ class Adam(Optimizer):
     def _update(self, var, g, slots, step):
         b1, b2 = self.beta_1, self.beta_2
         lr_t = self._lr() * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
-        m = slots["m"].torch() * b1 + (1 - b1) * g
-        v = slots["v"].torch() * b2 + (1 - b2) * g * g
-        _replace(slots["m"], m)
-        _replace(slots["v"], v)
-        _replace(var, var.torch() - self._decay(var) - lr_t * m / (torch.sqrt(v) + self.epsilon))
+        m = _write(slots["m"], lambda m: m * b1 + (1 - b1) * g)
+        v = _write(slots["v"], lambda v: v * b2 + (1 - b2) * g * g)
+        _write(var, lambda w: w - self._decay(w) - lr_t * m / (torch.sqrt(v) + self.epsilon))
 
-    def _decay(self, var):
+    def _decay(self, w):
         return 0.0
 
 
@@ -209,8 +252,8 @@ class AdamW(Adam):
         super().__init__(learning_rate, beta_1, beta_2, epsilon, name)
         self.weight_decay = float(weight_decay)
 
-    def _decay(self, var):
-        return self._lr() * self.weight_decay * var.torch()
+    def _decay(self, w):
+        return self._lr() * self.weight_decay * w
 
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]

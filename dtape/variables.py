@@ -187,7 +187,8 @@ class Variable(metaclass=_VariableMeta):
             with _tp.stop_recording():
                 initial_value = initial_value._dtape_read().torch()
         self._t = _to_torch(initial_value, dtype, device).clone()
-        self._id = _next_id()
+        self._id = _next_id()  # process-wide and never reused (also keys optimizer slots)
+        self._lock = threading.Lock()  # serialises writes (read-modify-write of `_t`)
         self._trainable = bool(trainable)
         self._name = name or f"Variable_{next(_name_counter)}"
         self._synchronization = synchronization
@@ -271,19 +272,47 @@ class Variable(metaclass=_VariableMeta):
                                  f"match the variable's shape {tuple(self._t.shape)}") from None
         return t.to(device=self._t.device, dtype=self._t.dtype)
 
+    def _update_value(self, fn, what="update"):
+        """Atomically replaces the value with `fn(current)`; returns the new torch.Tensor.
+
+        The one write path of a variable: `assign*` and the optimizers go
+        through it, under the variable's lock, so concurrent read-modify-writes
+        never lose an update (no reliance on the GIL). `fn(current)` gets and
+        returns torch tensors; it runs under the lock, so it must not write
+        this variable. Its result must have the variable's shape; it is cast
+        to the variable's dtype and device and then owned by the variable
+        (reads taken before keep their old value).
+
+        Raises:
+          ValueError: if `fn`'s result has another shape.
+        """
+        with self._lock:
+            new = fn(self._t)
+            if new.shape != self._t.shape:
+                raise ValueError(f"{what} of variable {self._name!r} produced shape {tuple(new.shape)}, "
+                                 f"expected the variable's shape {tuple(self._t.shape)}")
+            self._t = new.to(device=self._t.device, dtype=self._t.dtype)
+            return self._t
+
     def assign(self, value, read_value=False):
-        """Sets the value (same shape; cast to the variable's dtype and device). Returns the variable."""
-        self._t = self._coerce(value, "assign").clone()
+        """Sets the value (same shape; cast to the variable's dtype and device). Returns the variable.
+
+        Atomic with respect to other writes of this variable.
+        """
+        t = self._coerce(value, "assign").clone()
+        self._update_value(lambda old: t, "assign")
         return self
 
     def assign_add(self, delta, read_value=False):
-        """Adds `delta` to the value. Returns the variable."""
-        self._t = self._t + self._coerce(delta, "assign_add")
+        """Adds `delta` to the value, atomically (no concurrent write is lost). Returns the variable."""
+        t = self._coerce(delta, "assign_add")
+        self._update_value(lambda old: old + t, "assign_add")
         return self
 
     def assign_sub(self, delta, read_value=False):
-        """Subtracts `delta` from the value. Returns the variable."""
-        self._t = self._t - self._coerce(delta, "assign_sub")
+        """Subtracts `delta` from the value, atomically (no concurrent write is lost). Returns the variable."""
+        t = self._coerce(delta, "assign_sub")
+        self._update_value(lambda old: old - t, "assign_sub")
         return self
 
     def __repr__(self):

@@ -1,4 +1,7 @@
 """Variables: creator stack, assignment, reads and their gradients."""
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -122,3 +125,71 @@ def test_variable_initial_value_callable_and_dtype():
     assert v.dtype == D and v.name == "ones" and v.shape == (2,)
     with pytest.raises(ValueError, match="initial_value"):
         dtape.Variable()
+
+
+# -- atomic writes (issue 5, point 5) ---------------------------------------------
+@pytest.fixture
+def fast_switch():
+    """Forces thread interleaving so a missing lock loses updates on a GIL build."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _run_threads(target, n_threads, timeout=30):
+    threads = [threading.Thread(target=target) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a writer thread did not finish"
+
+
+@pytest.mark.parametrize("method, sign", [("assign_add", 1.0), ("assign_sub", -1.0)])
+def test_variable_concurrent_assign_add_sub_lose_no_update(fast_switch, method, sign):
+    v = dtape.Variable(0.0)
+    n = 4000
+
+    def work():
+        write = getattr(v, method)
+        for _ in range(n):
+            write(1.0)
+    _run_threads(work, 4)
+    assert float(v) == sign * 4 * n
+
+
+def test_variable_update_value_is_the_locked_write_path():
+    v = dtape.Variable(torch.tensor([1.0, 2.0], dtype=D), name="w")
+    out = v._update_value(lambda old: old * 2)
+    torch.testing.assert_close(v.torch(), torch.tensor([2.0, 4.0], dtype=D))
+    assert out is v.torch()
+    v._update_value(lambda old: torch.ones(2, dtype=torch.float32))  # cast to the variable's dtype
+    assert v.dtype == D
+    with pytest.raises(ValueError, match=r"'w'.*\(3,\).*\(2,\)"):
+        v._update_value(lambda old: torch.zeros(3, dtype=D))
+    assert v._lock.acquire(timeout=1)  # released after the error
+    v._lock.release()
+
+
+# -- a variable as the gradient target (issue 5, point 5) -------------------------
+def test_gradient_of_variable_wrt_itself_is_one():
+    v = dtape.Variable(torch.tensor([2.0, -1.0], dtype=D))
+    w = dtape.Variable(3.0)
+    with dtape.GradientTape(persistent=True) as tape:
+        y = v * 3.0
+    torch.testing.assert_close(tape.gradient(v, v).torch(), torch.ones(2, dtype=D))
+    torch.testing.assert_close(tape.gradient([v, y], v).torch(), torch.full((2,), 4.0, dtype=D))
+    assert tape.gradient(w, v) is None
+    torch.testing.assert_close(tape.jacobian(v, v).torch(), torch.eye(2, dtype=D))
+
+
+def test_gradient_of_max_of_variables_picks_the_largest():
+    a, b, c = dtape.Variable(1.0), dtape.Variable(3.0), dtape.Variable(2.0)
+    with dtape.GradientTape() as tape:
+        top = max([a, b, c])
+    grads = tape.gradient(top, [a, b, c])
+    assert grads[0] is None and grads[2] is None
+    assert float(grads[1]) == 1.0

@@ -7,8 +7,8 @@ from dtape import nest, ops
 from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops, input_lib
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, select_replica,
-                                     value_container)
+from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, PerReplica,
+                                     replica_operand, select_replica, value_container)
 from dtape.tensor import convert_to_tensor, normalize_device
 from dtape.variables import current_creator_stack, variable_creator_scope
 
@@ -58,18 +58,33 @@ class ReplicaContext:
         TimeoutError after the configured timeout, instead of hanging.
         """
         kwargs = kwargs or {}
-        if self._coordinator is None:
+        if self._coordinator is None:  # one replica, inline: its part of the result, as with threads
             with context.enter_mode(self._strategy, None), _tp.stop_recording():
-                return merge_fn(self._strategy, *args, **kwargs)
+                return select_replica(self._replica_id, merge_fn(self._strategy, *args, **kwargs))
         return self._coordinator.merge_call(self._replica_id, merge_fn, args, kwargs)
 
     def all_reduce(self, reduce_op, value):
-        """Reduces `value` (a nest of tensors) across replicas; every replica gets the result."""
+        """Reduces `value` (a nest of tensors or numbers) across replicas.
+
+        Each replica gets its own result Tensor on its own device (so
+        `experimental_local_results` of the step's result has one per
+        replica). Numbers and variables count once per replica; a tensor
+        that is the same object on every replica (created outside the
+        replica function) is non-distributed: MEAN gives it back, SUM over
+        more than one replica raises ValueError (as TF). float16/bfloat16
+        accumulate in float32.
+        """
         reduce_op = _check_reduce_op(reduce_op)
+        value = nest.map_structure(replica_operand, value)
         return self.merge_call(_merge_all_reduce, args=(reduce_op, value))
 
     def all_gather(self, value, axis):
-        """Concatenates every replica's `value` along `axis`; every replica gets the result."""
+        """Concatenates every replica's `value` along `axis`, in replica order.
+
+        Each replica gets its own result Tensor on its own device. A tensor
+        that is the same object on every replica contributes once per replica.
+        """
+        value = nest.map_structure(replica_operand, value)
         return self.merge_call(_merge_all_gather, args=(value, axis))
 
 
@@ -78,8 +93,13 @@ def _merge_all_reduce(strategy, reduce_op, value):
 
 
 def _merge_all_gather(strategy, value, axis):
+    n = strategy.num_replicas_in_sync
+
     def gather(v):
-        return Mirrored(cross_device_ops.broadcast(strategy.gather(v, axis), strategy.extended.worker_devices))
+        if not isinstance(v, DistributedValues):  # the same object on every replica
+            v = PerReplica((v,) * n)
+        gathered = strategy.gather(v, axis)
+        return Mirrored(cross_device_ops.broadcast(gathered, strategy.extended._destinations(gathered)))
     return nest.map_structure(gather, value)
 
 
@@ -125,14 +145,26 @@ class StrategyExtended:
         reduce_op = _check_reduce_op(reduce_op)
         return [self._reduce_to_mirrored(reduce_op, v) for v, _ in value_destination_pairs]
 
+    def _destination(self, values):
+        """The device a reduction of `values` lands on: the first replica's."""
+        return self._torch_devices[0]
+
+    def _destinations(self, value):
+        """The devices a reduced value is broadcast to: one per replica."""
+        return self._torch_devices
+
+    def _reduce(self, reduce_op, value):
+        """One Tensor on the first device: the reduction of a distributed or non-distributed value."""
+        if isinstance(value, DistributedValues):
+            values = [convert_to_tensor(v) for v in value.values]
+            return cross_device_ops.reduce_values(reduce_op, values, self._destination(values))
+        return cross_device_ops.reduce_non_distributed_value(reduce_op, value, len(self._devices))
+
     def _reduce_to_mirrored(self, reduce_op, value):
         if value is None:
             return None
-        if isinstance(value, DistributedValues):
-            total = cross_device_ops.reduce_values(reduce_op, value.values, self._torch_devices[0])
-        else:
-            total = convert_to_tensor(value)
-        return Mirrored(cross_device_ops.broadcast(total, self._torch_devices))
+        total = self._reduce(reduce_op, value)
+        return Mirrored(cross_device_ops.broadcast(total, self._destinations(total)))
 
 
 class Strategy:
@@ -167,30 +199,41 @@ class Strategy:
 
         Args:
           reduce_op: ReduceOp.SUM or ReduceOp.MEAN.
-          value: PerReplica/Mirrored, or a plain tensor (then it is the result).
+          value: PerReplica/Mirrored; or a non-distributed value (a plain
+            tensor, or what `run` returns when every replica returned the same
+            object): MEAN gives it back (reduced over `axis`), SUM needs a
+            single replica.
           axis: None, or an axis (or axes) of each value to reduce as well;
             MEAN over an axis averages over all examples of all replicas.
 
         Returns:
-          A dtape.Tensor on the first replica's device; recorded on tapes
-          that watch the values (a tape on the main thread sees through it).
+          A dtape.Tensor of the values' dtype on the first replica's device
+          (float16/bfloat16 accumulated in float32); recorded on tapes that
+          watch the values (a tape on the main thread sees through it).
+
+        Raises:
+          ValueError: SUM of a non-distributed value over more than one
+            replica (as TF), naming the fixes; values of different shapes.
         """
         reduce_op = _check_reduce_op(reduce_op)
-        values = value.values if isinstance(value, DistributedValues) else (convert_to_tensor(value),)
-        values = [convert_to_tensor(v) for v in values]
         if axis is None:
-            return cross_device_ops.reduce_values(reduce_op, values, self._extended._torch_devices[0])
-        sums = [ops.reduce_sum(v, axis=axis) for v in values]
-        total = cross_device_ops.reduce_values(ReduceOp.SUM, sums, self._extended._torch_devices[0])
-        if reduce_op == ReduceOp.SUM:
-            return total
-        count = sum(_count(v, axis) for v in values)
-        return total / max(count, 1)
+            return self._extended._reduce(reduce_op, value)
+        if not isinstance(value, DistributedValues):
+            value = cross_device_ops.reduce_non_distributed_value(reduce_op, value, self.num_replicas_in_sync)
+            values = [value]
+        else:
+            values = [convert_to_tensor(v) for v in value.values]
+        dtype = values[0].dtype
+        sums = [ops.reduce_sum(cross_device_ops.widen(v), axis=axis) for v in values]
+        total = cross_device_ops.reduce_values(ReduceOp.SUM, sums, self._extended._destination(values))
+        if reduce_op == ReduceOp.MEAN:
+            total = total / max(sum(_count(v, axis) for v in values), 1)
+        return cross_device_ops.narrow(total, dtype)
 
     def gather(self, value, axis):
         """Concatenates the per-replica values along `axis` on the first device."""
-        values = value.values if isinstance(value, DistributedValues) else (value,)
-        dev = self._extended._torch_devices[0]
+        values = [convert_to_tensor(v) for v in (value.values if isinstance(value, DistributedValues) else (value,))]
+        dev = self._extended._destination(values)
         return ops.concat([cross_device_ops._on(v, dev) for v in values], axis=axis)
 
     def experimental_local_results(self, value):
@@ -242,17 +285,43 @@ class _StrategyScope:
         return False
 
 
+class _DefaultExtended(StrategyExtended):
+    """One replica wherever values already are: reductions stay on the value's device."""
+
+    def _destination(self, values):
+        return values[0].device
+
+    def _destinations(self, value):
+        return (value.device,)
+
+
 class _DefaultStrategy(Strategy):
-    """The strategy in force outside any scope: one replica, the current device."""
+    """The strategy in force outside any scope: one replica, the current device.
+
+    The standard loop works on it unchanged: `experimental_distribute_dataset`
+    gives the dataset's batches as they are, `run` calls fn once (taking
+    replica 0's part of any PerReplica argument), `reduce` of the result is
+    the value itself. Source: TF's _DefaultDistributionStrategy.
+    """
 
     _is_default = True
 
     def __init__(self):
-        super().__init__(StrategyExtended(self, ("cpu:0",)))
+        super().__init__(_DefaultExtended(self, ("cpu:0",)))
 
     def run(self, fn, args=(), kwargs=None):
+        """Calls `fn(*args, **kwargs)` once, on this thread, in the default replica context."""
+        args, kwargs = select_replica(0, args), select_replica(0, kwargs or {})
         with context.enter_mode(self, _DEFAULT_REPLICA):
-            return fn(*args, **(kwargs or {}))
+            return fn(*args, **kwargs)
+
+    def experimental_distribute_dataset(self, dataset):
+        """The dataset itself: one replica takes every batch whole (TF's default strategy)."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn):
+        """`dataset_fn(InputContext(1, 0, 1))`: the one replica's dataset."""
+        return dataset_fn(input_lib.InputContext(1, 0, 1))
 
 
 _DEFAULT_STRATEGY = _DefaultStrategy()

@@ -4,9 +4,13 @@ Source: tensorflow/python/distribute/values.py. Seed 2: in a replica context
 a watched distributed variable is its container; in the cross-replica
 context it is every component.
 """
+import torch
+
 from dtape import nest
-from dtape.distribute import context
+from dtape import tape as _tp
+from dtape.distribute import context, cross_device_ops
 from dtape.distribute.reduce_util import ReduceOp
+from dtape.tensor import Tensor, convert_to_tensor
 from dtape.variables import VariableAggregation, install_tensor_protocol
 
 
@@ -96,14 +100,22 @@ class DistributedVariable(DistributedValues):
     def distribute_strategy(self):
         return self._distribute_strategy
 
-    def numpy(self):
-        return self._component().numpy()
-
-    def torch(self):
+    def _host_value(self):
+        """The value a host read (numpy, torch, __array__) sees: this replica's component, or the
+        primary one in the cross-replica context (SyncOnReadVariable aggregates instead)."""
         return self._component().torch()
 
+    def numpy(self):
+        """The value as numpy (cross-replica: the logical value, as `read_value()`); not recorded."""
+        return self._host_value().detach().cpu().numpy()
+
+    def torch(self):
+        """The value as a torch.Tensor (cross-replica: the logical value); not recorded."""
+        return self._host_value()
+
     def __array__(self, dtype=None, copy=None):
-        return self._component().__array__(dtype)
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
 
     # writes: each subclass's `_write(method, value)` decides which components change
     def assign(self, value, read_value=False):
@@ -165,7 +177,7 @@ class MirroredVariable(DistributedVariable):
                 "replica context: create it with aggregation=VariableAggregation.SUM, MEAN or "
                 "ONLY_FIRST_REPLICA, or update it in a merge_call / cross-replica context")
         ctx = context.get_replica_context()
-        return ctx.merge_call(_merge_write, args=(self, method, value))
+        return ctx.merge_call(_merge_write, args=(self, method, replica_operand(value)))
 
 
 def _merge_write(strategy, var, method, value):
@@ -181,32 +193,82 @@ def _merge_write(strategy, var, method, value):
 class SyncOnReadVariable(DistributedVariable):
     """A variable each replica updates locally; a cross-replica read aggregates the components.
 
-    Source: tf.distribute SyncOnReadVariable.
+    Replica context: reads and writes use this replica's component.
+    Cross-replica context (TF's on_read_* rules):
+      * read (`read_value`, `numpy`, `float`, ...): SUM adds the components,
+        MEAN averages them (both on the primary device, float16/bfloat16
+        accumulated in float32); ONLY_FIRST_REPLICA and NONE give the primary.
+      * `assign(x)`: SUM writes x / num_replicas to each component (integer
+        dtypes: the remainder goes to the primary) so the read gives x;
+        other aggregations write x to each component.
+      * `assign_add(d)` / `assign_sub(d)`: the logical value changes by d:
+        SUM adds d / num_replicas to each component (where TF raises),
+        other aggregations add d to each component.
+      A PerReplica/Mirrored value gives each component its own part, as is.
+
+    Source: tf.distribute SyncOnReadVariable (values_util.on_read_assign_*_cross_replica).
     """
 
     def read_value(self):
         if _local_index(self) is not None:
             return self._component().read_value()
-        comps = [c.read_value() for c in self._values]
-        if self._aggregation in (VariableAggregation.ONLY_FIRST_REPLICA, VariableAggregation.NONE):
-            return comps[0]
-        total = comps[0]
-        for c in comps[1:]:
-            total = total + c
-        return total / len(comps) if self._aggregation == VariableAggregation.MEAN else total
+        return self._aggregate([c.read_value() for c in self._values])
 
     value = read_value
     _dtape_read = read_value
 
+    def _aggregate(self, comps):
+        if self._aggregation in (VariableAggregation.ONLY_FIRST_REPLICA, VariableAggregation.NONE):
+            return comps[0]
+        op = ReduceOp.MEAN if self._aggregation == VariableAggregation.MEAN else ReduceOp.SUM
+        return cross_device_ops.reduce_values(op, comps, self._values[0].device)
+
+    def _host_value(self):
+        if _local_index(self) is not None:
+            return self._component().torch()
+        with _tp.stop_recording():
+            return self._aggregate([Tensor(c.torch()) for c in self._values]).torch()
+
     def _write(self, method, value):
-        """Replica context: this replica's component; cross-replica: every component."""
+        """Replica context: this replica's component; cross-replica: see the class docstring."""
         idx = _local_index(self)
         if idx is not None:
             getattr(self._values[idx], method)(value)
+            return self
+        if isinstance(value, DistributedValues):
+            parts = value.values
+        elif self._aggregation == VariableAggregation.SUM:
+            parts = _split_sum(self._values[0]._coerce(value, method), len(self._values))
         else:
-            for c in self._values:
-                getattr(c, method)(value)
+            parts = (value,) * len(self._values)
+        for c, part in zip(self._values, parts):
+            getattr(c, method)(part)
         return self
+
+
+def _split_sum(t, n):
+    """n torch tensors whose sum is `t`: t / n each (integers: floor, remainder on the first)."""
+    if t.is_floating_point() or t.is_complex():
+        return (t / n,) * n
+    q = torch.div(t, n, rounding_mode="floor")
+    return (t - q * (n - 1),) + (q,) * (n - 1)
+
+
+def replica_operand(value):
+    """A replica's operand for a collective or an aggregated write, as a value of its own.
+
+    Tensors and PerReplica/Mirrored values are kept as they are (a tensor
+    shared by every replica stays one object: a non-distributed value);
+    Python and numpy numbers and variables (distributed ones included)
+    become a new Tensor on this replica (a variable: a recorded read of its
+    local component), so `all_reduce(SUM, 1.0)` sums one 1.0 per replica
+    whatever CPython's caching of constants makes identical.
+    """
+    if value is None or isinstance(value, Tensor):
+        return value
+    if isinstance(value, DistributedValues) and not isinstance(value, DistributedVariable):
+        return value
+    return convert_to_tensor(value)
 
 
 install_tensor_protocol(MirroredVariable)
@@ -239,8 +301,22 @@ def select_replica(replica_id, structure):
 
 
 def regroup(per_replica_structures):
-    """Groups per-replica nests into one nest with PerReplica leaves (identical leaves kept)."""
+    """Groups per-replica nests into one nest with PerReplica leaves.
+
+    A leaf that is the same object on every replica (a value captured from
+    outside the replica function, a string, None) is kept as that one
+    object: a non-distributed value, as TF's regroup. Reductions treat it
+    as such: SUM over more than one replica raises ValueError, MEAN
+    returns it (`cross_device_ops.reduce_non_distributed_value`), so a
+    result never silently depends on object identity.
+
+    Raises:
+      ValueError: if the replicas' nests have different structures.
+    """
     flats = [nest.flatten(s) for s in per_replica_structures]
+    if len({len(f) for f in flats}) > 1:
+        raise ValueError(f"replicas gave nests of different structures ({[len(f) for f in flats]} leaves); "
+                         "every replica must pass the same structure to merge_call / return it from run")
     grouped = []
     for leaves in zip(*flats):
         first = leaves[0]
