@@ -370,8 +370,11 @@ def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=N
                zip((hp, wp), g.shape[2:], s, (kh, kw), d)]
     gx = F.conv_transpose2d(g, w, stride=s, dilation=d, output_padding=tuple(out_pad))
     gx = gx[:, :, pads[2]:hp - pads[3], pads[0]:wp - pads[1]]
-    gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
-    gw = torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
+    if x.shape[0] == 0:  # empty batch: torch's conv over a zero-size "channel" dim loses `out`
+        gw = torch.zeros_like(filters)
+    else:
+        gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
+        gw = torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
     return (torch.permute(gx, (0, 2, 3, 1)) if data_format == "NHWC" else gx), gw
 
 
