@@ -5,7 +5,7 @@ tensor arguments are float64 torch tensors, attrs a dict.
 """
 import torch
 
-SHAPES_BINARY = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (2, 3))]
+SHAPES_BINARY = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (2, 3)), ((2, 3), ())]
 
 
 def randn(rng, *shape):
