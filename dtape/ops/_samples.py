@@ -49,4 +49,4 @@ def binary_positive(rng):
 def reduction(rng):
     x = away_from_zero(rng, 2, 3, 4)
     return [((x,), {}), ((x,), {"axis": 1}), ((x,), {"axis": (0, 2), "keepdims": True}),
-            ((x,), {"axis": -1, "keepdims": False})]
+            ((x,), {"axis": -1, "keepdims": False}), ((x,), {"axis": ()})]

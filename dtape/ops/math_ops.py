@@ -479,10 +479,13 @@ def _(dy, ans, x, axis=None, keepdims=False):
 
 
 def _minmax_grad(dy, ans, x, axis, keepdims):
+    axes = _axes(x.ndim, axis)
+    if not axes:  # no axis reduced (axis=() or a scalar): the identity; torch.sum(dim=()) would sum all
+        return dy
     ans = _expand_back(ans, x, axis, keepdims)
     dy = _expand_back(dy, x, axis, keepdims)
     ties = torch.eq(x, ans)
-    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=_axes(x.ndim, axis), keepdim=True)
+    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=axes, keepdim=True)
     return torch.where(ties, dy / count, 0.0)
 
 

@@ -409,7 +409,7 @@ def _(dy, ans, value, bias, data_format="NHWC"):
 
 
 def _moments_samples(rng):
-    return [((S.randn(rng, 3, 4),), {"axes": [0]}),
+    return [((S.randn(rng, 3, 4),), {"axes": [0]}), ((S.randn(rng, 3, 2),), {"axes": []}),
             ((S.randn(rng, 2, 3, 4),), {"axes": [0, 2], "keepdims": True}),
             ((S.randn(rng, 2, 3),), {"axes": -1})]
 
@@ -429,6 +429,8 @@ def moments(x, axes, keepdims=False):
     Source: tf.nn.moments.
     """
     dims = _axes(x.ndim, axes)
+    if not dims:  # no axis: mean x, variance 0 (torch.mean(dim=()) would reduce every axis)
+        return x.clone(), torch.zeros_like(x)
     mean = torch.mean(x, dim=dims, keepdim=True)
     var = torch.mean(torch.square(x - mean), dim=dims, keepdim=keepdims)
     return (mean if keepdims else torch.squeeze(mean, dims)), var
