@@ -1,11 +1,11 @@
 """Tape concurrency under forced interleaving (GIL builds included).
 
-`sys.setswitchinterval(1e-6)` makes the interpreter switch threads between
-almost any two calls, so a compound update of shared tape state that is
-not under its lock loses data here. Each test names the lock it guards;
+`interleaved()` (switch interval 1e-6 plus a profile hook that yields the
+GIL after random C calls) lets another thread run between almost any two
+steps, so a compound update of shared tape state that is not under its lock
+loses data here. Each test names the lock it guards;
 each was checked by replacing that lock with a no-op context manager.
 """
-import sys
 import threading
 
 import pytest
@@ -14,18 +14,16 @@ import torch
 import dtape
 from dtape import tape as tp
 
+from _interleave import interleaved
+
 D = torch.float64
 TIMEOUT = 5
 
 
 @pytest.fixture
 def fast_switch():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with interleaved(seed=0):
         yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _run(targets):
@@ -53,8 +51,8 @@ def test_tapes_pushed_and_popped_on_many_threads_none_lost_none_leaked(fast_swit
     """Guards `_set_lock`: push/pop replace the global tuple of tapes; unlocked, a pop that read
     the tuple before a concurrent push stores it back without that tape (lost: it records
     nothing), or with a tape popped meanwhile (leaked: it records forever)."""
-    background = [tp.push_new_tape() for _ in range(500)]  # a long tuple: pop's scan takes a while
-    n_threads, n_iter = 6, 1000
+    background = [tp.push_new_tape() for _ in range(300)]  # long tuple: slow scans in pop
+    n_threads, n_iter = 4, 1000
     start = threading.Barrier(n_threads, timeout=TIMEOUT)
     lost = []
 
@@ -119,7 +117,7 @@ def test_reset_concurrent_with_records_and_variable_watches_keeps_tape_consisten
 
         def reset():
             try:
-                for _ in range(6000):
+                for _ in range(1000):
                     _check_consistent(_snapshot(tape), {x._id})
                     tape.reset()
                     _check_consistent(_snapshot(tape), set())

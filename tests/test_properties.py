@@ -3,11 +3,11 @@
 * Random DAGs of elementwise, broadcasting and reduction ops on random
   broadcast-compatible float64 shapes: dtape's first and second order
   gradients equal torch.autograd's of the same program written in torch.
-* Random thread schedules with random stop-recording sections: threads run
+* Random thread schedules (`interleaved` with a drawn seed) with random
+  stop-recording sections: threads run
   ops on a tensor one tape watches; the gradient and the number of records
   are exactly those of the ops that were recorded (known in closed form).
 """
-import sys
 import threading
 import time
 
@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import dtape
-from dtape import tape as tp
+
+from _interleave import interleaved
 
 D = torch.float64
 TIMEOUT = 5
@@ -206,8 +207,8 @@ def _expected(plan):
 
 
 @settings(max_examples=30, **SETTINGS)
-@given(thread_plans)
-def test_threads_with_random_stop_recording_sections_record_exactly_their_recorded_ops(plans):
+@given(thread_plans, st.integers(0, 2 ** 31 - 1), st.sampled_from([0.0, 0.2, 0.5]))
+def test_threads_with_random_stop_recording_sections_record_exactly_their_recorded_ops(plans, schedule, p_yield):
     x = dtape.constant([1.0, -2.0, 0.5], dtype=D)
     start = threading.Barrier(len(plans), timeout=TIMEOUT)
     results, errors = [None] * len(plans), []
@@ -229,19 +230,15 @@ def test_threads_with_random_stop_recording_sections_record_exactly_their_record
         except BaseException as e:  # reported on the main thread
             errors.append(e)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        with dtape.GradientTape(persistent=True) as tape:
-            tape.watch(x)
+    with dtape.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        with interleaved(schedule, p_yield):  # a random (replayable) schedule
             threads = [threading.Thread(target=work, args=(k, tape), daemon=True) for k in range(len(plans))]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(timeout=TIMEOUT)
                 assert not t.is_alive(), "worker thread did not finish in time"
-    finally:
-        sys.setswitchinterval(old)
     assert not errors, errors[0]
     expected = [_expected(p) for p in plans]
     assert tape._tape.num_records() == sum(n for _, n in expected)
