@@ -16,7 +16,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dtape
 from dtape.ops import REGISTRY
