@@ -496,8 +496,10 @@ def _extreme(fn, x, axis, keepdims, lowest):
         return x.clone()
     if any(x.shape[a] == 0 for a in axes):
         shape = _keep_shape(x.shape, axis) if keepdims else [s for i, s in enumerate(x.shape) if i not in axes]
-        info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
-        value = (-math.inf if lowest else math.inf) if x.dtype.is_floating_point else (info.min if lowest else info.max)
+        if x.dtype.is_floating_point:
+            value = -math.inf if lowest else math.inf
+        else:
+            value = torch.iinfo(x.dtype).min if lowest else torch.iinfo(x.dtype).max
         return torch.full(shape, value, dtype=x.dtype, device=x.device)
     return fn(x, dim=axes, keepdim=keepdims)
 
