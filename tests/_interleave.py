@@ -22,11 +22,11 @@ def interleaved(seed=0, p=0.3):
         if event == "c_return" and rnd.random() < p:
             time.sleep(0)
 
-    old = sys.getswitchinterval()
+    old_interval, old_profile = sys.getswitchinterval(), threading.getprofile()
     sys.setswitchinterval(1e-6)
     threading.setprofile(yielder)
     try:
         yield
     finally:
-        threading.setprofile(None)
-        sys.setswitchinterval(old)
+        threading.setprofile(old_profile)
+        sys.setswitchinterval(old_interval)
