@@ -388,7 +388,8 @@ def _finish(src, parts, unconnected):
         warnings.warn(f"The dtype of the source tensor must be floating (e.g. float32) to get a gradient; "
                       f"got {dtype}, which gets None", stacklevel=4)
         return None
-    if parts:
+    if parts:  # each part in the source's dtype (autocast may have run the walk in bfloat16)
+        parts = [p if p.dtype == dtype else ops.cast(p, dtype) for p in parts]
         g = parts[0]
         for p in parts[1:]:
             g = g + p

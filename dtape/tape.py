@@ -214,8 +214,12 @@ def record(op, in_ids, inputs, outputs, attrs):
             out_ids = tuple([o._id for o in outputs])
             rec = (op, in_ids, out_ids, inputs, outputs, attrs)
         with tape._lock:
+            # reset() may have replaced the sets since the unlocked check: re-check, so a
+            # record and its outputs' watch land in the same generation of the tape.
+            if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
+                continue
             tape._records.append(rec)
-            tape._watched.update(out_ids)  # not `watched`: reset() may have replaced the set
+            tape._watched.update(out_ids)
 
 
 class _CallableBackward:

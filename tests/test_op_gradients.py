@@ -1,21 +1,33 @@
-"""Registry-driven gradient test: every OpDef with a rule, each sample, vs torch.autograd (float64).
+"""Registry-driven op tests: every OpDef with samples, float64.
 
-First order: `tape.gradient` with a random cotangent against `torch.autograd.grad`
-of the op's forward. Second order: nested tapes differentiate <grads, v>
-again, against torch's double backward (create_graph=True).
+* Forward: the op's value against an independent reference written here.
+* First order: `GradientTape.gradient` (dtape's own rule, on the raw fast
+  path and on the recorded path) against central finite differences of
+  <cotangent, forward>.
+* Second order (ops claiming `second_order`): nested tapes give H v for the
+  Hessian H of <cotangent, forward>; central differences of dtape's first
+  order gradient along v give H v too (H is symmetric).
+* Empty batch: a leading dimension of 0 gives gradients of the right
+  (empty) shape without error.
+* Python scalars on either side of every elementwise binary op.
 """
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
 import dtape
 from dtape.ops import REGISTRY
 
-TOL = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+D = torch.float64
+EPS = 1e-6
+FD_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _cases():
+def _cases(pred=lambda op: True):
     for opdef in REGISTRY:
-        if opdef.grad_fn is None or opdef.samples is None:
+        if opdef.grad_fn is None or opdef.samples is None or not pred(opdef):
             continue
         for i, (args, attrs) in enumerate(opdef.samples(torch.Generator().manual_seed(0))):
             yield pytest.param(opdef, args, attrs, id=f"{opdef.name}-{i}")
@@ -24,17 +36,13 @@ def _cases():
 CASES = list(_cases())
 
 
-def _is_diff(x):
-    return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
-
-
-def _flat_inputs(opdef, args):
+# -- helpers ------------------------------------------------------------------
+def _flat(opdef, args):
     """The tensor inputs of a sample, flat (list-input ops expand their list)."""
     return list(args[0]) if opdef.list_input else list(args[:opdef.n_in])
 
 
 def _pack(opdef, args, inputs):
-    """Sample args with the tensor inputs replaced by `inputs`."""
     if opdef.list_input:
         return (list(inputs),) + tuple(args[1:])
     return tuple(inputs) + tuple(args[opdef.n_in:])
@@ -44,113 +52,460 @@ def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _cotangents(outs, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(tuple(o.shape), generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
-
-
-def _dtape_run(opdef, args, attrs, inputs):
-    return _as_tuple(opdef.fn(*_pack(opdef, args, inputs), **attrs))
-
-
-def _torch_run(opdef, args, attrs, inputs):
-    return _as_tuple(opdef.forward(*_pack(opdef, args, inputs), **attrs))
-
-
-def _diff_outputs(outs):
-    return [o for o in outs if (o.dtype if isinstance(o, torch.Tensor) else o.dtype).is_floating_point]
-
-
-def _torch_grads(outs, xs, cots, create_graph=False):
-    pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
-    if not pairs:
-        return [None] * len(xs)
-    return list(torch.autograd.grad([o for o, _ in pairs], xs, [c for _, c in pairs],
-                                    allow_unused=True, create_graph=create_graph))
-
-
-def _assert_grads(got, want, xs, what):
-    for k, (g, w, x) in enumerate(zip(got, want, xs)):
-        g = torch.zeros_like(x) if g is None else (g.torch() if isinstance(g, dtape.Tensor) else g)
-        w = torch.zeros_like(x) if w is None else w
-        torch.testing.assert_close(g, w.detach(), **TOL[g.dtype], msg=lambda m: f"{what}, input {k}: {m}")
+def _is_diff(x):
+    return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
 
 
 def _diff_positions(opdef, args):
-    return [k for k, x in enumerate(_flat_inputs(opdef, args)) if _is_diff(x)]
+    return [k for k, x in enumerate(_flat(opdef, args)) if _is_diff(x)]
 
 
-@pytest.mark.parametrize("opdef,args,attrs", CASES)
-def test_op_gradient_first_order_matches_torch_autograd(opdef, args, attrs):
-    flat = _flat_inputs(opdef, args)
-    pos = _diff_positions(opdef, args)
+def _float_outs(outs):
+    return [o for o in outs if o.dtype.is_floating_point]
+
+
+def _torch_forward(opdef, args, attrs, flat):
+    """The op's forward on plain torch tensors (no tape involved): float outputs."""
+    return _float_outs(_as_tuple(opdef.forward(*_pack(opdef, args, flat), **attrs)))
+
+
+def _cotangents(outs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(tuple(o.shape), generator=gen, dtype=D).to(o.dtype) for o in outs]
+
+
+def _dtape_gradient(opdef, args, attrs, flat, cots, pos, recorded=False):
+    """dtape's gradient of <cots, op(flat)> w.r.t. the inputs at `pos` (torch tensors, zeros for None).
+
+    `recorded=True` runs the backward walk while another tape records, so
+    the rules run on dtape tensors (the path higher order uses).
+    """
     xs = [dtape.constant(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    srcs = [xs[k] for k in pos]
     with dtape.GradientTape() as tape:
-        for k in pos:
-            tape.watch(xs[k])
-        outs = _dtape_run(opdef, args, attrs, xs)
-    outs = _diff_outputs(outs)
-    cots = _cotangents(outs, 1)
-    got = tape.gradient(list(outs), [xs[k] for k in pos], output_gradients=[dtape.constant(c) for c in cots])
-
-    ts = [x.clone().requires_grad_() if k in pos else x for k, x in enumerate(flat)]
-    touts = _diff_outputs(_torch_run(opdef, args, attrs, ts))
-    for o, t in zip(outs, touts):
-        torch.testing.assert_close(o.torch(), t.detach(), **TOL[o.dtype])
-    want = _torch_grads(touts, [ts[k] for k in pos], cots)
-    _assert_grads(got, want, [flat[k] for k in pos], f"{opdef.name} first order")
+        tape.watch(srcs)
+        outs = _float_outs(_as_tuple(opdef.fn(*_pack(opdef, args, xs), **attrs)))
+    dys = [dtape.constant(c) for c in cots]
+    if recorded:
+        with dtape.GradientTape() as other:
+            other.watch(dtape.constant(0.0))
+            grads = tape.gradient(outs, srcs, output_gradients=dys)
+    else:
+        grads = tape.gradient(outs, srcs, output_gradients=dys)
+    return [torch.zeros_like(flat[k]) if g is None else g.torch() for g, k in zip(grads, pos)]
 
 
-@pytest.mark.parametrize("opdef,args,attrs", CASES)
-def test_op_gradient_second_order_matches_torch_double_backward(opdef, args, attrs):
-    if not opdef.second_order:
-        pytest.skip(f"{opdef.name} declares second_order=False; its gradient is not differentiable again")
-    flat = _flat_inputs(opdef, args)
+def _phi(opdef, args, attrs, flat, cots):
+    outs = _torch_forward(opdef, args, attrs, flat)
+    return sum(float(torch.sum(o.to(D) * c.to(D))) for o, c in zip(outs, cots))
+
+
+def _finite_difference_gradient(opdef, args, attrs, flat, cots, pos, eps):
+    grads = []
+    for k in pos:
+        g = torch.zeros_like(flat[k], dtype=D)
+        for i in range(flat[k].numel()):
+            values = []
+            for sign in (1.0, -1.0):
+                x = flat[k].clone()
+                x.view(-1)[i] += sign * eps
+                values.append(_phi(opdef, args, attrs, flat[:k] + [x] + flat[k + 1:], cots))
+            g.view(-1)[i] = (values[0] - values[1]) / (2 * eps)
+        grads.append(g)
+    return grads
+
+
+def _fd_setup(opdef, args, attrs):
+    flat = _flat(opdef, args)
     pos = _diff_positions(opdef, args)
+    outs = _torch_forward(opdef, args, attrs, flat)
+    cots = _cotangents(outs, 1)
+    coarse = any(o.dtype != D for o in outs)  # float32 output (cast): wider steps and tolerance
+    return flat, pos, cots, coarse
+
+
+# -- first and second order ---------------------------------------------------
+@pytest.mark.parametrize("opdef,args,attrs", CASES)
+def test_op_gradient_matches_finite_differences(opdef, args, attrs):
+    flat, pos, cots, coarse = _fd_setup(opdef, args, attrs)
+    want = _finite_difference_gradient(opdef, args, attrs, flat, cots, pos, 1e-2 if coarse else EPS)
+    tol = dict(rtol=1e-3, atol=1e-3) if coarse else FD_TOL
+    for path in ("raw", "recorded"):
+        got = _dtape_gradient(opdef, args, attrs, flat, cots, pos, recorded=path == "recorded")
+        for k, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g.to(D), w, **tol, msg=lambda m: f"{opdef.name} ({path} walk) input {pos[k]}: {m}")
+
+
+def _hessian_vector_dtape(opdef, args, attrs, flat, cots, pos, vs):
     xs = [dtape.constant(x) if isinstance(x, torch.Tensor) else x for x in flat]
     srcs = [xs[k] for k in pos]
     with dtape.GradientTape() as outer:
         outer.watch(srcs)
         with dtape.GradientTape() as inner:
             inner.watch(srcs)
-            outs = _diff_outputs(_dtape_run(opdef, args, attrs, xs))
-        cots = _cotangents(outs, 1)
-        grads = inner.gradient(list(outs), srcs, output_gradients=[dtape.constant(c) for c in cots])
-        vs = _cotangents([flat[k] for k in pos], 2)
-        terms = [dtape.reduce_sum(g * dtape.constant(v)) for g, v in zip(grads, vs) if g is not None]
+            outs = _float_outs(_as_tuple(opdef.fn(*_pack(opdef, args, xs), **attrs)))
+        grads = inner.gradient(outs, srcs, output_gradients=[dtape.constant(c) for c in cots])
+        terms = [dtape.reduce_sum(dtape.cast(g, D) * dtape.constant(v)) for g, v in zip(grads, vs)
+                 if g is not None]
         total = dtape.add_n(terms) if len(terms) > 1 else (terms[0] if terms else None)
-    got = outer.gradient(total, srcs) if total is not None else [None] * len(srcs)
-
-    ts = [x.clone().requires_grad_() if k in pos else x for k, x in enumerate(flat)]
-    touts = _diff_outputs(_torch_run(opdef, args, attrs, ts))
-    tgrads = _torch_grads(touts, [ts[k] for k in pos], cots, create_graph=True)
-    tsum = sum((torch.sum(g * v) for g, v in zip(tgrads, vs) if g is not None and g.requires_grad),
-               torch.zeros((), dtype=torch.float64))
-    want = _torch_grads([tsum], [ts[k] for k in pos], [torch.ones((), dtype=torch.float64)])
-    _assert_grads(got, want, [flat[k] for k in pos], f"{opdef.name} second order")
+    hv = outer.gradient(total, srcs) if total is not None else [None] * len(srcs)
+    return [torch.zeros_like(flat[k]) if h is None else h.torch() for h, k in zip(hv, pos)]
 
 
-def _first_cases():
-    seen = set()
-    for case in CASES:
-        opdef = case.values[0]
-        if opdef not in seen:
-            seen.add(opdef)
-            yield pytest.param(*case.values, id=opdef.name)
+@pytest.mark.parametrize("opdef,args,attrs", list(_cases(lambda op: op.second_order)))
+def test_op_second_order_matches_finite_differences_of_dtape_gradient(opdef, args, attrs):
+    flat, pos, cots, coarse = _fd_setup(opdef, args, attrs)
+    vs = _cotangents([flat[k] for k in pos], 2)
+    got = _hessian_vector_dtape(opdef, args, attrs, flat, cots, pos, vs)
+    eps = 1e-2 if coarse else 1e-5
+
+    def shifted(sign):
+        moved = list(flat)
+        for k, v in zip(pos, vs):
+            moved[k] = flat[k] + sign * eps * v
+        return _dtape_gradient(opdef, args, attrs, moved, cots, pos)
+
+    want = [(a - b) / (2 * eps) for a, b in zip(shifted(1.0), shifted(-1.0))]
+    tol = dict(rtol=1e-3, atol=1e-3) if coarse else FD_TOL
+    for k, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g.to(D), w.to(D), **tol, msg=lambda m: f"{opdef.name} H v, input {pos[k]}: {m}")
 
 
-@pytest.mark.parametrize("opdef,args,attrs", list(_first_cases()))
-def test_op_forward_torch_gradcheck_passes(opdef, args, attrs):
-    flat = _flat_inputs(opdef, args)
+# -- forward values against independent references ----------------------------
+def _np(x):
+    return x.numpy() if isinstance(x, torch.Tensor) else x
+
+
+def _axes(ndim, axis):
+    if axis is None:
+        return tuple(range(ndim))
+    return tuple(a % ndim for a in ((axis,) if isinstance(axis, int) else axis))
+
+
+def _reduce(np_fn):
+    return lambda x, axis=None, keepdims=False: np_fn(_np(x), axis=_axes(x.ndim, axis), keepdims=keepdims)
+
+
+def _logsumexp(x, axis=None, keepdims=False):
+    a = _np(x)
+    ax = _axes(x.ndim, axis)
+    return np.log(np.sum(np.exp(a), axis=ax, keepdims=keepdims))
+
+
+def _matmul(a, b, transpose_a=False, transpose_b=False):
+    a, b = _np(a), _np(b)
+    return np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
+
+
+def _softmax(x, axis=-1):
+    e = np.exp(_np(x) - np.max(_np(x), axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _gather(params, indices, axis=None, batch_dims=0):
+    p, i = _np(params), _np(indices)
+    axis = batch_dims if axis is None else axis % p.ndim
+    if batch_dims == 0:
+        return np.take(p, i, axis=axis)
+    return np.stack([_gather(pp, ii, axis - 1, batch_dims - 1) for pp, ii in zip(p, i)])
+
+
+def _gather_nd(params, indices, batch_dims=0):
+    p, i = _np(params), _np(indices)
+    if batch_dims:
+        return np.stack([_gather_nd(pp, ii, batch_dims - 1) for pp, ii in zip(p, i)])
+    return np.stack([p[tuple(row)] for row in i.reshape(-1, i.shape[-1])]).reshape(i.shape[:-1] + p.shape[i.shape[-1]:])
+
+
+def _conv2d(x, w, strides, padding, data_format="NHWC", dilations=None):
+    """Direct loops with TF's SAME arithmetic (pad_total = max((ceil(n/s)-1)*s + (k-1)*d + 1 - n, 0))."""
+    x, w = _np(x), _np(w)
+    if data_format == "NCHW":
+        x = x.transpose(0, 2, 3, 1)
+
+    def pair(v):
+        v = [1] if v is None else ([v] if isinstance(v, int) else list(v))
+        return ((v[1], v[2]) if data_format == "NHWC" else (v[2], v[3])) if len(v) == 4 else (v[0], v[-1])
+
+    s, d = pair(strides), pair(dilations)
+    kh, kw = w.shape[:2]
+    pads = []
+    for n, k, st, dl in zip(x.shape[1:3], (kh, kw), s, d):
+        total = max((-(-n // st) - 1) * st + (k - 1) * dl + 1 - n, 0) if padding == "SAME" else 0
+        pads.append((total // 2, total - total // 2))
+    xp = np.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+    oh = (xp.shape[1] - (kh - 1) * d[0] - 1) // s[0] + 1
+    ow = (xp.shape[2] - (kw - 1) * d[1] - 1) // s[1] + 1
+    out = np.zeros((x.shape[0], oh, ow, w.shape[3]))
+    for i in range(oh):
+        for j in range(ow):
+            patch = xp[:, i * s[0]:i * s[0] + (kh - 1) * d[0] + 1:d[0], j * s[1]:j * s[1] + (kw - 1) * d[1] + 1:d[1], :]
+            out[:, i, j, :] = np.einsum("bhwc,hwco->bo", patch, w)
+    return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
+
+
+def _split(value, num_or_size_splits, axis=0):
+    v = _np(value)
+    n = v.shape[axis]
+    if isinstance(num_or_size_splits, int):
+        return np.split(v, num_or_size_splits, axis=axis)
+    sizes = list(num_or_size_splits)
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = n - (sum(sizes) + 1)
+    return np.split(v, np.cumsum(sizes)[:-1], axis=axis)
+
+
+def _squeeze(x, axis=None):
+    return np.squeeze(_np(x)) if axis is None else np.squeeze(_np(x), axis=axis)
+
+
+def _moments(x, axes, keepdims=False):
+    ax = _axes(x.ndim, axes)
+    return np.mean(_np(x), axis=ax, keepdims=keepdims), np.var(_np(x), axis=ax, keepdims=keepdims)
+
+
+def _bias_add(value, bias, data_format="NHWC"):
+    b = _np(bias)
+    if data_format.startswith("NC"):
+        b = b.reshape((-1,) + (1,) * (value.ndim - 2))
+    return _np(value) + b
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-_np(x)))
+
+
+def _gelu(x, approximate=False):
+    a = _np(x)
+    if approximate:
+        return 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a ** 3)))
+    from math import erf
+    return 0.5 * a * (1 + np.vectorize(erf)(a / np.sqrt(2)))
+
+
+def _log_softmax(x, axis=-1):
+    return np.log(_softmax(x, axis))
+
+
+REFERENCES = {
+    "add": lambda x, y: _np(x) + _np(y), "subtract": lambda x, y: _np(x) - _np(y),
+    "multiply": lambda x, y: _np(x) * _np(y), "divide": lambda x, y: _np(x) / _np(y),
+    "floormod": lambda x, y: np.mod(_np(x), _np(y)), "negative": lambda x: -_np(x),
+    "abs": lambda x: np.abs(_np(x)), "sign": lambda x: np.sign(_np(x)),
+    "pow": lambda x, y: np.power(_np(x), _np(y)), "square": lambda x: _np(x) * _np(x),
+    "sqrt": lambda x: np.sqrt(_np(x)), "rsqrt": lambda x: 1 / np.sqrt(_np(x)),
+    "exp": lambda x: np.exp(_np(x)), "log": lambda x: np.log(_np(x)), "log1p": lambda x: np.log1p(_np(x)),
+    "sin": lambda x: np.sin(_np(x)), "cos": lambda x: np.cos(_np(x)), "tanh": lambda x: np.tanh(_np(x)),
+    "sigmoid": _sigmoid, "maximum": lambda x, y: np.maximum(_np(x), _np(y)),
+    "minimum": lambda x, y: np.minimum(_np(x), _np(y)),
+    "clip_by_value": lambda t, lo, hi: np.minimum(np.maximum(_np(t), _np(lo)), _np(hi)),
+    "matmul": _matmul,
+    "einsum": lambda inputs, equation: np.einsum(equation, *[_np(x) for x in inputs]),
+    "add_n": lambda inputs: sum(_np(x) for x in inputs),
+    "reduce_sum": _reduce(np.sum), "reduce_mean": _reduce(np.mean), "reduce_max": _reduce(np.max),
+    "reduce_min": _reduce(np.min), "reduce_prod": _reduce(np.prod), "reduce_logsumexp": _logsumexp,
+    "reshape": lambda t, shape: np.reshape(_np(t), shape),
+    "transpose": lambda a, perm=None: np.transpose(_np(a), perm),
+    "expand_dims": lambda x, axis: np.expand_dims(_np(x), axis), "squeeze": _squeeze,
+    "concat": lambda values, axis: np.concatenate([_np(v) for v in values], axis=axis),
+    "stack": lambda values, axis=0: np.stack([_np(v) for v in values], axis=axis),
+    "broadcast_to": lambda x, shape: np.broadcast_to(_np(x), shape),
+    "where": lambda c, x, y: np.where(_np(c), _np(x), _np(y)),
+    "cast": lambda x, dtype: _np(x).astype(np.float32 if dtype == torch.float32 else np.float64),
+    "identity": _np, "getitem": lambda t, key: _np(t)[tuple(_np(k) for k in key)],
+    "split": _split, "tile": lambda x, multiples: np.tile(_np(x), multiples),
+    "gather": _gather, "gather_nd": _gather_nd,
+    "fill": lambda value, dims: np.full(dims, _np(value)),
+    "relu": lambda x: np.maximum(_np(x), 0), "relu6": lambda x: np.clip(_np(x), 0, 6),
+    "leaky_relu": lambda x, alpha=0.2: np.where(_np(x) > 0, _np(x), alpha * _np(x)),
+    "elu": lambda x: np.where(_np(x) > 0, _np(x), np.exp(_np(x)) - 1), "gelu": _gelu,
+    "silu": lambda x: _np(x) * _sigmoid(x), "softplus": lambda x: np.log1p(np.exp(_np(x))),
+    "softmax": _softmax, "log_softmax": _log_softmax,
+    "sparse_softmax_cross_entropy_with_logits": lambda labels, logits: -np.take_along_axis(
+        _log_softmax(logits), _np(labels)[..., None], axis=-1)[..., 0],
+    "softmax_cross_entropy_with_logits": lambda labels, logits, axis=-1: -np.sum(
+        _np(labels) * _log_softmax(logits, axis), axis=axis),
+    "sigmoid_cross_entropy_with_logits": lambda labels, logits: -_np(labels) * np.log(_sigmoid(logits))
+    - (1 - _np(labels)) * np.log(1 - _sigmoid(logits)),
+    "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "bias_add": _bias_add,
+    "moments": _moments, "copy_to_device": lambda x, device: _np(x),
+}
+# Transposes of gather/getitem: their values are the gradients of their primal
+# op, which the finite-difference test above checks.
+NO_REFERENCE = {"getitem_grad", "gather_grad", "gather_nd_grad"}
+
+
+def test_every_op_with_samples_has_a_forward_reference():
+    names = {op.name for op in REGISTRY if op.samples is not None}
+    missing = names - set(REFERENCES) - NO_REFERENCE
+    assert not missing, f"add an independent forward reference for {sorted(missing)} to REFERENCES"
+
+
+@pytest.mark.parametrize("opdef,args,attrs", [c for c in CASES if c.values[0].name in REFERENCES])
+def test_op_forward_matches_independent_reference(opdef, args, attrs):
+    xs = [dtape.constant(x) if isinstance(x, torch.Tensor) else x for x in _flat(opdef, args)]
+    got = _as_tuple(opdef.fn(*_pack(opdef, args, xs), **attrs))
+    want = REFERENCES[opdef.name](*args, **attrs)
+    want = tuple(want) if isinstance(want, (tuple, list)) else (want,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), np.asarray(w), rtol=1e-6 if g.dtype == torch.float32 else 1e-10,
+                                   atol=1e-12, err_msg=opdef.name)
+
+
+# -- empty batches ------------------------------------------------------------
+def _slice0(x):
+    return x[:0]
+
+
+def _default_empty(opdef, args, attrs):
+    """Leading dim 0 on the inputs whose dim 0 is the batch of the first highest-rank input."""
+    flat = _flat(opdef, args)
+    ranked = [x for x in flat if isinstance(x, torch.Tensor) and x.ndim > 0]
+    if not ranked:
+        return None
+    lead = max(ranked, key=lambda x: x.ndim).shape[0]
+    new = [_slice0(x) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == lead else x for x in flat]
+    return _pack(opdef, args, new), attrs
+
+
+def _gather_empty(opdef, args, attrs):
+    params, indices = args[:2]
+    bd = attrs.get("batch_dims", 0)
+    return (_slice0(params) if bd else params, _slice0(indices)) + tuple(args[2:]), attrs
+
+
+def _gather_grad_empty(opdef, args, attrs):
+    dy, indices = args[:2]
+    shape = tuple(attrs["shape"])
+    if attrs.get("batch_dims", 0):
+        shape = (0,) + shape[1:]
+    return (_slice0(dy), _slice0(indices)), dict(attrs, shape=shape)
+
+
+EMPTY_BATCH = {  # ops whose batch is not simply the leading dim of their largest inputs
+    "gather": _gather_empty, "gather_nd": _gather_empty, "gather_grad": _gather_grad_empty,
+    "broadcast_to": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(2, 0, 1))),
+    "fill": lambda op, args, attrs: (args, dict(attrs, dims=(0,) + tuple(attrs["dims"][1:]))),
+    "getitem_grad": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(1,) + tuple(attrs["shape"][1:]))),
+    "reshape": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(0, 2, 3))),
+}
+
+
+@pytest.mark.parametrize("opdef,args,attrs", CASES)
+def test_op_gradient_on_empty_batch_has_source_shape(opdef, args, attrs):
+    made = EMPTY_BATCH.get(opdef.name, _default_empty)(opdef, args, attrs)
+    if made is None:
+        pytest.skip(f"{opdef.name}: no batched input in this sample")
+    args, attrs = made
+    flat = _flat(opdef, args)
     pos = _diff_positions(opdef, args)
+    xs = [dtape.constant(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    srcs = [xs[k] for k in pos]
+    with dtape.GradientTape() as tape:
+        tape.watch(srcs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # mean of an empty tensor
+            outs = _float_outs(_as_tuple(opdef.fn(*_pack(opdef, args, xs), **attrs)))
+    assert any(t.shape.numel() == 0 for t in outs + [x for x in xs if isinstance(x, dtape.Tensor)])
+    cots = [dtape.constant(c) for c in _cotangents([o.torch() for o in outs], 1)]
+    grads = tape.gradient(outs, srcs, output_gradients=cots, unconnected_gradients=dtape.UnconnectedGradients.ZERO)
+    for s, g in zip(srcs, grads):
+        assert g.shape == s.shape and g.dtype == s.dtype, f"{opdef.name}: {tuple(g.shape)} for {tuple(s.shape)}"
+        assert torch.isfinite(g.torch()).all()
 
-    def fn(*diff):
-        inputs = list(flat)
-        for k, d in zip(pos, diff):
-            inputs[k] = d
-        return tuple(o for o in _torch_run(opdef, args, attrs, inputs) if o.dtype.is_floating_point)
 
-    diff = [flat[k].clone().requires_grad_() for k in pos]
-    if any(o.dtype != torch.float64 for o in fn(*diff)):
-        pytest.skip(f"{opdef.name}: float32 output, too coarse for finite differences")
-    assert torch.autograd.gradcheck(fn, diff, eps=1e-6, atol=1e-5)
+# -- Python scalars on either side of binary ops ------------------------------
+def _scalar_cases():
+    """Samples of binary ops where one input is 0-d: that input becomes a Python float."""
+    for opdef in REGISTRY:
+        if opdef.n_in != 2 or opdef.list_input or opdef.samples is None:
+            continue
+        for i, (args, attrs) in enumerate(opdef.samples(torch.Generator().manual_seed(0))):
+            for k in (0, 1):
+                if _is_diff(args[k]) and args[k].ndim == 0 and isinstance(args[1 - k], torch.Tensor):
+                    yield pytest.param(opdef, args, attrs, k, id=f"{opdef.name}-{i}-scalar{k}")
+
+
+SCALAR_CASES = list(_scalar_cases())
+
+
+def test_scalar_cases_cover_both_sides_of_every_elementwise_binary_op():
+    sides = {(c.values[0].name, c.values[3]) for c in SCALAR_CASES}
+    for name in ("add", "subtract", "multiply", "divide", "floormod", "pow", "maximum", "minimum"):
+        assert (name, 0) in sides and (name, 1) in sides, f"{name}: no sample with a 0-d input on each side"
+
+
+@pytest.mark.parametrize("opdef,args,attrs,k", SCALAR_CASES)
+def test_binary_op_python_scalar_either_side_matches_0d_tensor(opdef, args, attrs, k):
+    other = dtape.constant(args[1 - k])
+    scalar = float(args[k])
+    inputs = [None, None]
+    inputs[k], inputs[1 - k] = scalar, other
+    with dtape.GradientTape() as tape:
+        tape.watch(other)
+        y = opdef.fn(*inputs, **attrs)
+    g = tape.gradient(y, other)
+    full = [None, None]
+    full[k], full[1 - k] = dtape.constant(args[k]), dtape.constant(args[1 - k])
+    with dtape.GradientTape() as tape2:
+        tape2.watch(full[1 - k])
+        want = opdef.fn(*full, **attrs)
+    torch.testing.assert_close(y.torch(), want.torch(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(g.torch(), tape2.gradient(want, full[1 - k]).torch(), rtol=1e-12, atol=0)
+
+
+NO_GRAD_BINARY = ["floordiv", "less", "less_equal", "greater", "greater_equal", "equal", "not_equal",
+                  "logical_and", "logical_or"]
+
+
+@pytest.mark.parametrize("name", NO_GRAD_BINARY)
+def test_binary_op_without_gradient_takes_python_scalar_either_side(name):
+    fn = getattr(dtape, name, None) or getattr(dtape.ops.math_ops, name)
+    logical = name.startswith("logical")
+    t = torch.tensor([True, False, True]) if logical else torch.tensor([-1.5, 0.5, 2.0], dtype=D)
+    s = True if logical else 0.5
+    ref = {"floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "less": torch.lt,
+           "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "equal": torch.eq,
+           "not_equal": torch.ne, "logical_and": torch.logical_and, "logical_or": torch.logical_or}[name]
+    st = torch.tensor(s, dtype=t.dtype)
+    assert torch.equal(fn(s, dtape.constant(t)).torch(), ref(st, t))
+    assert torch.equal(fn(dtape.constant(t), s).torch(), ref(t, st))
+
+
+def test_minimum_maximum_scalar_first_as_in_the_issue():
+    t = dtape.constant([-1.0, 0.5, 2.0])
+    np.testing.assert_array_equal(dtape.minimum(1.0, t).numpy(), [-1.0, 0.5, 1.0])
+    np.testing.assert_array_equal(dtape.maximum(0.0, t).numpy(), [0.0, 0.5, 2.0])
+    assert dtape.maximum(0.0, t).dtype == torch.float32
+    assert dtape.maximum(0.5, dtape.constant([1, 0])).dtype == torch.float32  # torch's scalar promotion
+
+
+# -- gradient dtype -----------------------------------------------------------
+def test_gradient_has_source_dtype_under_autocast_bfloat16():
+    v = dtape.Variable(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+    x = dtape.constant(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with dtape.GradientTape() as tape:
+            tape.watch(x)
+            y = dtape.reduce_sum(dtape.matmul(x, v))
+        assert y.dtype == torch.bfloat16  # autocast did run the matmul in bfloat16
+        gv, gx = tape.gradient(y, [v, x])
+    assert gv.dtype == torch.float32 and gx.dtype == torch.float32
+    want = torch.sum(x.torch(), dim=0, keepdim=True).T.expand(4, 3)
+    torch.testing.assert_close(gv.torch(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_second_order_gradient_has_source_dtype_under_autocast():
+    x = dtape.constant(torch.tensor([[0.5, -1.0], [2.0, 1.5]]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with dtape.GradientTape() as outer:
+            outer.watch(x)
+            with dtape.GradientTape() as inner:
+                inner.watch(x)
+                y = dtape.reduce_sum(dtape.matmul(x, x))
+            g = inner.gradient(y, x)
+            assert g.dtype == torch.float32
+            s = dtape.reduce_sum(g * g)
+        h = outer.gradient(s, x)
+    assert h.dtype == torch.float32

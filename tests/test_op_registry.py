@@ -190,3 +190,12 @@ def test_range_tf_forms_give_tf_values():
     np.testing.assert_array_equal(dtape.range(4).numpy(), [0, 1, 2, 3])
     np.testing.assert_array_equal(dtape.range(3, 18, 3).numpy(), [3, 6, 9, 12, 15])
     assert dtape.range(0.0, 1.0, 0.5).dtype == torch.float32
+
+
+def test_reduce_max_min_over_empty_axis_give_tf_identity():
+    x = dtape.zeros([0, 3])
+    np.testing.assert_array_equal(dtape.reduce_max(x, axis=0).numpy(), [-np.inf] * 3)
+    np.testing.assert_array_equal(dtape.reduce_min(x, axis=0, keepdims=True).numpy(), [[np.inf] * 3])
+    assert tuple(dtape.reduce_max(x, axis=1).shape) == (0,)
+    ints = dtape.constant(torch.zeros(2, 0, dtype=torch.int32))
+    np.testing.assert_array_equal(dtape.reduce_min(ints, axis=1).numpy(), [2 ** 31 - 1] * 2)

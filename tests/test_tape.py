@@ -61,26 +61,6 @@ def test_stop_recording_one_thread_other_thread_keeps_recording():
     assert tape.gradient(out["p"], x) is None
 
 
-def test_tape_eight_threads_thousand_ops_each_exact_gradient_repeated():
-    x = dtape.constant([1.0, -1.0], dtype=D)
-    n_threads, n_ops = 8, 1000
-    for _ in range(50):
-        results = [None] * n_threads
-
-        def work(k):
-            y = x
-            for _ in range(n_ops):
-                y = y + x
-            results[k] = y
-
-        with dtape.GradientTape(persistent=True) as tape:
-            tape.watch(x)
-            _run_threads([lambda k=k: work(k) for k in range(n_threads)])
-        assert len(tape._tape.records()) == n_threads * n_ops
-        g = tape.gradient(results, x)
-        assert torch.equal(g.torch(), torch.full((2,), float(n_threads * (n_ops + 1)), dtype=D))
-
-
 def test_pop_tape_outer_before_inner_both_correct():
     x = dtape.constant([0.5, 2.0], dtype=D)
     outer = tp.push_new_tape(persistent=True)

@@ -145,6 +145,8 @@ def _make_binary(opdef):
             y = as_input(_pop_input(opdef, attrs, 1) if y is None else y)
             if type(x) is not Tensor and type(y) is not Tensor:
                 x = convert_to_tensor(x)
+        if type(x) is not Tensor:  # scalar first: torch functions want a tensor `input`
+            x = _scalar_beside(x, y)
         if args:
             attrs = _attrs(opdef, args, attrs)
         a = x._t if type(x) is Tensor else x
@@ -158,6 +160,15 @@ def _make_binary(opdef):
             return out
         return _finish_multi(opdef, out, (x, y), attrs)
     return call
+
+
+def _scalar_beside(s, t):
+    """A Python scalar `s` as a 0-d Tensor of torch's promoted dtype (as `t op s`) on t's device.
+
+    Binary forwards and rules get a Python scalar only as their second input
+    (torch's `other`); a scalar first input becomes this tensor.
+    """
+    return Tensor(torch.as_tensor(s, dtype=torch.result_type(t._t, s), device=t._t.device))
 
 
 def _finish_multi(opdef, out, inputs, attrs):

@@ -5,7 +5,7 @@ tensor arguments are float64 torch tensors, attrs a dict.
 """
 import torch
 
-SHAPES_BINARY = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (2, 3))]
+SHAPES_BINARY = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (2, 3)), ((2, 3), ())]
 
 
 def randn(rng, *shape):
@@ -49,4 +49,4 @@ def binary_positive(rng):
 def reduction(rng):
     x = away_from_zero(rng, 2, 3, 4)
     return [((x,), {}), ((x,), {"axis": 1}), ((x,), {"axis": (0, 2), "keepdims": True}),
-            ((x,), {"axis": -1, "keepdims": False})]
+            ((x,), {"axis": -1, "keepdims": False}), ((x,), {"axis": ()})]

@@ -129,13 +129,10 @@ def pow(x, y):  # noqa: A001 - TF's name
 
 
 @pow.grad
-def _(dy, ans, x, y):
-    scalar_x = isinstance(x, (int, float))
-    gx = None if scalar_x else dy * y * torch.pow(x, y - 1)
+def _(dy, ans, x, y):  # x is a tensor: a scalar first input arrives as a 0-d tensor
+    gx = dy * y * torch.pow(x, y - 1)
     if isinstance(y, (int, float)) or not _is_float(y):
         return gx, None
-    if scalar_x:
-        return gx, dy * ans * math.log(x) if x > 0 else dy * 0
     safe = torch.where(x > 0, x, torch.ones_like(x))
     return gx, dy * ans * torch.where(x > 0, torch.log(safe), torch.zeros_like(safe))
 
@@ -482,18 +479,36 @@ def _(dy, ans, x, axis=None, keepdims=False):
 
 
 def _minmax_grad(dy, ans, x, axis, keepdims):
+    axes = _axes(x.ndim, axis)
+    if not axes:  # no axis reduced (axis=() or a scalar): the identity; torch.sum(dim=()) would sum all
+        return dy
     ans = _expand_back(ans, x, axis, keepdims)
     dy = _expand_back(dy, x, axis, keepdims)
     ties = torch.eq(x, ans)
-    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=_axes(x.ndim, axis), keepdim=True)
+    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=axes, keepdim=True)
     return torch.where(ties, dy / count, 0.0)
+
+
+def _extreme(fn, x, axis, keepdims, lowest):
+    """torch.amax/amin over `axis`; an empty reduced dimension gives TF's identity (the lowest/highest value)."""
+    axes = _axes(x.ndim, axis)
+    if not axes:
+        return x.clone()
+    if any(x.shape[a] == 0 for a in axes):
+        shape = _keep_shape(x.shape, axis) if keepdims else [s for i, s in enumerate(x.shape) if i not in axes]
+        if x.dtype.is_floating_point:
+            value = -math.inf if lowest else math.inf
+        else:
+            value = torch.iinfo(x.dtype).min if lowest else torch.iinfo(x.dtype).max
+        return torch.full(shape, value, dtype=x.dtype, device=x.device)
+    return fn(x, dim=axes, keepdim=keepdims)
 
 
 @defop(samples=S.reduction)
 def reduce_max(x, axis=None, keepdims=False):
-    """Max over `axis`; tied maxima share the gradient equally. Source: tf.math.reduce_max."""
-    axes = _axes(x.ndim, axis)
-    return torch.amax(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+    """Max over `axis`; tied maxima share the gradient equally; an empty axis gives -inf (the
+    dtype's minimum for ints), as TF. Source: tf.math.reduce_max."""
+    return _extreme(torch.amax, x, axis, keepdims, lowest=True)
 
 
 @reduce_max.grad
@@ -503,9 +518,9 @@ def _(dy, ans, x, axis=None, keepdims=False):
 
 @defop(samples=S.reduction)
 def reduce_min(x, axis=None, keepdims=False):
-    """Min over `axis`; tied minima share the gradient equally. Source: tf.math.reduce_min."""
-    axes = _axes(x.ndim, axis)
-    return torch.amin(x, dim=axes, keepdim=keepdims) if axes else x.clone()
+    """Min over `axis`; tied minima share the gradient equally; an empty axis gives +inf (the
+    dtype's maximum for ints), as TF. Source: tf.math.reduce_min."""
+    return _extreme(torch.amin, x, axis, keepdims, lowest=False)
 
 
 @reduce_min.grad
@@ -536,7 +551,10 @@ def _(dy, ans, x, axis=None, keepdims=False):
     rest = [i for i in range(x.ndim) if i not in axes]
     perm = rest + list(axes)
     xt = torch.permute(x, perm)
-    flat = torch.reshape(xt, [xt.shape[i] for i in range(len(rest))] + [-1])
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    flat = torch.reshape(xt, [xt.shape[i] for i in range(len(rest))] + [n])  # not -1: x may be empty
     ones = torch.ones_like(flat[..., :1])
     left = torch.cumprod(torch.cat([ones, flat[..., :-1]], dim=-1), dim=-1)
     right = torch.flip(torch.cumprod(torch.cat([ones, torch.flip(flat, [-1])[..., :-1]], dim=-1), dim=-1), [-1])
@@ -558,6 +576,11 @@ def _(dy, ans, x, axis=None, keepdims=False):
 
 
 # -- comparisons and logic (no gradient) --------------------------------------
+def _as_tensor_like(y, x):
+    """A Python scalar second input as a tensor on x's device (torch's logical ops want tensors)."""
+    return y if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=x.device)
+
+
 def _compare(name, fn, doc):
     @defop(n_in=2, name=name)
     def op(x, y):
@@ -572,8 +595,10 @@ greater = _compare("greater", torch.gt, "x > y elementwise -> bool. Source: tf.m
 greater_equal = _compare("greater_equal", torch.ge, "x >= y -> bool. Source: tf.math.greater_equal.")
 equal = _compare("equal", torch.eq, "x == y elementwise -> bool. Source: tf.math.equal.")
 not_equal = _compare("not_equal", torch.ne, "x != y elementwise -> bool. Source: tf.math.not_equal.")
-logical_and = _compare("logical_and", torch.logical_and, "x and y (bool). Source: tf.math.logical_and.")
-logical_or = _compare("logical_or", torch.logical_or, "x or y (bool). Source: tf.math.logical_or.")
+logical_and = _compare("logical_and", lambda x, y: torch.logical_and(x, _as_tensor_like(y, x)),
+                       "x and y (bool). Source: tf.math.logical_and.")
+logical_or = _compare("logical_or", lambda x, y: torch.logical_or(x, _as_tensor_like(y, x)),
+                      "x or y (bool). Source: tf.math.logical_or.")
 
 
 @defop()

@@ -370,8 +370,11 @@ def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=N
                zip((hp, wp), g.shape[2:], s, (kh, kw), d)]
     gx = F.conv_transpose2d(g, w, stride=s, dilation=d, output_padding=tuple(out_pad))
     gx = gx[:, :, pads[2]:hp - pads[3], pads[0]:wp - pads[1]]
-    gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
-    gw = torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
+    if x.shape[0] == 0:  # empty batch: torch's conv over a zero-size "channel" dim loses `out`
+        gw = torch.zeros_like(filters)
+    else:
+        gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
+        gw = torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
     return (torch.permute(gx, (0, 2, 3, 1)) if data_format == "NHWC" else gx), gw
 
 
@@ -406,7 +409,7 @@ def _(dy, ans, value, bias, data_format="NHWC"):
 
 
 def _moments_samples(rng):
-    return [((S.randn(rng, 3, 4),), {"axes": [0]}),
+    return [((S.randn(rng, 3, 4),), {"axes": [0]}), ((S.randn(rng, 3, 2),), {"axes": []}),
             ((S.randn(rng, 2, 3, 4),), {"axes": [0, 2], "keepdims": True}),
             ((S.randn(rng, 2, 3),), {"axes": -1})]
 
@@ -426,6 +429,8 @@ def moments(x, axes, keepdims=False):
     Source: tf.nn.moments.
     """
     dims = _axes(x.ndim, axes)
+    if not dims:  # no axis: mean x, variance 0 (torch.mean(dim=()) would reduce every axis)
+        return x.clone(), torch.zeros_like(x)
     mean = torch.mean(x, dim=dims, keepdim=True)
     var = torch.mean(torch.square(x - mean), dim=dims, keepdim=keepdims)
     return (mean if keepdims else torch.squeeze(mean, dims)), var
