@@ -390,6 +390,8 @@ def _finish(src, parts, unconnected):
         return None
     if parts:  # each part in the source's dtype (autocast may have run the walk in bfloat16)
         parts = [p if p.dtype == dtype else ops.cast(p, dtype) for p in parts]
+        # Components of a distributed variable live on several devices: sum on the source's.
+        parts = [ops.to_device(p, src.device) for p in parts]
         g = parts[0]
         for p in parts[1:]:
             g = g + p

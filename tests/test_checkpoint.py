@@ -1,5 +1,4 @@
 """dtape.checkpoint: round trips, safe loading, corruption, names, atomic writes, CheckpointManager."""
-import json
 import math
 import os
 import pickle

@@ -12,25 +12,12 @@ import torch
 
 from dtape import ops
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.ops import _samples as S
-from dtape.ops._registry import defop
+from dtape.ops.array_ops import copy_to_device, to_device
 from dtape.tensor import convert_to_tensor, normalize_device
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})])
-def copy_to_device(x, device):
-    """A copy of x on `device`; the gradient is copied back. Source: tf.identity under tf.device."""
-    return x.to(device, copy=True)
-
-
-@copy_to_device.grad
-def _(dy, ans, x, device):
-    return copy_to_device.any(dy, device=x.device)
-
-
 def _on(value, device):
-    value = convert_to_tensor(value)
-    return value if value.device == device else copy_to_device(value, device)
+    return to_device(convert_to_tensor(value), device)
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

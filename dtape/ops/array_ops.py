@@ -15,7 +15,7 @@ _brange = builtins.range  # `range` below is tf.range
 
 __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concat", "stack", "broadcast_to",
            "where", "cast", "identity", "stop_gradient", "zeros", "ones", "zeros_like",
-           "ones_like", "getitem", "split", "tile", "gather", "gather_nd", "one_hot", "fill", "range"]
+           "ones_like", "getitem", "split", "tile", "gather", "gather_nd", "one_hot", "fill", "range", "copy_to_device", "to_device"]
 
 
 @defop(torch_fns=((torch.reshape, lambda x, shape: reshape(x, shape)),),
@@ -588,3 +588,22 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     if dtype is None:
         dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
     return Tensor(torch.arange(*vals, dtype=dtype, device=default_device()))
+
+
+@defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})])
+def copy_to_device(x, device):
+    """A copy of x on `device` (torch.device); the gradient is copied back to x's device.
+
+    Source: tf.identity under tf.device.
+    """
+    return x.to(device, copy=True)
+
+
+@copy_to_device.grad
+def _(dy, ans, x, device):
+    return copy_to_device.any(dy, device=x.device)
+
+
+def to_device(x, device):
+    """`x` itself when it is on `device` (a torch.device), else a recorded copy there."""
+    return x if x.device == device else copy_to_device(x, device)
