@@ -120,6 +120,30 @@ def install_operators(ops):
     Tensor.__abs__ = lambda self: ops.abs(self)
     Tensor.__invert__ = lambda self: ops.logical_not(self)
     Tensor.__getitem__ = lambda self, key: ops.getitem(self, key)
+    Tensor.__getattr__ = _torch_attribute
+
+
+# Names dtape duck-types on (variables' `.values`, `.name`): never answered from torch.Tensor.
+_NOT_FORWARDED = frozenset({"values", "name"})
+
+
+def _torch_attribute(self, name):
+    """torch.Tensor's methods and properties on a dtape.Tensor (`x.dim()`, `x.view(...)`, `x.T`).
+
+    Called only for names Tensor lacks; the call runs through
+    `__torch_function__`, so it is recorded like `torch.<name>(x)`. This is
+    what lets torch.nn module code (`input.dim()`, `x.transpose(0, 1)`) run
+    on dtape tensors. Private names and in-place methods are not forwarded
+    (in-place methods raise TypeError when called: Tensor is immutable).
+    """
+    attr = None if name.startswith("_") or name in _NOT_FORWARDED else getattr(torch.Tensor, name, None)
+    if attr is None:
+        raise AttributeError(f"'dtape.Tensor' object has no attribute {name!r}")
+    if isinstance(attr, (property, type(torch.Tensor.T))):  # a property: read it now
+        return _torch_function(Tensor, attr.__get__, (Tensor,), (self,))
+    if not callable(attr):
+        raise AttributeError(f"'dtape.Tensor' object has no attribute {name!r}")
+    return lambda *args, **kwargs: _torch_function(Tensor, attr, (Tensor,), (self,) + args, kwargs)
 
 
 def _method(fn):
