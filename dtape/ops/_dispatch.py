@@ -5,10 +5,16 @@ A torch function called on dtape tensors runs the registered op for it
 the raw tensors, recorded with a backward that asks `torch.autograd` for its
 vector-Jacobian product. That backward is itself run through the fallback
 when a tape records it, so fallback derivatives compose to any order.
+A random function (dropout, attention with dropout) runs on a private seeded
+stream that the backward's re-run replays, so both see the same masks.
 """
+import threading
+
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from dtape import random as _random
 from dtape import tape as _tp
 from dtape.ops._registry import TORCH_TABLE, Tensor
 
@@ -20,21 +26,25 @@ def _is_diff(t):
 class TorchFallback:
     """Record op for a torch function without a registered gradient."""
 
-    __slots__ = ("name", "func", "spec", "leaves", "positions")
+    __slots__ = ("name", "func", "spec", "leaves", "positions", "seed")
 
-    def __init__(self, func, spec, leaves, positions):
+    def __init__(self, func, spec, leaves, positions, seed=None):
         self.name = getattr(func, "__name__", repr(func))
         self.func = func
         self.spec = spec
         self.leaves = leaves          # flat args/kwargs with tensors replaced by None
         self.positions = positions    # where the tensor inputs go in `leaves`
+        self.seed = seed              # random functions: (seed, devices) of their private stream
 
     def call_raw(self, tensors):
         leaves = list(self.leaves)
         for pos, t in zip(self.positions, tensors):
             leaves[pos] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return self.func(*args, **kwargs)
+        if self.seed is None:
+            return self.func(*args, **kwargs)
+        with _seeded(*self.seed):
+            return self.func(*args, **kwargs)
 
     def vjp_torch(self, n_in, diff_out):
         """A torch-level function (*inputs, *dys) -> grads of the float inputs."""
@@ -79,6 +89,51 @@ def _unwrap_leaves(flat):
     return leaves, tensors, positions
 
 
+# Torch functions that draw from torch's global generators. The fallback's
+# backward re-runs the function, so each call runs on a private stream seeded
+# from the calling replica's generator (dtape.random) and replayed by the
+# re-run: the gradient uses the forward's dropout masks, and replicas draw
+# reproducibly whatever the thread schedule.
+_RANDOM_FNS = frozenset([
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    F.rrelu, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout, torch.rrelu,
+    torch.bernoulli, torch.Tensor.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial])
+# Held while a seeded stream is installed in torch's (process-global) generators.
+_rng_lock = threading.RLock()
+
+
+def _new_seed(tensors):
+    """(seed, cuda device indices) for a random function's private stream."""
+    device = next((t._t.device for t in tensors), None)
+    gen = _random.get_generator(device)
+    seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device))
+    cuda = sorted({t._t.device.index or 0 for t in tensors if t._t.device.type == "cuda"})
+    return seed, tuple(cuda)
+
+
+class _seeded:
+    """Runs a block with torch's CPU (and listed CUDA) generators seeded by `seed`; restores them after."""
+
+    def __init__(self, seed, cuda_devices):
+        self.seed, self.cuda = seed, cuda_devices
+
+    def __enter__(self):
+        _rng_lock.acquire()
+        self._fork = torch.random.fork_rng(devices=list(self.cuda))
+        self._fork.__enter__()
+        torch.default_generator.manual_seed(self.seed)
+        for i in self.cuda:
+            torch.cuda.default_generators[i].manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        try:
+            return self._fork.__exit__(*exc)
+        finally:
+            _rng_lock.release()
+
+
 def call_fallback(func, args, kwargs):
     """Runs torch `func` on dtape tensors; records it with an autograd-derived backward."""
     name = getattr(func, "__name__", "")
@@ -87,7 +142,8 @@ def call_fallback(func, args, kwargs):
                         f"Use the out-of-place torch.{name[:-1]} instead")
     flat, spec = pytree.tree_flatten((args, kwargs))
     leaves, tensors, positions = _unwrap_leaves(flat)
-    op = TorchFallback(func, spec, tuple(leaves), tuple(positions))
+    seed = _new_seed(tensors) if func in _RANDOM_FNS else None
+    op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
     out = op.call_raw([t._t for t in tensors])
     out_leaves, out_spec = pytree.tree_flatten(out)
     wrapped = [Tensor(o) if isinstance(o, torch.Tensor) else o for o in out_leaves]
