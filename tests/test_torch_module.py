@@ -174,7 +174,7 @@ def test_concurrent_calls_in_both_modes_do_not_interfere(fast_switching):
     errors = []
 
     def worker(mode):
-        for _ in range(40):
+        for _ in range(200):
             got = tm(x, training=mode).torch()
             if not torch.allclose(got, expected[mode], rtol=1e-6, atol=1e-7):
                 errors.append(mode)
