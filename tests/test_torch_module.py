@@ -28,7 +28,7 @@ class SmallCNN(nn.Module):
         norm = nn.BatchNorm2d if batchnorm else (lambda c: nn.Identity())
         self.features = nn.Sequential(
             nn.Conv2d(1, 4, 3, padding=1), norm(4), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(4, 6, 3, padding=1), norm(6), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d((2, 2)))
+            nn.Conv2d(4, 6, 3, padding=1), norm(6), nn.ELU(inplace=True), nn.AdaptiveAvgPool2d((2, 2)))
         self.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(24, classes))
 
     def forward(self, x):
@@ -331,15 +331,19 @@ def test_torch_tensor_methods_and_properties_are_recorded():
         assert not hasattr(x, name)
 
 
-def test_dropout_through_torch_gets_the_forward_mask():
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropout_through_torch_gets_the_forward_mask(inplace):
     x = dtape.constant(torch.randn(500, dtype=f64))
     with dtape.GradientTape() as tape:
         tape.watch(x)
-        y = F.dropout(x, 0.5, training=True)
+        t = torch.tanh(x)                   # its gradient reads its output, which must stay intact
+        y = F.dropout(t, 0.5, training=True, inplace=inplace)
         total = dtape.reduce_sum(y)
     kept = (y.torch() != 0).to(f64)
     assert 100 < kept.sum() < 400
-    np.testing.assert_array_equal(tape.gradient(total, x).numpy(), (2 * kept).numpy())
+    assert torch.equal(t.torch(), torch.tanh(x.torch()))
+    expected = 2 * kept * (1 - torch.tanh(x.torch()) ** 2)
+    np.testing.assert_allclose(tape.gradient(total, x).numpy(), expected.numpy(), rtol=1e-12)
 
 
 def test_transformer_with_dropout_gradient_matches_finite_differences():

@@ -135,11 +135,17 @@ class _seeded:
 
 
 def call_fallback(func, args, kwargs):
-    """Runs torch `func` on dtape tensors; records it with an autograd-derived backward."""
+    """Runs torch `func` on dtape tensors; records it with an autograd-derived backward.
+
+    `inplace=True` (torch.nn.functional, e.g. from `nn.Dropout(inplace=True)`)
+    runs out of place: dtape tensors are immutable, and callers use the result.
+    """
     name = getattr(func, "__name__", "")
     if name.endswith("_") and not name.endswith("__"):
         raise TypeError(f"torch.{name} modifies its input in place; dtape.Tensor is immutable. "
                         f"Use the out-of-place torch.{name[:-1]} instead")
+    if kwargs.get("inplace") is True:  # torch.nn.functional's `inplace=`: immutable inputs, return the result
+        kwargs = dict(kwargs, inplace=False)
     flat, spec = pytree.tree_flatten((args, kwargs))
     leaves, tensors, positions = _unwrap_leaves(flat)
     seed = _new_seed(tensors) if func in _RANDOM_FNS else None
