@@ -57,8 +57,9 @@ class TorchModule(Module):
 
     Not supported (each raises where it can be detected): forward hooks,
     pre-hooks and backward hooks on any submodule (NotImplementedError at
-    call); parametrizations (`torch.nn.utils.parametrize`) and
-    `torch.jit.ScriptModule`s (TypeError at construction); parameters
+    call); parametrizations (`torch.nn.utils.parametrize`),
+    `torch.jit.ScriptModule`s and `torch.compile`d modules (TypeError at
+    construction); parameters
     modified in place inside `forward` (TypeError: dtape tensors are
     immutable); tensors held outside registered parameters/buffers (plain
     Python lists of modules, tensor attributes) are constants to dtape.
@@ -84,8 +85,8 @@ class TorchModule(Module):
       The forward's output, torch.Tensor leaves as dtape Tensors.
 
     Raises:
-      TypeError: `module` is not a torch.nn.Module, is scripted or
-        parametrized; or a forward modifies a dtape tensor in place.
+      TypeError: `module` is not a torch.nn.Module, is scripted, compiled
+        or parametrized; or a forward modifies a parameter in place.
       NotImplementedError: a submodule has hooks.
       ValueError: a forward sets a buffer to None or changes its shape.
 
@@ -159,6 +160,9 @@ def _check_module(module):
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError("TorchModule cannot wrap a torch.jit.ScriptModule (its forward is TorchScript, which "
                         "dtape tensors cannot enter); wrap the original Python module")
+    if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        raise TypeError("TorchModule cannot wrap a torch.compile'd module (dynamo would trace dtape tensors); "
+                        "wrap the original module, `compiled._orig_mod`")
     for name, sub in module.named_modules():
         if torch.nn.utils.parametrize.is_parametrized(sub):
             raise TypeError(f"TorchModule: submodule {name or type(module).__name__!r} has parametrizations "

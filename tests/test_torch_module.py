@@ -1,6 +1,7 @@
 """dtape.layers.TorchModule: torch.nn modules trained with dtape (gradients vs torch.autograd, buffers,
 strategies, checkpoints), the torch.Tensor methods dtape tensors forward, and docs/torch_interop.md."""
 import copy
+import doctest
 import pathlib
 import re
 import sys
@@ -285,12 +286,18 @@ def test_nested_outputs_and_inputs():
     assert float(out["parts"][1]) == 3.0
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script.*is deprecated:DeprecationWarning")
 def test_unsupported_modules_raise_clear_errors():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         dtape.layers.TorchModule(lambda x: x)
     with pytest.raises(TypeError, match="ScriptModule"):
         dtape.layers.TorchModule(torch.jit.script(nn.Linear(2, 2)))
+    class Compiled(nn.Module):                 # what torch.compile returns (OptimizedModule), without dynamo's import
+        def __init__(self, original):
+            super().__init__()
+            self._orig_mod = original
+    with pytest.raises(TypeError, match="_orig_mod"):
+        dtape.layers.TorchModule(Compiled(nn.Linear(2, 2)))
     param = nn.Linear(2, 2)
     torch.nn.utils.parametrize.register_parametrization(param, "weight", nn.Identity())
     with pytest.raises(TypeError, match="parametrizations"):
@@ -380,6 +387,12 @@ def test_transformer_with_dropout_gradient_matches_finite_differences():
 
 def _doc_blocks():
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def test_docstring_example_runs():
+    import dtape.torch_module
+    result = doctest.testmod(dtape.torch_module, extraglobs={"dtape": dtape, "torch": torch})
+    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_docs_examples_run():
