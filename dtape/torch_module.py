@@ -103,8 +103,8 @@ class TorchModule(Module):
     """
 
     def __init__(self, module, name=None):
-        super().__init__(name=name)
         _check_module(module)
+        super().__init__(name=name)
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False), _buffer_var)
@@ -129,15 +129,18 @@ class TorchModule(Module):
         buffer back (the same writes, in the same order, on every replica);
         an eval call writes those replaced or modified in place by Python code.
         """
+        written = set()
         for name, (old, version) in before.items():
             owner, leaf = _owner(shadow, name)
             new = owner._buffers.get(leaf)
-            if not training and new is old and new._version == version:
+            var = self._buffers[name]
+            if id(var) in written or not training and new is old and new._version == version:
                 continue
+            written.add(id(var))
             if not isinstance(new, torch.Tensor) or new.shape != old.shape:
                 raise ValueError(f"{self.name}: forward replaced buffer {name!r} of shape {tuple(old.shape)} by "
                                  f"{_describe(new)}; a TorchModule's buffers keep their shape and cannot be removed")
-            self._buffers[name].assign(new)
+            var.assign(new)
 
     def state_dict(self):
         """The variables' current values as a torch state dict: `module.load_state_dict(m.state_dict())`.
