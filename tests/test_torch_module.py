@@ -64,17 +64,18 @@ def _dtape_grads(tm, x, training=True):
     return float(loss), grads[:-1], grads[-1]
 
 
-@pytest.mark.parametrize("make, shape", [
-    (lambda: SmallCNN(), (3, 1, 8, 8)),
-    (lambda: _tel(), (2, 5, 8)),
-    (lambda: _tel(norm_first=True, activation="gelu"), (2, 5, 8)),
-], ids=["cnn_batchnorm", "transformer_encoder_layer", "transformer_norm_first_gelu"])
-def test_gradients_equal_torch_autograd(make, shape):
+@pytest.mark.parametrize("make, shape, training", [
+    (lambda: SmallCNN(), (3, 1, 8, 8), True),
+    (lambda: _tel(), (2, 5, 8), True),
+    (lambda: _tel(dropout=0.5), (2, 5, 8), False),
+    (lambda: _tel(norm_first=True, activation="gelu"), (2, 5, 8), True),
+], ids=["cnn_batchnorm", "transformer_encoder_layer", "transformer_eval", "transformer_norm_first_gelu"])
+def test_gradients_equal_torch_autograd(make, shape, training):
     module = _seeded(make).double()
     x = torch.randn(shape, dtype=f64)
-    ref_loss, ref_grads, ref_dx, ref = _torch_grads(module, x)
+    ref_loss, ref_grads, ref_dx, ref = _torch_grads(module, x, training)
     tm = dtape.layers.TorchModule(module)
-    loss, grads, dx = _dtape_grads(tm, x)
+    loss, grads, dx = _dtape_grads(tm, x, training)
     assert loss == pytest.approx(ref_loss, rel=1e-12)
     assert len(grads) == len(ref_grads) == len(list(module.parameters()))
     for g, r in zip(grads, ref_grads):
@@ -353,12 +354,13 @@ def test_dropout_through_torch_gets_the_forward_mask(inplace):
     np.testing.assert_allclose(tape.gradient(total, x).numpy(), expected.numpy(), rtol=1e-12)
 
 
-def test_transformer_with_dropout_gradient_matches_finite_differences():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_transformer_with_dropout_gradient_matches_finite_differences(device):
     """Attention dropout runs inside one fallback op (multi_head_attention_forward): its backward
     re-runs it, which must replay the forward's random stream. With torch.manual_seed before each
     forward the masks are fixed, so central differences check the gradient."""
-    tm = dtape.layers.TorchModule(_seeded(lambda: _tel(dropout=0.3)).double())
-    x = dtape.constant(torch.randn(2, 5, 8, dtype=f64))
+    tm = dtape.layers.TorchModule(_seeded(lambda: _tel(dropout=0.3)).double().to(device))
+    x = dtape.constant(torch.randn(2, 5, 8, dtype=f64, device=device))
 
     def loss_fn():
         torch.manual_seed(123)
@@ -368,7 +370,7 @@ def test_transformer_with_dropout_gradient_matches_finite_differences():
         loss = loss_fn()
     grads = tape.gradient(loss, tm.trainable_variables)
     gen = torch.Generator().manual_seed(3)
-    dirs = [torch.randn(v.shape, generator=gen, dtype=f64) for v in tm.trainable_variables]
+    dirs = [torch.randn(v.shape, generator=gen, dtype=f64).to(device) for v in tm.trainable_variables]
     eps = 1e-6
 
     def shifted(sign):
