@@ -440,4 +440,4 @@ class Sequential(Layer):
         return x
 
 
-from dtape.torch_module import TorchModule  # noqa: E402,F401  (re-export: dtape.layers.TorchModule)
+from dtape.torch_module import TorchModule  # noqa: F401  (re-export: dtape.layers.TorchModule)
