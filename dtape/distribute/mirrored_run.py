@@ -44,6 +44,24 @@ _INTERRUPT_GRACE_S = 1.0
 _HAS_ADD_NOTE = hasattr(BaseException, "add_note")  # Python >= 3.11
 
 
+# The caller's waits wake this often: CPython handles a signal that lands just
+# before a blocking wait only when the wait returns, so Ctrl-C needs short waits.
+_SIGNAL_POLL_S = 0.1
+
+
+def _wait_for(cond, predicate, timeout):
+    """`cond.wait_for(predicate, timeout)` in short slices, so the caller's Ctrl-C is seen at once."""
+    deadline = time.monotonic() + timeout
+    result = predicate()
+    while not result:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        cond.wait(min(remaining, _SIGNAL_POLL_S))
+        result = predicate()
+    return result
+
+
 class StepAborted(BaseException):
     """Raised inside replicas whose step was ended by another replica's failure, a timeout or an interrupt."""
 
@@ -259,22 +277,16 @@ class Coordinator:
     def wait(self):
         """Drives the step to completion; returns the per-replica results.
 
-        On any failure the step is aborted on every replica before the
-        exception propagates; see the module docstring.
+        Raises the step's failure; the caller then calls `abort()` (for an
+        Exception) or `interrupt()` (KeyboardInterrupt and other
+        BaseExceptions), and `release()` in every case.
         """
-        try:
-            return self._drive()
-        except Exception:
-            self._abort()
-            raise
-        except BaseException:  # KeyboardInterrupt, SystemExit: stop the replicas now
-            self._interrupt()
-            raise
+        return self._drive()
 
     def _drive(self):
         while True:
             with self.cond:
-                settled = self.cond.wait_for(lambda: self._settled() or self._failed(), self.timeout)
+                settled = _wait_for(self.cond, lambda: self._settled() or self._failed(), self.timeout)
                 if self._failed():
                     raise self._replica_error()
                 if not settled:
@@ -301,15 +313,15 @@ class Coordinator:
             result = merge_fn(self.strategy, *args, **kwargs)
         return {i: select_replica(i, result) for i in range(self.n)}
 
-    def _abort(self):
+    def abort(self):
         """Ends the step: replicas in merge_call get StepAborted; waits for them to return."""
         with self.cond:
             self.aborted = True
             self.cond.notify_all()
             waiting = set(self.in_merge_call) | set(self.pending)
-            self.cond.wait_for(lambda: all(self.done[i] for i in waiting), self.timeout)
+            _wait_for(self.cond, lambda: all(self.done[i] for i in waiting), self.timeout)
 
-    def _interrupt(self):
+    def interrupt(self):
         """Aborts the step and raises StepAborted in the replicas running user code; waits briefly."""
         with self.cond:
             self.aborted = True
@@ -318,13 +330,13 @@ class Coordinator:
                 for i in range(self.n):
                     if self.in_user[i] and i not in self.in_merge_call:
                         _raise_async(self.idents[i], StepAborted)
-            self.cond.wait_for(lambda: all(self.done), min(self.timeout, _INTERRUPT_GRACE_S))
+            _wait_for(self.cond, lambda: all(self.done), min(self.timeout, _INTERRUPT_GRACE_S))
 
     def _replica_error(self):
         """A replica raised: aborts, waits up to the timeout for the others, returns the error to raise."""
         self.aborted = True
         self.cond.notify_all()
-        finished = self.cond.wait_for(lambda: all(self.done), self.timeout)
+        finished = _wait_for(self.cond, lambda: all(self.done), self.timeout)
         error = self._first_error()
         if not finished:
             busy = [i for i in range(self.n) if not self.done[i]]
@@ -340,7 +352,8 @@ class Coordinator:
             if e is not None and not isinstance(e, StepAborted):
                 add_note(e, f"(raised on replica {i}, device {self.strategy.extended.worker_devices[i]})")
                 return e
-        return RuntimeError("every replica's step was aborted")
+        reasons = sorted({str(e) for e in self.errors if e is not None})
+        return RuntimeError(f"every replica's step was aborted: {'; '.join(reasons)}")
 
     def release(self):
         """After the step: drops its values and abandons replicas still running user code.
@@ -349,6 +362,8 @@ class Coordinator:
         replaced); the tapes they pushed and did not pop leave the global set.
         """
         with self.cond:
+            self.aborted = True  # no effect after a complete step; wakes merge_call waits otherwise
+            self.cond.notify_all()
             stuck = [i for i in range(self.n) if not self.done[i]]
             self.results = [None] * self.n
             self.errors = [None] * self.n
@@ -381,11 +396,17 @@ def run_on_replicas(strategy, pool, fn, args, kwargs, timeout):
     coord = Coordinator(strategy, len(threads), timeout)
     stack = context.current_stack()
     creators = variables.current_creator_stack()
-    for i, thread in enumerate(threads):
-        thread.submit(coord.replica_job(fn, i, select_replica(i, args), select_replica(i, kwargs),
-                                        stack, creators))
     try:
+        for i, thread in enumerate(threads):
+            thread.submit(coord.replica_job(fn, i, select_replica(i, args), select_replica(i, kwargs),
+                                            stack, creators))
         return coord.wait()
+    except Exception:
+        coord.abort()
+        raise
+    except BaseException:  # KeyboardInterrupt, SystemExit: stop the replicas now
+        coord.interrupt()
+        raise
     finally:
         stuck = coord.release()
         if stuck:

@@ -226,11 +226,17 @@ def test_caught_keyboard_interrupt_aborts_replicas_and_strategy_is_usable_at_onc
 
     def fn():
         if _rid() == 1:
-            ds.get_replica_context().merge_call(lambda s: None)  # blocked wait: must wake
+            try:
+                ds.get_replica_context().merge_call(lambda s: None)  # a blocked wait: must wake
+            except mirrored_run.StepAborted:
+                outcome[1] = "aborted"
+                raise
             return
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        coordinator = ds.get_replica_context()._coordinator
+        assert _wait_until(lambda: 1 in coordinator.in_merge_call)
         deadline = time.monotonic() + 5
         try:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             while time.monotonic() < deadline:  # busy in Python: gets StepAborted asynchronously
                 pass
             outcome[0] = "not interrupted"
@@ -240,7 +246,7 @@ def test_caught_keyboard_interrupt_aborts_replicas_and_strategy_is_usable_at_onc
 
     with pytest.raises(KeyboardInterrupt):
         strategy.run(fn)
-    assert outcome[0] == "aborted"
+    assert outcome == {0: "aborted", 1: "aborted"}
     assert strategy.run(_rid).values == (0, 1)  # a TimeoutError here if the threads were still busy
     strategy.close()
 
