@@ -182,7 +182,8 @@ class ReplicaPool:
     def join(self, timeout):
         """Waits up to `timeout` seconds in all for the threads to exit; True if all did."""
         deadline = time.monotonic() + timeout
-        return all([t.join(max(0.0, deadline - time.monotonic())) for t in self.threads])
+        stopped = [t.join(max(0.0, deadline - time.monotonic())) for t in self.threads]  # join every one
+        return all(stopped)
 
 
 class Coordinator:
@@ -281,9 +282,6 @@ class Coordinator:
         Exception) or `interrupt()` (KeyboardInterrupt and other
         BaseExceptions), and `release()` in every case.
         """
-        return self._drive()
-
-    def _drive(self):
         while True:
             with self.cond:
                 settled = _wait_for(self.cond, lambda: self._settled() or self._failed(), self.timeout)

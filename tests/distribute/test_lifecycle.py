@@ -16,9 +16,9 @@ import pytest
 
 import dtape
 from dtape import _config
+from dtape import distribute as ds
 from dtape import tape as _tp
 from dtape.distribute import mirrored_run
-from dtape import distribute as ds
 
 DEVICES = ["cpu:0", "cpu:1"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +30,12 @@ def _rid():
 
 def _replica_threads():
     return [t for t in threading.enumerate() if t.name.startswith("dtape-replica")]
+
+
+def _threads_of(strategy):
+    """The Thread objects serving `strategy` now (found by a step that reports their idents)."""
+    idents = set(strategy.run(threading.get_ident).values)
+    return [t for t in threading.enumerate() if t.ident in idents]
 
 
 def _wait_until(pred, timeout=5.0):
@@ -53,34 +59,33 @@ def fast_switching():
 # -- close, context manager, garbage collection ---------------------------------
 
 def test_close_stops_threads_is_idempotent_and_later_run_raises():
-    before = len(_replica_threads())
     strategy = ds.MirroredStrategy(DEVICES, timeout=5)
-    assert strategy.run(_rid).values == (0, 1)
-    assert len(_replica_threads()) == before + 2
+    threads = _threads_of(strategy)
+    assert len(threads) == 2
     strategy.close()
     strategy.close()
-    assert _wait_until(lambda: len(_replica_threads()) == before)
+    assert _wait_until(lambda: not any(t.is_alive() for t in threads))
     with pytest.raises(RuntimeError, match="closed; create a new strategy"):
         strategy.run(_rid)
 
 
 def test_context_manager_closes_on_exit():
-    before = len(_replica_threads())
     with ds.MirroredStrategy(DEVICES, timeout=5) as strategy:
-        assert strategy.run(_rid).values == (0, 1)
-    assert _wait_until(lambda: len(_replica_threads()) == before)
+        threads = _threads_of(strategy)
+    assert _wait_until(lambda: not any(t.is_alive() for t in threads))
     with pytest.raises(RuntimeError, match="closed"):
         strategy.run(_rid)
 
 
 def test_fifty_dropped_strategies_leave_no_replica_threads():
-    before = len(_replica_threads())
+    threads = []
     for _ in range(50):
         strategy = ds.MirroredStrategy(DEVICES, timeout=5)
-        strategy.run(_rid)
+        threads += _threads_of(strategy)
         del strategy
+    assert len(threads) == 100
     gc.collect()
-    assert _wait_until(lambda: len(_replica_threads()) == before), len(_replica_threads()) - before
+    assert _wait_until(lambda: not any(t.is_alive() for t in threads)), sum(t.is_alive() for t in threads)
 
 
 # -- abandoned replicas after a timeout ----------------------------------------
@@ -112,7 +117,7 @@ def test_timeout_detaches_stuck_replicas_tapes_and_fresh_thread_serves_next_step
 
 def test_thirty_timeouts_grow_neither_threads_nor_memory():
     strategy = ds.MirroredStrategy(DEVICES, timeout=0.03)
-    before = len(_replica_threads())
+    before = set(_replica_threads())
 
     def step(release):
         def fn():
@@ -135,12 +140,12 @@ def test_thirty_timeouts_grow_neither_threads_nor_memory():
         for _ in range(30):
             one_timeout()
         assert strategy.run(_rid).values == (0, 1)
-        assert _wait_until(lambda: len(_replica_threads()) <= before + 2)
+        assert _wait_until(lambda: len(set(_replica_threads()) - before) <= 2)
         gc.collect()
         grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(start, "filename"))
     finally:
         tracemalloc.stop()
-    assert len(_replica_threads()) == before + 2
+    assert len(set(_replica_threads()) - before) == 2  # the strategy's two threads, nothing left over
     assert grown < 256 * 1024, f"{grown} bytes kept after 30 timeouts"
     assert not _tp._tape_set
     strategy.close()
