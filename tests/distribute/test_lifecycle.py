@@ -91,7 +91,7 @@ def test_fifty_dropped_strategies_leave_no_replica_threads():
 # -- abandoned replicas after a timeout ----------------------------------------
 
 def test_timeout_detaches_stuck_replicas_tapes_and_fresh_thread_serves_next_step():
-    strategy = ds.MirroredStrategy(DEVICES, timeout=0.3)
+    strategy = ds.MirroredStrategy(DEVICES, timeout=0.5)
     release = threading.Event()
     entered = []
 
@@ -154,7 +154,7 @@ def test_thirty_timeouts_grow_neither_threads_nor_memory():
 # -- which error the user gets ------------------------------------------------
 
 def test_replica_error_beats_timeout_of_busy_peer():
-    strategy = ds.MirroredStrategy(DEVICES, timeout=0.3)
+    strategy = ds.MirroredStrategy(DEVICES, timeout=0.5)
     release = threading.Event()
 
     def fn():
@@ -186,10 +186,10 @@ def test_replica_error_with_peer_in_merge_call_has_no_timeout_context():
 
 
 def test_merge_fn_slower_than_timeout_raises_timeout_naming_it():
-    strategy = ds.MirroredStrategy(DEVICES, timeout=0.2)
+    strategy = ds.MirroredStrategy(DEVICES, timeout=0.3)
 
     def slow_merge(s):
-        time.sleep(0.5)
+        time.sleep(0.6)
 
     with pytest.raises(TimeoutError, match="merge_fn .*slow_merge took longer than the timeout"):
         strategy.run(lambda: ds.get_replica_context().merge_call(slow_merge))
@@ -198,12 +198,12 @@ def test_merge_fn_slower_than_timeout_raises_timeout_naming_it():
 
 def test_merge_after_a_long_wait_for_a_slow_peer_is_not_aborted():
     # Replica 0 waits in merge_call most of the timeout for replica 1; the merge must still succeed.
-    strategy = ds.MirroredStrategy(DEVICES, timeout=0.4)
+    strategy = ds.MirroredStrategy(DEVICES, timeout=0.6)
 
     def fn():
         if _rid() == 1:
-            time.sleep(0.3)
-        return ds.get_replica_context().merge_call(lambda s: (time.sleep(0.2), 7)[1])
+            time.sleep(0.35)
+        return ds.get_replica_context().merge_call(lambda s: (time.sleep(0.3), 7)[1])
 
     assert strategy.run(fn) == 7
 
