@@ -155,11 +155,13 @@ def test_thirty_timeouts_grow_neither_threads_nor_memory():
 
 def test_replica_error_beats_timeout_of_busy_peer():
     strategy = ds.MirroredStrategy(DEVICES, timeout=0.5)
-    release = threading.Event()
+    busy, release = threading.Event(), threading.Event()
 
     def fn():
         if _rid() == 1:
+            busy.wait(5)
             raise ValueError("bad batch")
+        busy.set()
         release.wait(10)  # replica 0 is still busy when the timeout expires
 
     try:
