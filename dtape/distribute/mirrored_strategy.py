@@ -43,12 +43,16 @@ class MirroredStrategy(Strategy):
         before TimeoutError (default DTAPE_DISTRIBUTE_TIMEOUT, 300). Finite
         and > 0: NaN, zero, negative and infinity raise ValueError (every
         wait has a timeout; use a large number, e.g. 86400, for slow steps).
+        merge_fn runs on the caller's thread and is timed when it returns.
 
     Lifecycle: the replica threads start at the first `run`. `close()` (or
     leaving `with MirroredStrategy(...) as strategy:`) stops them, and so
     does garbage collection of the strategy; after `close()`, `run` raises
     RuntimeError (variables, `scope()` and `reduce` keep working). The `with`
-    block manages the threads only: it does not enter `scope()`.
+    block manages the threads only: it does not enter `scope()`. A replica
+    stuck past the timeout is abandoned (its open tapes stop recording) and
+    a fresh thread serves the next step. Ctrl-C during `run` raises
+    StepAborted in the replicas and KeyboardInterrupt in the caller.
 
     Example:
       >>> strategy = dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
