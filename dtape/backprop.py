@@ -7,6 +7,7 @@ watched-variable resolver and the gradients of its components are summed.
 import enum
 import inspect
 import warnings
+import weakref
 
 import torch
 
@@ -151,7 +152,9 @@ class GradientTape:
       watch_accessed_variables: watch every trainable variable read while active.
 
     Ops run on any thread are recorded while the tape is active, when an
-    input is watched (the set of tapes is process-global). Under a strategy,
+    input is watched (the set of tapes is process-global). A tape entered
+    and never exited stops recording once it is garbage-collected (the
+    global set does not keep it alive). Under a strategy,
     a watched `MirroredVariable` is its container in a replica context and
     its components in the cross-replica context (seed 2).
 
@@ -172,6 +175,7 @@ class GradientTape:
         self._tape = None
         self._recording = False
         self._used = False
+        self._unpush = None  # weakref.finalize popping the tape if self dies while recording
 
     def __enter__(self):
         if self._recording:
@@ -182,13 +186,18 @@ class GradientTape:
         else:  # re-entering resumes recording on the same tape (tf.GradientTape)
             _tp.push_tape(self._tape)
         self._recording = True
+        self._unpush = weakref.finalize(self, _tp.pop_tape, self._tape)
         return self
 
     def __exit__(self, *exc):
         if self._recording:
-            _tp.pop_tape(self._tape)
-            self._recording = False
+            self._stop()
         return False
+
+    def _stop(self):
+        self._unpush.detach()
+        _tp.pop_tape(self._tape)
+        self._recording = False
 
     def _require_tape(self, what):
         if self._tape is None:
@@ -269,8 +278,7 @@ class GradientTape:
                                "gradients (or jacobians); create it with persistent=True to call "
                                f"{what}() more than once")
         if self._recording and not self._persistent:
-            _tp.pop_tape(self._tape)
-            self._recording = False
+            self._stop()
         self._used = True
 
     def _end_use(self):

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from dtape._local import ThreadLocalScope
 from dtape.tensor import Tensor, convert_to_tensor
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
@@ -28,11 +29,13 @@ _set_lock = threading.Lock()
 
 
 class _ThreadState(threading.local):
-    """Per-thread state: stop flag, tapes paused on this thread, variable-read captures."""
+    """Per-thread state: stop flag, tapes paused on this thread, variable-read captures,
+    tracker of the tapes pushed on this thread (a PushedTapes or None)."""
 
     stopped = False
     paused = ()
     captures = ()
+    pushed = None
 
 
 _thread_state = _ThreadState()
@@ -118,6 +121,8 @@ def push_new_tape(persistent=False, watch_accessed_variables=True):
     tape = Tape(persistent, watch_accessed_variables)
     with _set_lock:
         _tape_set = _tape_set + (tape,)
+    if _thread_state.pushed is not None:
+        _thread_state.pushed.add(tape)
     return tape
 
 
@@ -127,6 +132,8 @@ def push_tape(tape):
     with _set_lock:
         if tape not in _tape_set:
             _tape_set = _tape_set + (tape,)
+    if _thread_state.pushed is not None:
+        _thread_state.pushed.add(tape)
 
 
 def pop_tape(tape):
@@ -134,6 +141,46 @@ def pop_tape(tape):
     global _tape_set
     with _set_lock:
         _tape_set = tuple(t for t in _tape_set if t is not tape)
+    if _thread_state.pushed is not None:
+        _thread_state.pushed.discard(tape)
+
+
+class PushedTapes:
+    """The tapes pushed on one thread (inside `track_pushed_tapes`) and not popped there since.
+
+    Thread-safe: `detach()` may run on another thread, e.g. to remove the
+    tapes of a replica thread that was abandoned while stuck.
+    """
+
+    __slots__ = ("_lock", "_tapes")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tapes = {}  # id -> tape
+
+    def add(self, tape):
+        with self._lock:
+            self._tapes[id(tape)] = tape
+
+    def discard(self, tape):
+        with self._lock:
+            self._tapes.pop(id(tape), None)
+
+    def detach(self):
+        """Removes every tracked tape from the active set; returns how many there were."""
+        with self._lock:
+            tapes, self._tapes = list(self._tapes.values()), {}
+        for tape in tapes:
+            pop_tape(tape)
+        return len(tapes)
+
+
+class track_pushed_tapes(ThreadLocalScope):
+    """Thread-local: records in a PushedTapes the tapes pushed on this thread inside the block."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "pushed"
 
 
 def _recording_tapes():
@@ -364,4 +411,4 @@ class capture_variable_reads:
 __all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
            "variable_accessed", "should_record", "record", "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver"]
+           "register_watched_variable_resolver", "PushedTapes", "track_pushed_tapes"]
