@@ -66,7 +66,8 @@ def test_train_resume_with_dropout_is_bit_identical(train, tmp_path, strategy):
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # force replica interleaving: results must not depend on it
     try:
-        common = ["--strategy", strategy, "--devices", "cpu:0,cpu:1", "--batch-size", 128, "--dropout", 0.3]
+        devices = "cpu:0,cpu:1" if strategy == "mirrored" else "cpu"
+        common = ["--strategy", strategy, "--devices", devices, "--batch-size", 128, "--dropout", 0.3]
         full = _run(train, "--steps", 9, *common)
         _run(train, "--steps", 4, "--checkpoint-dir", tmp_path, *common)
         resumed = _run(train, "--steps", 9, "--checkpoint-dir", tmp_path, "--resume", *common)
