@@ -211,6 +211,8 @@ def check_device(name):
     lower = name.lower()
     if lower == "cpu" or (lower.startswith("cpu:") and lower[4:].isdigit()):
         return
+    if lower.startswith("cpu"):
+        fail(f"--devices: {name!r} is not a device name; use cpu, cpu:N (CPU replicas) or cuda:N")
     import torch as _torch  # only for a non-CPU device
     try:
         device = _torch.device("cuda" + lower[3:] if lower.startswith("gpu") else lower)
