@@ -179,6 +179,7 @@ def test_signal_mid_epoch_saves_and_resume_gives_the_uninterrupted_losses(train,
     assert (out / "loss.png").exists()
 
     full = train.main(["--no-progress", "--steps", "16", *map(str, common)])
+    assert train.dtape.checkpoint.read(ckpt / "last.pt")["step"] == 8  # the step in flight was finished and saved
     resumed = train.main(["--no-progress", "--steps", "16", "--checkpoint-dir", str(ckpt), "--resume",
                           *map(str, common)])
     assert resumed["loss"] == full["loss"]  # bit-identical, dropout masks included
