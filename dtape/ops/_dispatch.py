@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from dtape import tape as _tp
 from dtape.ops._registry import TORCH_TABLE, Tensor
+from dtape.tensor import is_variable
 
 
 def _is_diff(t):
@@ -68,7 +69,7 @@ class TorchFallback:
 def _unwrap_leaves(flat):
     leaves, tensors, positions = [], [], []
     for i, leaf in enumerate(flat):
-        if type(leaf) is not Tensor and hasattr(leaf, "_dtape_read"):
+        if type(leaf) is not Tensor and is_variable(leaf):
             leaf = leaf._dtape_read()
         if type(leaf) is Tensor:
             tensors.append(leaf)
@@ -104,22 +105,52 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     return call_fallback(func, args, kwargs or {})
 
 
+# Tensor's value protocol (defined in dtape/tensor.py) that variables forward after a read.
+_VALUE_DUNDERS = ("__float__", "__int__", "__index__", "__bool__", "__len__", "__iter__")
+
+
 def install_operators(ops):
-    """Installs Python operators and `__torch_function__` on Tensor."""
+    """Installs Python operators and `__torch_function__` on Tensor (the one operator table)."""
     Tensor.__torch_function__ = classmethod(_torch_function)
+    table = {}
     binary = {"add": ops.add, "sub": ops.subtract, "mul": ops.multiply, "truediv": ops.divide,
               "floordiv": ops.floordiv, "mod": ops.floormod, "pow": ops.pow, "matmul": ops.matmul}
     for name, fn in binary.items():
-        setattr(Tensor, f"__{name}__", _method(fn))
-        setattr(Tensor, f"__r{name}__", _rmethod(fn))
+        table[f"__{name}__"] = _method(fn)
+        table[f"__r{name}__"] = _rmethod(fn)
     for name, fn in {"lt": ops.less, "le": ops.less_equal, "gt": ops.greater,
                      "ge": ops.greater_equal, "eq": ops.equal, "ne": ops.not_equal}.items():
-        setattr(Tensor, f"__{name}__", _method(fn))
-    Tensor.__neg__ = lambda self: ops.negative(self)
-    Tensor.__pos__ = lambda self: self
-    Tensor.__abs__ = lambda self: ops.abs(self)
-    Tensor.__invert__ = lambda self: ops.logical_not(self)
-    Tensor.__getitem__ = lambda self, key: ops.getitem(self, key)
+        table[f"__{name}__"] = _method(fn)
+    table["__neg__"] = lambda self: ops.negative(self)
+    table["__pos__"] = lambda self: self
+    table["__abs__"] = lambda self: ops.abs(self)
+    table["__invert__"] = lambda self: ops.logical_not(self)
+    table["__getitem__"] = lambda self, key: ops.getitem(self, key)
+    for name, fn in table.items():
+        setattr(Tensor, name, fn)
+    Tensor._operator_names = tuple(table) + _VALUE_DUNDERS
+
+
+def install_variable_operators(cls):
+    """Gives a variable class (one with `_dtape_read()`) every Tensor operator and torch interop.
+
+    Each operator reads the variable (a recorded read that notifies the
+    tapes) and applies Tensor's own operator, so Tensor and variables share
+    one table. `cls._dtape_variable` marks the class for `tensor.is_variable`.
+    """
+    for name in Tensor._operator_names:
+        setattr(cls, name, _delegate(name))
+    cls.__torch_function__ = classmethod(_torch_function)
+    cls._dtape_variable = True
+
+
+def _delegate(name):
+    tensor_method = getattr(Tensor, name)
+
+    def method(self, *args):
+        return tensor_method(self._dtape_read(), *args)
+    method.__name__ = name
+    return method
 
 
 def _method(fn):
