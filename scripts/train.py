@@ -58,7 +58,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tasks  # noqa: E402  (light: no torch until a task module is loaded)
+import tasks  # noqa: E402  (light: torch is imported only after the argument checks)
 
 CHECKPOINT_NAME = "last.pt"
 PROG = "train.py"
@@ -76,10 +76,11 @@ def load_libraries():
     global np, torch, dtape
     import numpy as np
     import torch
+
     import dtape
     import dtape.checkpoint
     import dtape.distribute
-    import dtape.optimizers  # noqa: F401
+    import dtape.optimizers
 
 
 # -- command line ---------------------------------------------------------------
@@ -556,7 +557,7 @@ class Trainer:
         while self.step < total and not self.stop_requested():
             self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
         bar.close()
-        if self.stop_requested():
+        if self.step < total:  # a signal came first
             self.interrupted()
         else:
             self.finish()
@@ -704,7 +705,7 @@ def main(argv=None):
         metrics = trainer.run()
         if args.out and is_chief():
             write_outputs(metrics, args.out)
-    if stop.signum is not None:
+    if metrics.get("stopped_by"):
         saved = f"saved {checkpoint_path(args)}; continue with --resume" if args.checkpoint_dir else \
             "no --checkpoint-dir, nothing saved"
         print(f"{PROG}: stopped by {stop.name} after step {metrics['final_step']}; {saved}", file=sys.stderr)

@@ -30,7 +30,7 @@ def train():
 
 
 def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, SCRIPT, "--no-progress", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, SCRIPT, "--no-progress", *map(str, args)], capture_output=True, check=False,
                           text=True, timeout=timeout, env=ENV, cwd=ROOT)
 
 
@@ -112,7 +112,7 @@ def test_logdir_without_tensorboard_names_the_package(tmp_path):
     hide = ("import runpy, sys; sys.modules['tensorboard'] = None; "
             f"sys.argv = ['train.py', '--logdir', {str(tmp_path)!r}, '--steps', '2']; "
             f"runpy.run_path({SCRIPT!r}, run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, env=ENV)
+    proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, env=ENV, check=False)
     _assert_usage_error(proc, "--logdir needs the tensorboard package: pip install tensorboard")
 
 
@@ -128,7 +128,9 @@ def test_help_shows_defaults():
 
 def test_existing_checkpoint_is_not_replaced_without_resume_or_overwrite(train, tmp_path):
     ckpt = tmp_path / "ckpt"
-    train.main(["--no-progress", "--steps", "3", "--checkpoint-dir", str(ckpt)])
+    first = _cli("--steps", 3, "--checkpoint-dir", ckpt, "--out", tmp_path / "out")
+    assert first.returncode == 0 and "final test accuracy" in first.stdout, first.stderr
+    assert (tmp_path / "out" / "metrics.json").exists()
     before = (ckpt / "last.pt").read_bytes()
     proc = _cli("--steps", 2, "--checkpoint-dir", ckpt)
     _assert_usage_error(proc, f"--checkpoint-dir {ckpt} already holds a checkpoint (last.pt, step 3); "
@@ -153,7 +155,7 @@ def _stopped_run(sig, step, args):
             if line.startswith(f"test hook: step {step} waits"):
                 proc.send_signal(sig)
                 break
-        out, err = proc.communicate(timeout=120)
+        err = proc.communicate(timeout=120)[1]
     finally:
         watchdog.cancel()
     return proc.returncode, err

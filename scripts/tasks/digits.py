@@ -6,6 +6,7 @@ No download: the data ships with scikit-learn. Features are scaled to [0, 1];
 the train/test split (80/20, stratified) is fixed by the seed.
 """
 import numpy as np
+
 import dtape
 
 from . import DEFAULTS as _ALL_DEFAULTS
