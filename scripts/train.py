@@ -184,15 +184,10 @@ def check_flags(args):
              "(or pip install -e '.[examples]')")
 
 
-def device_list(args):
-    """--devices as a list of names, or None when not given."""
-    return args.devices.split(",") if args.devices is not None else None
-
-
 def check_devices(args):
-    names = device_list(args)
-    if names is None:
+    if args.devices is None:
         return
+    names = args.devices.split(",")
     if any(c.isspace() for c in args.devices):
         fail(f"--devices {args.devices!r} contains spaces; write the list without them, e.g. --devices cpu:0,cpu:1")
     if "" in names:
@@ -343,7 +338,7 @@ def check_checkpoint(args, task):
 
 def make_strategy(args):
     """The strategy named by --strategy, on --devices."""
-    devices = device_list(args)
+    devices = args.devices.split(",") if args.devices else None
     if args.strategy == "one_device":
         return dtape.distribute.OneDeviceStrategy(devices[0] if devices else "cpu")
     if args.strategy == "mirrored":
@@ -428,9 +423,9 @@ class _NoStop:
 class Trainer:
     """One training run: model, optimizer, strategy, counters and metrics."""
 
-    def __init__(self, args, task, stop=None):
+    def __init__(self, args, task):
         load_libraries()
-        self.args, self.task, self.stop = args, task, stop or _NoStop()
+        self.args, self.task, self.stop = args, task, _NoStop()
         self.config = run_config(args, task)
         self.strategy = make_strategy(args)
         torch.manual_seed(args.seed)
@@ -480,18 +475,26 @@ class Trainer:
         return self.stop.signum is not None
 
     # -- checkpoints ----------------------------------------------------------
+    def checkpoint_path(self):
+        return checkpoint_path(self.args)
+
     def save(self):
         if not self.args.checkpoint_dir or not is_chief():
             return
-        self.metrics["run_seconds"] = self.elapsed()
-        dtape.checkpoint.save(checkpoint_path(self.args), model=self.model, optimizer=self.optimizer,
-                              step=self.step, metrics=self.metrics, config=self.config,
+        os.makedirs(self.args.checkpoint_dir, exist_ok=True)
+        dtape.checkpoint.save(self.checkpoint_path(), model=self.model, optimizer=self.optimizer,
+                              step=self.step, metrics=self.metrics_now(), config=self.config,
                               epoch_time=self.epoch_time, **self.rng_states())
+
+    def metrics_now(self):
+        """The metrics with the run time so far (what a checkpoint stores)."""
+        self.metrics["run_seconds"] = self.elapsed()
+        return self.metrics
 
     def restore(self):
         """Continues from the checkpoint (checked by `check_checkpoint` first); prints "resumed from step N"."""
         self.optimizer.build(self.model.trainable_variables)  # the slots restore fills
-        data = dtape.checkpoint.restore(checkpoint_path(self.args), model=self.model, optimizer=self.optimizer)
+        data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
         self.step = self.first_step = int(data["step"])
         self.metrics = data["metrics"]
         self.metrics.update(strategy=self.args.strategy, num_replicas=self.strategy.num_replicas_in_sync)
@@ -499,7 +502,7 @@ class Trainer:
         self.seconds_before = float(self.metrics.get("run_seconds") or 0.0)
         self.epoch_time = data.get("epoch_time") or {"seconds": 0.0, "examples": 0}
         self.set_rng_states(data)
-        print(f"resumed from step {self.step} ({checkpoint_path(self.args)})", flush=True)
+        print(f"resumed from step {self.step} ({self.checkpoint_path()})", flush=True)
 
     def rng_states(self):
         """Every random state a step draws from, as checkpoint data (uint8 CPU tensors and lists of them)."""
@@ -548,21 +551,23 @@ class Trainer:
         return self.seconds_before + time.perf_counter() - self._started
 
     def run(self):
-        """Trains up to the last step or a stop signal; returns the metrics."""
+        """Trains up to the last step and returns the metrics; after SIGINT/SIGTERM, see `interrupted`."""
         steps_per_epoch = self.steps_per_epoch()
         total = self.total_steps(steps_per_epoch)
         self._started = time.perf_counter()
         self.open_writer()
         bar = progress_bar(total, self.step, disable=self.args.no_progress or not is_chief())
-        while self.step < total and not self.stop_requested():
-            self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
-        bar.close()
-        if self.step < total:  # a signal came first
-            self.interrupted()
-        else:
-            self.finish()
-        if self.writer is not None:
-            self.writer.close()
+        try:
+            with StopSignals() as self.stop:  # also covers the final evaluation and save
+                while self.step < total and not self.stop_requested():
+                    self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
+                bar.close()
+                if self.step < total:  # a signal came first
+                    self.interrupted()
+                self.finish()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
         return self.metrics
 
     def run_epoch(self, epoch, steps_per_epoch, total, bar):
@@ -588,16 +593,16 @@ class Trainer:
             t = time.perf_counter()
 
     def end_epoch(self, epoch, bar):
-        seconds, examples = self.epoch_time["seconds"], self.epoch_time["examples"]
+        seconds, examples = self.epoch_time["seconds"], self.epoch_time["examples"]  # over resumed sessions too
+        self.epoch_time = {"seconds": 0.0, "examples": 0}
         record = {"epoch": epoch, "step": self.step, "train_accuracy": self.accuracy("train"),
                   "test_accuracy": self.accuracy("test"), "seconds": seconds,
                   "examples_per_second": examples / seconds if seconds > 0 else None}
-        self.metrics["epochs"].append(record)
-        self.epoch_time = {"seconds": 0.0, "examples": 0}
-        bar.write(f"epoch {epoch}: train acc {record['train_accuracy']:.4f}, "
-                  f"test acc {record['test_accuracy']:.4f}, {record['examples_per_second'] or 0:.0f} examples/s")
         self.log_scalars(**{"accuracy/train": record["train_accuracy"], "accuracy/test": record["test_accuracy"],
                             "examples_per_second": record["examples_per_second"]})
+        self.metrics["epochs"].append(record)
+        bar.write(f"epoch {epoch}: train acc {record['train_accuracy']:.4f}, "
+                  f"test acc {record['test_accuracy']:.4f}, {record['examples_per_second']:.0f} examples/s")
         self.save()
 
     def accuracy(self, split):
@@ -624,13 +629,23 @@ class Trainer:
         self.save()
 
     def interrupted(self):
-        """After a stop signal: the checkpoint first (if this session trained), no evaluation (be quick)."""
-        self.metrics["stopped_by"] = self.stop.name
+        """After a stop signal: saves (if this session trained), writes --out, exits with 128 + the signal.
+
+        No evaluation: a batch scheduler waits only a few seconds after SIGTERM.
+        """
+        name = self.stop.name
+        self.metrics["stopped_by"] = name
         for key in ("final_train_accuracy", "final_test_accuracy"):
             self.metrics.pop(key, None)
-        self.end_session(self.stop.name)
+        self.end_session(name)
         if self.step > self.first_step:
             self.save()
+        if self.args.out and is_chief():
+            write_outputs(self.metrics, self.args.out)
+        saved = f"saved {self.checkpoint_path()}; continue with --resume" if self.args.checkpoint_dir else \
+            "no --checkpoint-dir, nothing saved"
+        print(f"{PROG}: stopped by {name} after step {self.step}; {saved}", file=sys.stderr)
+        raise SystemExit(128 + self.stop.signum)
 
     # -- TensorBoard --------------------------------------------------------------
     def open_writer(self):
@@ -690,26 +705,20 @@ def write_outputs(metrics, out):
 
 
 def main(argv=None):
-    """Runs the job; returns the metrics dict (exits 130/143 after SIGINT/SIGTERM)."""
+    """Runs the job; returns the metrics dict (after SIGINT/SIGTERM: saves, then exits with 130/143)."""
     args = parse_args(argv)
-    with StopSignals() as stop:
-        load_libraries()
-        try:
-            task = tasks.get_task(args.task)
-        except NotImplementedError as e:
-            raise SystemExit(f"{PROG}: {e}") from None
-        resume = check_checkpoint(args, task) is not None
-        trainer = Trainer(args, task, stop)
-        if resume:
-            trainer.restore()
-        metrics = trainer.run()
-        if args.out and is_chief():
-            write_outputs(metrics, args.out)
-    if metrics.get("stopped_by"):
-        saved = f"saved {checkpoint_path(args)}; continue with --resume" if args.checkpoint_dir else \
-            "no --checkpoint-dir, nothing saved"
-        print(f"{PROG}: stopped by {stop.name} after step {metrics['final_step']}; {saved}", file=sys.stderr)
-        raise SystemExit(128 + stop.signum)
+    load_libraries()
+    try:
+        task = tasks.get_task(args.task)
+    except NotImplementedError as e:
+        raise SystemExit(f"train.py: {e}") from None
+    resume = check_checkpoint(args, task) is not None
+    trainer = Trainer(args, task)
+    if resume:
+        trainer.restore()
+    metrics = trainer.run()
+    if args.out and is_chief():
+        write_outputs(metrics, args.out)
     print(f"final test accuracy {metrics['final_test_accuracy']:.4f} after {metrics['final_step']} steps "
           f"({metrics['run_seconds']:.1f} s)")
     return metrics
