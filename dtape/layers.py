@@ -438,3 +438,6 @@ class Sequential(Layer):
         for layer in self.layers:
             x = layer(x, training=training) if _takes_training(layer.__call__) else layer(x)
         return x
+
+
+from dtape.torch_module import TorchModule  # noqa: F401  (re-export: dtape.layers.TorchModule)
