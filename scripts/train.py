@@ -441,6 +441,7 @@ class Trainer:
                         "lr": args.lr, "optimizer": args.optimizer, "dropout": args.dropout, "loss": [],
                         "epochs": [], "sessions": [], "run_seconds": 0.0}
         self.writer = None
+        self._started = time.perf_counter()  # reset by run()
         self._train_step = self._make_train_step()
 
     def _make_train_step(self):
@@ -563,7 +564,7 @@ class Trainer:
                     self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
                 bar.close()
                 if self.step < total:  # a signal came first
-                    self.interrupted()
+                    self.interrupted()  # exits
                 self.finish()
         finally:
             if self.writer is not None:
