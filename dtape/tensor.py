@@ -384,7 +384,8 @@ def convert_to_tensor(value, dtype=None, device=None):
     """
     if type(value) is Tensor:
         if dtype is not None and value.dtype != as_dtype(dtype):
-            raise ValueError(f"convert_to_tensor: tensor has dtype {value.dtype}, requested {dtype}; use dtape.cast")
+            raise ValueError(f"convert_to_tensor: tensor has dtype {value.dtype}, requested {as_dtype(dtype)}; "
+                             f"use dtape.cast")
         return value
     if is_variable(value):
         return convert_to_tensor(value._dtape_read(), dtype)

@@ -587,7 +587,7 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     vals = [v.torch().item() if isinstance(v, Tensor) else v for v in (start, limit, delta)]
     if dtype is None:
         dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
-    return Tensor(torch.arange(*vals, dtype=dtype, device=default_device()))
+    return Tensor(torch.arange(*vals, dtype=as_dtype(dtype), device=default_device()))
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})])
