@@ -29,7 +29,10 @@ class Tensor:
     Every instance has a unique integer `_id` that tapes watch. `.torch()`
     returns the wrapped tensor without a copy; it never requires grad.
     Operators (`+ - * / // % ** @`, unary `-`, `abs`, indexing) are
-    differentiable and recorded on active tapes.
+    differentiable and recorded on active tapes, also with a numpy array on
+    the left (`np_array * x` is a recorded Tensor). A 0-d tensor formats as
+    a number (`f"{loss:.4f}"`); `np.asarray(x)` copies out; DLPack
+    (`np.from_dlpack(x)`, `torch.from_dlpack(x)`) shares memory.
 
     Source: tf.Tensor (EagerTensor) with torch dtypes and devices.
 

@@ -201,7 +201,9 @@ def install_variable_operators(cls):
 
     Each operator reads the variable (a recorded read that notifies the
     tapes) and applies Tensor's own operator, so Tensor and variables share
-    one table. `cls._dtape_variable` marks the class for `tensor.is_variable`.
+    one table; the `_SHARED_DUNDERS` (f-string format, numpy ufuncs, DLPack)
+    are Tensor's own functions, which use only `.torch()` and so record no
+    read. `cls._dtape_variable` marks the class for `tensor.is_variable`.
     """
     for name in Tensor._operator_names:
         setattr(cls, name, _delegate(name))
