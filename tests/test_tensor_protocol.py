@@ -96,6 +96,19 @@ def test_numpy_float64_array_times_float32_variable():
     np.testing.assert_array_equal(grad.numpy(), [3.0, 4.0])
 
 
+def test_numpy_array_on_the_left_inside_strategy_run(strategy):
+    with strategy.scope():
+        w = dtape.Variable([1.0, 2.0])
+    a = np.array([3.0, 4.0], np.float32)
+
+    def step():
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(a * w)
+        return tape.gradient(loss, w)
+    for g in strategy.run(step).values:
+        np.testing.assert_array_equal(g.numpy(), [3.0, 4.0])
+
+
 @pytest.mark.parametrize("op, expected", [(operator.lt, [True, False, False]), (operator.le, [True, True, False]),
                                           (operator.gt, [False, False, True]), (operator.ge, [False, True, True]),
                                           (operator.eq, [False, True, False]), (operator.ne, [True, False, True])])
