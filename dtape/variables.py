@@ -13,7 +13,7 @@ import torch
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import install_variable_operators
-from dtape.tensor import Tensor, _next_id, _to_torch, is_variable
+from dtape.tensor import Tensor, _next_id, _to_torch, is_variable, numpy_repr
 
 
 class VariableSynchronization(enum.Enum):
@@ -317,7 +317,7 @@ class Variable(metaclass=_VariableMeta):
 
     def __repr__(self):
         return (f"<dtape.Variable '{self._name}' shape={tuple(self._t.shape)} dtype={self._t.dtype} "
-                f"device={self._t.device}, numpy={self.numpy()!r}>")
+                f"device={self._t.device}, numpy={numpy_repr(self._t)}>")
 
     def __hash__(self):
         return id(self)

@@ -318,6 +318,7 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
 
     Raises:
       ValueError: for inputs of rank < 2.
+      TypeError: for inputs of two dtypes (the message says which cast fixes it).
     """
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: inputs must have rank >= 2, got shapes {tuple(a.shape)} and "
@@ -326,7 +327,21 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
         a = a.transpose(-1, -2)
     if transpose_b:
         b = b.transpose(-1, -2)
-    return torch.matmul(a, b)
+    try:
+        return torch.matmul(a, b)
+    except RuntimeError:
+        if a.dtype != b.dtype:  # checked only on failure: the fast path stays one torch call
+            raise TypeError(_mixed_dtype_message(a.dtype, b.dtype)) from None
+        raise
+
+
+def _mixed_dtype_message(da, db):
+    """matmul's error for two dtypes: names both and the cast that fixes it (to the floating one)."""
+    if db.is_floating_point and not da.is_floating_point:
+        fix = f"dtape.cast(a, {db})"
+    else:
+        fix = f"dtape.cast(b, {da})" + (f" (or dtape.cast(a, {db}))" if da.is_floating_point else "")
+    return f"matmul: a is {da} and b is {db}; both need one dtype: cast one with {fix}"
 
 
 @matmul.grad
