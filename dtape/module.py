@@ -22,9 +22,8 @@ def is_variable(obj):
 
 
 def _snake_case(name):
-    """Keras' to_snake_case: "Dense" -> "dense", "Conv2D" -> "conv2d", "MaxPooling2D" -> "max_pooling2d"."""
-    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
+    """"Dense" -> "dense", "Conv2D" -> "conv2_d" (kept: checkpoints store these names)."""
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
 def unique_name(base):
