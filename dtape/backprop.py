@@ -129,9 +129,6 @@ def _walk(records, reach, grads, keep, raw):
             shape = inputs[argnum].shape
             if g.shape != shape:
                 g = _unbroadcast(g, shape, rec, argnum)
-            dtype = inputs[argnum].dtype
-            if g.dtype is not dtype and dtype.is_floating_point:  # mixed/autocast: grad in the input's dtype
-                g = g.to(dtype) if raw else ops.cast(g, dtype)
             prev = grads.get(i)
             grads[i] = g if prev is None else prev + g
 

@@ -135,10 +135,10 @@ def test_input_shape_build_and_sequential_build_create_variables():
     conv = layers.Conv2D(2, 3)
     conv.build((None, 8, 8, 5))
     assert conv.built and tuple(conv.kernel.shape) == (3, 3, 5, 2)
-    n = len(conv.variables)
+    kernel = conv.kernel
     conv.build((None, 8, 8, 5))
     conv(dtape.zeros([1, 8, 8, 5]))
-    assert len(conv.variables) == n  # build runs once; the call does not rebuild
+    assert conv.kernel is kernel  # build runs once; the call does not rebuild
     model = layers.Sequential([layers.Conv2D(4, 3, padding="same"), layers.MaxPooling2D(), layers.Flatten(),
                                layers.Dense(10)])
     assert model.variables == ()
@@ -155,6 +155,8 @@ def test_summary_lists_layers_shapes_and_parameter_counts():
     lines = text.splitlines()
     row = next(line for line in lines if "(Conv2D)" in line)
     assert "(None, 8, 8, 4)" in row and row.rstrip().endswith("40")
+    bn_row = next(line for line in lines if "(BatchNormaliz" in line)
+    assert bn_row.rstrip().endswith(" 16")  # gamma, beta and the 2 non-trainable moving statistics
     assert any("(MaxPooling2D)" in line and "(None, 4, 4, 4)" in line for line in lines)
     assert any("(Flatten)" in line and "(None, 64)" in line for line in lines)
     assert "Total params: 706" in text and "Trainable params: 698" in text and "Non-trainable params: 8" in text

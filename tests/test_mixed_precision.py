@@ -105,6 +105,16 @@ def test_bfloat16_autocast_training_step_on_cpu_gives_float32_gradients():
     assert all(np.abs(v.numpy() - b).max() > 0 for v, b in zip(model.trainable_variables, before))
 
 
+def test_mixed_dtype_gradients_take_each_sources_dtype():
+    w16 = dtape.Variable(torch.ones(3, dtype=torch.bfloat16))
+    w32 = dtape.Variable(torch.ones(3))
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(w16 * w32 * dtape.constant([1.0, 2.0, 3.0]))  # promoted to float32
+    g16, g32 = tape.gradient(loss, [w16, w32])
+    assert (g16.dtype, g32.dtype) == (torch.bfloat16, torch.float32)
+    np.testing.assert_allclose(g16.torch().float().numpy(), [1.0, 2.0, 3.0])
+
+
 def test_autocast_reaches_replica_threads(strategy):
     with strategy.scope():
         w = dtape.Variable(np.ones((4, 2), np.float32))
