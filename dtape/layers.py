@@ -38,7 +38,7 @@ from dtape.custom_gradient import custom_gradient
 from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 from dtape.variables import Variable, VariableAggregation
 
 __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "BatchNormalization", "Dropout",
@@ -249,7 +249,7 @@ class Layer(Module, metaclass=_LayerMeta):
             self.build(input_shape)
 
     def _convert_input(self, x):
-        if not isinstance(x, Tensor) and not hasattr(x, "_dtape_read"):
+        if not isinstance(x, Tensor) and not is_variable(x):
             x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
         return x
 
@@ -519,7 +519,7 @@ class Dropout(Layer):
         self.built = True
 
     def __call__(self, x, training=False):
-        x = x if isinstance(x, Tensor) or hasattr(x, "_dtape_read") else convert_to_tensor(x)
+        x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
         if not training or self.rate == 0.0:
             return x
         if self.seed is None:
@@ -958,3 +958,5 @@ def _probe(layer, shape):
 
 
 Layer.build = _wrap_build(Layer.build)  # a plain Layer (no variables) is built by its first call too
+
+from dtape.torch_module import TorchModule  # noqa: F401  (re-export: dtape.layers.TorchModule)

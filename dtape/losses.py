@@ -15,7 +15,7 @@ import torch
 from dtape import nn as _nn
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
-from dtape.tensor import convert_to_tensor
+from dtape.tensor import convert_to_tensor, is_variable
 
 __all__ = ["Loss", "SparseCategoricalCrossentropy", "CategoricalCrossentropy", "BinaryCrossentropy",
            "MeanSquaredError", "MeanAbsoluteError", "sparse_categorical_crossentropy", "categorical_crossentropy",
@@ -35,7 +35,7 @@ class Reduction:
 
 
 def _tensor(x):
-    return x if hasattr(x, "_dtape_read") else convert_to_tensor(x)
+    return x if is_variable(x) else convert_to_tensor(x)
 
 
 def _squeeze_or_expand(y_true, y_pred):

@@ -16,14 +16,14 @@ from dtape import tape as _tp
 from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
-from dtape.tensor import convert_to_tensor
+from dtape.tensor import convert_to_tensor, is_variable
 from dtape.variables import Variable, VariableAggregation, VariableSynchronization
 
 __all__ = ["Metric", "Mean", "Sum", "Accuracy", "SparseCategoricalAccuracy", "MeanMetricWrapper"]
 
 
 def _tensor(x):
-    return x._dtape_read() if hasattr(x, "_dtape_read") else convert_to_tensor(x)
+    return x._dtape_read() if is_variable(x) else convert_to_tensor(x)
 
 
 class Metric(Module):

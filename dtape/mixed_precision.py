@@ -26,7 +26,7 @@ import torch
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.optimizers import Optimizer
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -127,7 +127,7 @@ class LossScaleOptimizer(Optimizer):
         """`loss * loss_scale` (a callable loss gives a callable). Same dtype and device as loss."""
         if callable(loss):
             return lambda: self.get_scaled_loss(loss())
-        loss = convert_to_tensor(loss) if not hasattr(loss, "_dtape_read") else loss._dtape_read()
+        loss = convert_to_tensor(loss) if not is_variable(loss) else loss._dtape_read()
         return loss * self._scale_like(loss)
 
     def get_unscaled_gradients(self, grads):

@@ -1,8 +1,8 @@
 """Module: a named container that finds the variables held by its attributes.
 
-Source: tf.Module. Variables are recognised by duck typing (an object with
-`_dtape_read` and `_handle` methods), so the distributed variables of
-`dtape.distribute` count without this module importing it.
+Source: tf.Module. Variables are recognised by `dtape.tensor.is_variable`,
+so the distributed variables of `dtape.distribute` count without this module
+importing it.
 """
 import itertools
 import math
@@ -10,15 +10,12 @@ import re
 import threading
 import weakref
 
-__all__ = ["Module"]
+from dtape.tensor import is_variable
+
+__all__ = ["Module", "is_variable"]
 
 _name_lock = threading.Lock()  # guards _name_counts (process-wide; modules may be built on replica threads)
 _name_counts = {}  # process-wide: base name -> itertools.count, for unique default names
-
-
-def is_variable(obj):
-    """True for dtape variables, plain or distributed (duck typed)."""
-    return callable(getattr(obj, "_dtape_read", None)) and callable(getattr(obj, "_handle", None))
 
 
 def _snake_case(name):
@@ -217,18 +214,19 @@ class Module:
         Args:
           print_fn: called with the table (default `print`); pass
             `lambda s: None` to only get the string.
-          line_length: total width of the table.
+          line_length: width of the table (widened to fit long names and shapes).
 
         Returns:
           The table as a str. Source: tf.keras.Model.summary.
         """
         rows = self._summary_rows()
-        w1, w2 = max(int(line_length * 0.45), 20), max(int(line_length * 0.3), 16)
+        w1 = max([int(line_length * 0.45), 20] + [len(label) + 2 for label, _, _ in rows])
+        w2 = max([int(line_length * 0.3), 16] + [len(shape) + 2 for _, shape, _ in rows])
         w3 = max(line_length - w1 - w2, 10)
+        line_length = w1 + w2 + w3
         rule, bold = "_" * line_length, "=" * line_length
         lines = [f'Model: "{self.name}"', rule, f"{'Layer (type)':<{w1}}{'Output Shape':<{w2}}{'Param #':>{w3}}", bold]
         for i, (label, shape, count) in enumerate(rows):
-            label = label if len(label) < w1 else label[:w1 - 2] + "…"
             lines.append(f"{label:<{w1}}{shape:<{w2}}{count:>{w3},}")
             lines.append(rule if i < len(rows) - 1 else bold)
         if not rows:

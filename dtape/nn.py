@@ -6,7 +6,7 @@ from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.ops.nn_ops import *  # noqa: F401,F403
 from dtape.ops.nn_ops import __all__ as _nn_all
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 __all__ = list(_nn_all) + ["compute_average_loss", "scale_regularization_loss"]
 
@@ -64,7 +64,7 @@ def compute_average_loss(per_example_loss, global_batch_size=None, sample_weight
 
 
 def _check_batch_size(n):
-    if isinstance(n, Tensor) or hasattr(n, "_dtape_read") or isinstance(n, torch.Tensor):
+    if isinstance(n, Tensor) or is_variable(n) or isinstance(n, torch.Tensor):
         t = convert_to_tensor(n).torch()
         if t.ndim != 0 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"global_batch_size must be an integer scalar, got {t.dtype} of shape {tuple(t.shape)}")

@@ -25,7 +25,7 @@ from dtape import optimizers_schedules as schedules
 from dtape import ops as _ops
 from dtape import tape as _tp
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation
 
 
@@ -232,7 +232,7 @@ class Optimizer:
 
 
 def _check_learning_rate(lr):
-    if callable(lr) or hasattr(lr, "_dtape_read"):
+    if callable(lr) or is_variable(lr):
         return lr
     try:
         value = float(lr)
@@ -316,7 +316,7 @@ def _component_like(slot, var):
     container = distribute.value_container(var)
     if comps is None or container is var:
         return slot
-    return comps[container.values.index(var)]
+    return comps[next(i for i, c in enumerate(container.values) if c is var)]
 
 
 def _scope(strategy):

@@ -5,7 +5,7 @@ A regularizer is a callable `reg(x) -> scalar Tensor`; layers take them as
 report the penalties in `Module.losses`. Source: tf.keras.regularizers.
 """
 from dtape.ops import math_ops as _math
-from dtape.tensor import convert_to_tensor
+from dtape.tensor import convert_to_tensor, is_variable
 
 __all__ = ["Regularizer", "L1", "L2", "L1L2", "l1", "l2", "l1_l2", "get"]
 
@@ -42,7 +42,7 @@ class L1L2(Regularizer):
         self.l2 = _factor(l2, "l2")
 
     def __call__(self, x):
-        x = x if hasattr(x, "_dtape_read") else convert_to_tensor(x)
+        x = x if is_variable(x) else convert_to_tensor(x)
         total = None
         if self.l1:
             total = self.l1 * _math.reduce_sum(_math.abs(x))

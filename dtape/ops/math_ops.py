@@ -644,8 +644,8 @@ _register_torch_adapters()
 
 # -- norm clipping (composites of the ops above: differentiable, recorded) ----
 def _convert(t):
-    from dtape.tensor import convert_to_tensor
-    return t._dtape_read() if hasattr(t, "_dtape_read") else convert_to_tensor(t)
+    from dtape.tensor import convert_to_tensor, is_variable
+    return t._dtape_read() if is_variable(t) else convert_to_tensor(t)
 
 
 def clip_by_norm(t, clip_norm, axes=None):
