@@ -168,6 +168,9 @@ class _LayerMeta(type):
         return layer
 
 
+_regularized_lock = threading.Lock()  # guards Layer._regularized (rare: at build)
+
+
 class _CallState(threading.local):
     depth = 0
 
@@ -241,7 +244,11 @@ class Layer(Module, metaclass=_LayerMeta):
                        dtype=self.dtype, aggregation=aggregation)
         regularizer = _regularizers.get(regularizer)
         if regularizer is not None:
-            self._regularized.append((var, regularizer))
+            # A layer built lazily inside strategy.run is built by every replica thread, and every
+            # replica gets the same variable back: register it once.
+            with _regularized_lock:
+                if not any(v is var for v, _ in self._regularized):
+                    self._regularized.append((var, regularizer))
         return var
 
     def _maybe_build(self, input_shape):
@@ -517,6 +524,9 @@ class Dropout(Layer):
         self._streams = {}  # (replica id or None, device) -> torch.Generator; only with a seed
         self._streams_lock = threading.Lock()
         self.built = True
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
 
     def __call__(self, x, training=False):
         x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)

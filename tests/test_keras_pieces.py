@@ -182,6 +182,15 @@ def test_regularizers_in_module_losses_are_differentiable():
     assert len(model.losses) == 3  # the activity loss of the previous call was cleared
 
 
+def test_layer_built_lazily_inside_run_registers_its_regularizer_once(strategy):
+    with strategy.scope():
+        dense = layers.Dense(2, kernel_regularizer="l2", seed=0)
+    out = strategy.run(lambda x: (dense(x), len(dense.losses)), (dtape.ones([3, 4]),))
+    assert out[1] == 1
+    assert len(dense.losses) == 1 and isinstance(dense.kernel, ds.MirroredVariable)
+    np.testing.assert_allclose(float(dense.losses[0]), 0.01 * (dense.kernel.numpy() ** 2).sum(), rtol=1e-6)
+
+
 def test_len_of_distributed_dataset(strategy):
     assert len(strategy.experimental_distribute_dataset([np.zeros((4, 2))] * 3)) == 3
     with pytest.raises(TypeError, match="len"):
