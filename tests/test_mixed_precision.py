@@ -128,3 +128,24 @@ def test_autocast_reaches_replica_threads(strategy):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = strategy.run(step, (dtape.ones([2, 4]),))
     assert out == (True, torch.float32)  # every replica returned these same objects (else PerReplica values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_float16_autocast_with_dynamic_loss_scaling_on_cuda():
+    gen = torch.Generator().manual_seed(0)
+    w = dtape.Variable(torch.randn(4, 3, generator=gen).cuda())
+    x = dtape.constant(torch.randn(8, 4, generator=gen).cuda())
+    opt = LossScaleOptimizer(dtape.optimizers.SGD(0.1), initial_scale=2.0 ** 15)
+    with dtape.GradientTape() as tape:
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = dtape.matmul(x, w)
+        assert y.dtype == torch.float16
+        loss = dtape.reduce_mean(dtape.cast(y, torch.float32) ** 2)
+        scaled = opt.get_scaled_loss(loss)
+    (grad,) = opt.get_unscaled_gradients(tape.gradient(scaled, [w]))
+    assert grad.dtype == torch.float32 and grad.device.type == "cuda"
+    ref = 2 * x.torch().T @ (x.torch() @ w.torch()) / 24
+    torch.testing.assert_close(grad.torch(), ref, rtol=2e-2, atol=2e-3)
+    opt.apply_gradients([(grad, w)])
+    assert float(opt.loss_scale) == 2.0 ** 15 and int(opt.iterations.numpy()) == 1
