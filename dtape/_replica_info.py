@@ -22,7 +22,7 @@ def register(get_replica_context, in_cross_replica_context, has_strategy):
 
 
 def replica_context():
-    """The current ReplicaContext (the default strategy's outside any strategy), or None in the cross-replica context."""
+    """The current ReplicaContext (the default strategy's outside any strategy); None in a cross-replica context."""
     fn = _hooks.get("get_replica_context")
     return fn() if fn else None
 

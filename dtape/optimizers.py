@@ -24,6 +24,7 @@ from dtape import distribute
 from dtape import optimizers_schedules as schedules
 from dtape import ops as _ops
 from dtape import tape as _tp
+from dtape.backprop import GradientTape
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation
@@ -209,7 +210,6 @@ class Optimizer:
             if callable(var_list):
                 var_list = var_list()
         else:
-            from dtape.backprop import GradientTape
             tape = tape if tape is not None else GradientTape()
             with tape:
                 if not callable(var_list):
@@ -411,7 +411,8 @@ class RMSprop(Optimizer):
         super().__init__(learning_rate, name, **clipping)
         if not 0.0 <= float(rho) <= 1.0 or float(momentum) < 0:
             raise ValueError(f"RMSprop needs 0 <= rho <= 1 and momentum >= 0, got rho={rho}, momentum={momentum}")
-        self.rho, self.momentum, self.epsilon, self.centered = float(rho), float(momentum), float(epsilon), bool(centered)
+        self.rho, self.momentum, self.epsilon = float(rho), float(momentum), float(epsilon)
+        self.centered = bool(centered)
         self._slot_names = ("velocity",) + (("momentum",) if self.momentum else ()) + \
             (("average_gradient",) if self.centered else ())
 

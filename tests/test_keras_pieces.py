@@ -39,8 +39,8 @@ def _grad_vs_torch(layer, x, ref_fn):
 
 def _windows(x, k, s, pad, fill):
     """NHWC reference: explicit TF padding (before, after) then every window, with unfold."""
-    (t, b), (l, r) = pad
-    xp = F.pad(x.permute(0, 3, 1, 2), (l, r, t, b), value=fill)
+    (top, bottom), (left, right) = pad
+    xp = F.pad(x.permute(0, 3, 1, 2), (left, right, top, bottom), value=fill)
     return xp.unfold(2, k[0], s[0]).unfold(3, k[1], s[1])  # [n, c, oh, ow, kh, kw]
 
 
