@@ -105,6 +105,21 @@ def test_bfloat16_autocast_training_step_on_cpu_gives_float32_gradients():
     assert all(np.abs(v.numpy() - b).max() > 0 for v, b in zip(model.trainable_variables, before))
 
 
+def test_gradient_taken_after_autocast_of_a_bfloat16_matmul():
+    # autocast ends before tape.gradient: matmul's rule gets a bfloat16 output gradient and float32 inputs
+    rng = np.random.default_rng(1)
+    w = dtape.Variable(rng.normal(size=(3, 4)).astype(np.float32))
+    x = dtape.constant(rng.normal(size=(2, 3)).astype(np.float32))
+    with dtape.GradientTape() as tape:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = dtape.matmul(x, w)
+        loss = dtape.reduce_sum(dtape.cast(y, torch.float32) ** 2)
+    grad = tape.gradient(loss, w)
+    assert y.dtype == torch.bfloat16 and grad.dtype == torch.float32
+    ref = 2 * x.numpy().T @ (x.numpy() @ w.numpy())
+    np.testing.assert_allclose(grad.numpy(), ref, rtol=0.05, atol=0.05)
+
+
 def test_mixed_dtype_gradients_take_each_sources_dtype():
     w16 = dtape.Variable(torch.ones(3, dtype=torch.bfloat16))
     w32 = dtape.Variable(torch.ones(3))
