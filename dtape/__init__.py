@@ -27,8 +27,12 @@ __all__ += ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32
             "complex64", "complex128"]
 __all__ += ["Module", "layers", "checkpoint"]
 from dtape import distribute  # noqa: E402,F401  (last: registers the tape's resolver)
+from dtape import _replica_info  # noqa: E402
+_replica_info.register(distribute.get_replica_context, distribute.in_cross_replica_context,
+                       distribute.has_strategy)
 from dtape import optimizers  # noqa: E402,F401
-__all__ += ["distribute", "optimizers"]
+from dtape import losses, metrics, regularizers, mixed_precision  # noqa: E402,F401
+__all__ += ["distribute", "optimizers", "losses", "metrics", "regularizers", "mixed_precision"]
 from dtape import backprop  # noqa: F401,E402
 from dtape.custom_gradient import custom_gradient  # noqa: F401,E402
 from dtape.function import function, recompute_grad  # noqa: F401,E402

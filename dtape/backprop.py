@@ -83,6 +83,18 @@ def _gather_multi(rec, grads, keep, raw):
     return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, rec[4]))
 
 
+def _widen_autocast_dy(dys, inputs, raw):
+    """Under torch.autocast an op's output, hence its gradient, may be narrower than its floating
+    inputs (bf16 matmul of float32 operands); the rule would then mix dtypes. Widen the gradient."""
+    dt = dys[0].dtype
+    for x in inputs:
+        xd = getattr(x, "dtype", None)
+        if xd is not None and xd is not dt and xd.is_floating_point and dt.is_floating_point \
+                and xd.itemsize > dt.itemsize:
+            return (dys[0].to(xd) if raw else ops.cast(dys[0], xd),)
+    return dys
+
+
 def _walk(records, reach, grads, keep, raw):
     """Reverse walk: calls each record's backward once its outputs' gradients are summed.
 
@@ -101,6 +113,8 @@ def _walk(records, reach, grads, keep, raw):
             dys = _gather_multi(rec, grads, keep, raw)
             if dys is None:
                 continue
+        if len(dys) == 1:
+            dys = _widen_autocast_dy(dys, inputs, raw)
         if getattr(op, "takes_needs", False):
             in_grads = op.backward(dys, outputs, inputs, attrs, raw, tuple([i in reach for i in in_ids]))
         else:
