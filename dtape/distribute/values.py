@@ -41,12 +41,12 @@ class Mirrored(DistributedValues):
 
 def _local_index(container):
     """Component index for `container` on this thread, or None in a cross-replica view."""
-    idx = context.update_index()
-    if idx is not None:
-        return idx
-    rctx = context.get_replica_context()
-    if rctx is not None and rctx.strategy is container._distribute_strategy:
-        return rctx.replica_id_in_sync_group
+    mode = context.current_mode()  # one lookup: every read of a distributed variable comes here
+    if mode.update_index is not None:
+        return mode.update_index
+    rctx = mode.replica_context
+    if rctx is not None and rctx._strategy is container._distribute_strategy:
+        return rctx._replica_id
     return None
 
 
