@@ -18,13 +18,17 @@ import threading
 
 import torch
 
-from dtape.custom_gradient import _CustomGradientOp
 from dtape import tape as _tp
+from dtape.custom_gradient import _CustomGradientOp
 from dtape.ops._dispatch import TorchFallback
 from dtape.ops._registry import REGISTRY, OpDef
 
-__all__ = ["enable_check_numerics", "disable_check_numerics", "is_check_numerics_enabled",
-           "InvalidArgumentError"]
+__all__ = [
+    "InvalidArgumentError",
+    "disable_check_numerics",
+    "enable_check_numerics",
+    "is_check_numerics_enabled",
+]
 
 
 class InvalidArgumentError(ValueError):

@@ -129,8 +129,9 @@ class StrategyExtended:
           ValueError: naming the first variable (in creation order) and the
             first replica whose component differs, with the largest difference.
         """
-        import torch  # noqa: PLC0415 - local: the rest of this module needs no torch
-        from dtape.distribute.values import MirroredVariable, live_variables  # noqa: PLC0415
+        import torch  # local: keeps this addition to one method
+
+        from dtape.distribute.values import MirroredVariable, live_variables
         checked = 0
         for var in live_variables(self._strategy):
             if not isinstance(var, MirroredVariable):
