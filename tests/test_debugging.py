@@ -105,3 +105,20 @@ def test_gradient_walk_and_collectives_are_named_profiler_ranges():
     names = {e.key for e in prof.key_averages()}
     assert {"dtape.gradient", "dtape.all_reduce", "dtape.broadcast"} <= names
     assert g.numpy().tolist() == [6.0, 8.0]
+
+
+def test_replica_gradient_walks_show_when_the_profiler_records_all_threads():
+    strategy = MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        v = dtape.Variable([1.0, 2.0])
+
+    def step():
+        with dtape.GradientTape() as tape:
+            y = dtape.reduce_sum(v * v)
+        return tape.gradient(y, v)
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config) as prof:
+        grads = strategy.experimental_local_results(strategy.run(step))
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("dtape.gradient") == 2  # one walk per replica thread
+    assert [g.numpy().tolist() for g in grads] == [[2.0, 4.0], [2.0, 4.0]]
