@@ -142,3 +142,24 @@ def test_torch_bmm_is_matmul_and_skips_the_unwatched_batch(monkeypatch):
     torch.testing.assert_close(gb.torch(), ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="3-D"):
         torch.bmm(dtape.constant(a[0]), db)
+
+
+@pytest.mark.parametrize("walk_inside_autocast", [True, False])
+def test_conv2d_kernel_gradient_after_a_bfloat16_autocast_forward(walk_inside_autocast):
+    g = torch.Generator().manual_seed(3)
+    x, k = torch.randn(2, 5, 5, 3, generator=g), torch.randn(3, 3, 3, 4, generator=g)
+    dx, v = dtape.constant(x), dtape.Variable(k)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with dtape.GradientTape() as tape:
+            tape.watch(dx)
+            y = dtape.reduce_sum(dtape.square(dtape.nn.conv2d(dx, v, strides=1, padding="SAME")))
+        if walk_inside_autocast:
+            gx, gk = tape.gradient(y, [dx, v])
+    if not walk_inside_autocast:
+        gx, gk = tape.gradient(y, [dx, v])
+    tx, tk = x.clone().requires_grad_(), k.clone().requires_grad_()
+    ty = F.conv2d(F.pad(tx.permute(0, 3, 1, 2), (1, 1, 1, 1)), tk.permute(3, 2, 0, 1))
+    rx, rk = torch.autograd.grad((ty ** 2).sum(), [tx, tk])
+    assert gx.dtype == gk.dtype == torch.float32
+    torch.testing.assert_close(gx.torch(), rx, rtol=0.05, atol=0.5)  # bfloat16 forward and walk
+    torch.testing.assert_close(gk.torch(), rk, rtol=0.05, atol=0.5)

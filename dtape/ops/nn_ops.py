@@ -386,6 +386,8 @@ def _conv_grads_kernel(g, x, w, s, d, pads, needs):
     if x.shape[0] == 0:  # empty batch: no work, zero gradients of the right shapes
         return (torch.zeros_like(x) if needs[0] else None), \
             (torch.zeros(_filter_shape(w), dtype=w.dtype, device=w.device) if needs[1] else None)
+    if x.dtype != g.dtype or w.dtype != g.dtype:  # autocast ran the forward in g's dtype: do the same
+        x, w = x.to(g.dtype), w.to(g.dtype)
     symmetric = pads[0] == pads[1] and pads[2] == pads[3]
     xp = x if symmetric else F.pad(x, pads)
     conv_pad = (pads[2], pads[0]) if symmetric else (0, 0)
