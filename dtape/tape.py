@@ -5,6 +5,12 @@ set shared by every thread, so a tape opened on one thread records the ops
 other threads run on tensors it watches (what replica threads need), while
 `stop_recording()` pauses recording on the calling thread only.
 
+Automatic watching of variable reads is scoped by thread lineage (issue 7
+point 3): a tape is owned by the thread that creates it, the replica threads
+of a `strategy.run` inherit their caller's lineage (`lineage_scope`), and a
+read watches and records only on tapes owned by the reading thread's
+lineage, or on tapes that watched that variable explicitly.
+
 Concurrency: the set is mutated under `_set_lock` and published as an
 immutable tuple, so the hot path reads one module global with no lock. Each
 tape guards its records and watch sets with its own lock; nothing relies on
@@ -201,38 +207,18 @@ def variable_accessed(variable):
     state = _thread_state
     if state.captures:
         state.captures[-1].setdefault(id(variable), variable)
-    _access(state, variable, getattr(variable, "_id", None))
-
-
-def _access(state, variable, key):
-    """Watches `variable` on the tapes it concerns; returns the tapes that must not see the read.
-
-    Skips a tape that already resolved `key` (no resolver call, no lock:
-    the common case of a step that reads its weights again). Returns the
-    active tapes not owned by this thread's lineage that did not explicitly
-    watch `key`: automatic watching stops at them (issue 7 point 3).
-    """
     if state.stopped:
-        return ()
-    lineage = state.lineage
-    paused = state.paused
-    foreign = ()
+        return
+    key = getattr(variable, "_id", None)
+    lineage, paused = state.lineage, state.paused
     for tape in _tape_set:
-        if tape._owner not in lineage:
-            if key not in tape._explicit:
-                foreign += (tape,)
-            continue
-        if tape.watch_accessed_variables and key not in tape._accessed and not (paused and tape in paused):
+        if tape._owner in lineage and tape.watch_accessed_variables and \
+                not (paused and tape in paused) and (key is None or key not in tape._accessed):
             if key is None:
-                watch_variable_accessed(tape, variable)
+                for v in _resolve_watched(variable):
+                    tape._watch_variable(v)
             else:
                 tape._watch_accessed(key, _resolve_watched(variable))
-    return foreign
-
-
-def watch_variable_accessed(tape, variable):
-    for v in _resolve_watched(variable):
-        tape._watch_variable(v)
 
 
 def variable_read(variable, out, op):
@@ -240,14 +226,16 @@ def variable_read(variable, out, op):
 
     The read is recorded on the tapes that watch the variable, except tapes
     of other threads that only watch it because their own thread read it.
+    A tape that already resolved this variable is skipped without calling
+    the resolver or taking its lock (issue 7 point 7).
     """
     state = _thread_state
     trainable = variable._trainable
     if trainable and state.captures:
         state.captures[-1].setdefault(id(variable), variable)
     vid = variable._id
-    foreign = ()
-    if not state.stopped:  # _access inlined: this is the hot path of every variable operand
+    foreign = ()  # tapes of other threads that must not record this read (issue 7 point 3)
+    if not state.stopped:  # variable_accessed inlined: this is the hot path of every variable operand
         lineage, paused = state.lineage, state.paused
         for tape in _tape_set:
             if tape._owner not in lineage:
