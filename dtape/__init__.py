@@ -37,3 +37,5 @@ from dtape import backprop  # noqa: F401,E402
 from dtape.custom_gradient import custom_gradient  # noqa: F401,E402
 from dtape.function import function, recompute_grad  # noqa: F401,E402
 __all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]
+from dtape import debugging
+__all__ += ["debugging"]

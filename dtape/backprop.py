@@ -4,6 +4,7 @@ Source: tf.GradientTape / tensorflow/python/eager/backprop.py, with seed 2's
 distribution-aware sources: a variable source is expanded through the tape's
 watched-variable resolver and the gradients of its components are summed.
 """
+import contextlib
 import enum
 import inspect
 import warnings
@@ -21,6 +22,26 @@ class UnconnectedGradients(enum.Enum):
 
     NONE = "none"
     ZERO = "zero"
+
+
+_NO_RANGE = contextlib.nullcontext()
+_torch_profiler = torch.autograd.profiler
+
+
+def profile_range(name):
+    """A `torch.profiler.record_function(name)` range while a torch profiler runs, else a no-op context.
+
+    dtape's backward walks ("dtape.gradient") and collectives
+    ("dtape.all_reduce", "dtape.broadcast") show as named ranges in
+    torch.profiler traces, replica threads included when the profiler
+    records all threads (`_ExperimentalConfig(profile_all_threads=True)`).
+    The test is torch's process-wide "a profiler is running" flag (set on
+    whichever thread started it), so without a profiler a range costs a
+    module attribute read.
+    """
+    if getattr(_torch_profiler, "_is_profiler_enabled", True):
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 def _source_handles(source):
@@ -152,8 +173,9 @@ def imperative_grad(tape, targets, sources, output_gradients=None):
         prev = grads.get(t._id)
         grads[t._id] = dy if prev is None else prev + dy
     keep = set(source_ids)
-    records, reach = _prune(tape.records(), target_ids, source_ids)
-    _walk(records, reach, grads, keep, raw)
+    with profile_range("dtape.gradient"):  # a named range in torch.profiler traces
+        records, reach = _prune(tape.records(), target_ids, source_ids)
+        _walk(records, reach, grads, keep, raw)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 

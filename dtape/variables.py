@@ -237,11 +237,9 @@ class Variable(metaclass=_VariableMeta):
         if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
             t = _read_hook.fn(self, t)
         out = Tensor(t)
-        if _tp._tape_set:
-            if self._trainable:
-                _tp.variable_accessed(self)
-            _tp.record(_READ_OP, (self._id,), (self,), (out,), None)
-        elif _tp._thread_state.captures and self._trainable:
+        if _tp._tape_set:  # one call: watches (once per tape) and records the read
+            _tp.variable_read(self, out, _READ_OP)
+        elif self._trainable and _tp._thread_state.captures:
             _tp.variable_accessed(self)
         return out
 

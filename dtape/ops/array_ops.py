@@ -436,7 +436,9 @@ def gather(params, indices, axis=None, batch_dims=0):
 
 
 @gather.grad
-def _(dy, ans, params, indices, axis=None, batch_dims=0):
+def _(dy, ans, params, indices, axis=None, batch_dims=0, needs=(True, False)):
+    if not needs[0]:  # params unreachable from a source (integer indices never take a gradient)
+        return None, None
     return _gather_grad.any(dy, indices, shape=tuple(params.shape), axis=axis, batch_dims=batch_dims), None
 
 
@@ -500,7 +502,9 @@ def gather_nd(params, indices, batch_dims=0):
 
 
 @gather_nd.grad
-def _(dy, ans, params, indices, batch_dims=0):
+def _(dy, ans, params, indices, batch_dims=0, needs=(True, False)):
+    if not needs[0]:
+        return None, None
     return _gather_nd_grad.any(dy, indices, shape=tuple(params.shape), batch_dims=batch_dims), None
 
 

@@ -374,6 +374,15 @@ def _matmul_torch(x, y, *, out=None):
     return call_fallback(torch.matmul, (x, y), {})
 
 
+def _bmm_torch(x, y, *, out=None):
+    """torch.bmm on dtape tensors: [b, n, m] @ [b, m, p] as `matmul` (gradients skip unneeded inputs)."""
+    if out is not None:
+        raise TypeError("torch.bmm(out=...) is not supported on dtape tensors")
+    if x.ndim != 3 or y.ndim != 3:
+        raise ValueError(f"torch.bmm: inputs must be 3-D, got shapes {tuple(x.shape)} and {tuple(y.shape)}")
+    return matmul(x, y)
+
+
 def _einsum_samples(rng):
     return [(([S.randn(rng, 3, 4), S.randn(rng, 4, 5)],), {"equation": "ij,jk->ik"}),
             (([S.randn(rng, 2, 3, 4), S.randn(rng, 2, 4)],), {"equation": "bij,bj->bi"}),
@@ -412,11 +421,12 @@ def _einsum(inputs, equation):
 
 
 @_einsum.grad
-def _(dy, ans, operands, equation):
+def _(dy, ans, operands, equation, needs=None):
     if "..." in equation or "->" not in equation or any(len(set(s)) != len(s) for s in equation.split("->")[0].split(",")):
         raise NotImplementedError(f"einsum gradient for {equation!r}: use an explicit '->' output, "
                                   "no ellipsis and no repeated index within one operand")
-    return tuple(_einsum_operand_grad(dy, operands, i, equation) for i in range(len(operands)))
+    return tuple(_einsum_operand_grad(dy, operands, i, equation) if needs is None or needs[i] else None
+                 for i in range(len(operands)))
 
 
 def einsum(equation, *inputs):
@@ -649,6 +659,9 @@ def _register_torch_adapters():
     from dtape.ops._registry import TORCH_TABLE
     TORCH_TABLE[torch.matmul] = _matmul_torch
     TORCH_TABLE[torch.Tensor.__matmul__] = _matmul_torch
+    TORCH_TABLE[torch.Tensor.matmul] = _matmul_torch
+    for fn in (torch.bmm, torch.Tensor.bmm):  # batch matmul: matmul's rule, which skips unneeded inputs
+        TORCH_TABLE[fn] = _bmm_torch
     TORCH_TABLE[torch.sum] = _torch_reduce(torch.sum, reduce_sum)
     TORCH_TABLE[torch.mean] = _torch_reduce(torch.mean, reduce_mean)
     TORCH_TABLE[torch.einsum] = lambda eq, *ops: einsum(eq, *(ops[0] if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops))
