@@ -8,7 +8,6 @@ must be given. Names cited in backticks (`dtape.layers.Dense`,
 feature is not there yet ("Status:"); and a name such a line calls missing
 must really be missing, so the status lines cannot go stale silently.
 """
-import os
 import re
 import sys
 from pathlib import Path
@@ -114,6 +113,18 @@ def test_cited_names_exist():
     assert not missing, "docs cite names that do not exist: " + "; ".join(missing)
     assert not stale, ("a 'Status:' line says these are not there yet, but they now exist; document them "
                        "and update the status line: " + "; ".join(stale))
+
+
+def test_expected_errors_are_checked():
+    # `try: f() / except E: assert ...` passes when f() raises nothing; an example must say so (else: raise).
+    import ast
+    unchecked = []
+    for path in PAGES:
+        for line, source, skip in python_blocks(path):
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Try) and node.handlers and not node.orelse:
+                    unchecked.append(f"{path.name}:{line + node.lineno}")
+    assert not unchecked, "try/except without an else that fails when nothing is raised: " + ", ".join(unchecked)
 
 
 def test_enough_names_are_checked():
