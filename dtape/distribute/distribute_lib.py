@@ -270,7 +270,7 @@ class Strategy:
         """Concatenates the per-replica values along `axis` on the first device."""
         values = [convert_to_tensor(v) for v in (value.values if isinstance(value, DistributedValues) else (value,))]
         dev = self._extended._destination(values)
-        return ops.concat([cross_device_ops._on(v, dev) for v in values], axis=axis)
+        return ops.concat([cross_device_ops.on_device(v, dev) for v in values], axis=axis)
 
     def experimental_local_results(self, value):
         """The per-replica parts of `value` as a tuple (a 1-tuple for plain values)."""
@@ -362,7 +362,7 @@ class _DefaultStrategy(Strategy):
 
 _DEFAULT_STRATEGY = _DefaultStrategy()
 _DEFAULT_REPLICA = ReplicaContext(_DEFAULT_STRATEGY, 0)
-_DEFAULT_MODE = context._Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
+_DEFAULT_MODE = context.Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
 context.register_default_mode_factory(lambda: _DEFAULT_MODE)
 
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext"]
