@@ -209,10 +209,10 @@ class Communicator:
 
     def _wait(self, work, what):
         start = time.monotonic()
-        pause, marked = 0.0005, False
+        pause, marked = 0.001, False   # whole milliseconds: c10d reads a 0 ms timeout as "wait forever"
         while True:
             try:
-                if work.wait(timeout=datetime.timedelta(seconds=pause)):
+                if work.wait(timeout=datetime.timedelta(milliseconds=max(1, round(pause * 1000)))):
                     return
             except RuntimeError as e:
                 if "timed out" not in str(e).lower():
@@ -269,7 +269,8 @@ class Communicator:
         self._failed = f"{type(err).__name__}: {err}"
         if ack:
             self.store.add("acks", 1)
-        print(f"dtape: rank {self.rank}: {self._failed}", file=sys.stderr, flush=True)
+        note = getattr(err, "__notes__", [""])[0].split("\n")[0]
+        print(f"dtape: rank {self.rank}: step failed: {self._failed} {note}", file=sys.stderr, flush=True)
         raise err
 
     # -- publishing ---------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""Starting torchrun from tests: free ports, the worktree's dtape, small timeouts, per-rank logs."""
+import glob
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(ROOT, "scripts", "train.py")
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(timeout=10, **extra):
+    """The environment for workers: this checkout's dtape first, one thread each, a short collective timeout."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               DTAPE_DISTRIBUTE_TIMEOUT=str(timeout), PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun_args(log_dir, nproc=2, standalone=True, extra=()):
+    """`python -m torch.distributed.run` arguments: 2 CPU workers on 127.0.0.1, per-rank logs in log_dir."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--monitor-interval",
+            "0.1", "--log-dir", str(log_dir), "--redirects", "3", *extra]
+    if standalone:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nnodes", "1"]
+    return args
+
+
+def run(args, env, timeout=90):
+    """Runs a command; returns (returncode, combined output, seconds)."""
+    start = time.monotonic()
+    proc = subprocess.run(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout, time.monotonic() - start
+
+
+def rank_logs(log_dir, attempt=0):
+    """{global rank: stdout + stderr} of one attempt, from torchrun's --log-dir (local rank = rank on one node)."""
+    out = {}
+    for folder in sorted(glob.glob(os.path.join(str(log_dir), "*", f"attempt_{attempt}", "*"))):
+        rank = int(os.path.basename(folder))
+        text = ""
+        for name in ("stdout.log", "stderr.log"):
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    text += f.read()
+        out[rank] = text
+    return out
