@@ -239,7 +239,11 @@ class Communicator:
     def _fail_from_transport(self, what, cause):
         """A collective failed in the transport: a peer died or closed its connection."""
         self._raise_if_peer_failed(what)  # a peer that raised published before it exited
+        deadline = time.monotonic() + 1.0  # a killed process closes its sockets a moment before it is a zombie
         dead = self._dead_local_ranks()
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.01)
+            dead = self._dead_local_ranks()
         who = f"rank {', '.join(map(str, dead))} died (no exception published: killed, e.g. SIGKILL or " \
               f"out of memory)" if dead else "a peer closed its connection (rank unknown)"
         err = PeerFailure(f"rank {self.rank}: {what} failed because {who}; transport error: {cause}")

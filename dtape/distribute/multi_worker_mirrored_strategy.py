@@ -151,8 +151,9 @@ def _join_group(resolver, backend, timeout):
         os.environ.setdefault("MASTER_PORT", str(resolver.master_port))
         store, _, _ = next(dist.rendezvous("env://", rank=resolver.rank, world_size=resolver.world_size,
                                            timeout=datetime.timedelta(seconds=timeout)))
-    dist.init_process_group(backend, store=dist.PrefixStore("dtape_pg", store), rank=resolver.rank,
-                            world_size=resolver.world_size, timeout=pg_timeout)
+    # torchrun's store outlives a restart: a fresh prefix per round, or gloo would dial the dead round's peers
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dtape_pg/{resolver.restart_count}", store),
+                            rank=resolver.rank, world_size=resolver.world_size, timeout=pg_timeout)
     return store, None
 
 

@@ -1,6 +1,7 @@
 """Starting torchrun from tests: free ports, the worktree's dtape, small timeouts, per-rank logs."""
 import glob
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,11 +39,14 @@ def torchrun_args(log_dir, nproc=2, standalone=True, extra=()):
 
 
 def run(args, env, timeout=90):
-    """Runs a command; returns (returncode, combined output, seconds)."""
+    """Runs a command in its own process group; returns (returncode, combined output, seconds).
+
+    Past `timeout` the whole group (torchrun and its workers) is killed and
+    the output so far is returned with returncode None.
+    """
     start = time.monotonic()
-    proc = subprocess.run(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout, time.monotonic() - start
+    rc, output = finish(start_command(args, env), timeout)
+    return rc, output, time.monotonic() - start
 
 
 def rank_logs(log_dir, attempt=0):
@@ -58,3 +62,20 @@ def rank_logs(log_dir, attempt=0):
                     text += f.read()
         out[rank] = text
     return out
+
+
+def start_command(args, env):
+    """Starts a command in a new session (output to a pipe); finish it with `finish`."""
+    return subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=90):
+    """(returncode, output) of a started command; past the timeout its whole session is killed (returncode None)."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output + f"\n[killed after {timeout} s]"
