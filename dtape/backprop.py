@@ -12,7 +12,7 @@ import torch
 
 from dtape import nest, ops
 from dtape import tape as _tp
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 
 class UnconnectedGradients(enum.Enum):
@@ -22,13 +22,9 @@ class UnconnectedGradients(enum.Enum):
     ZERO = "zero"
 
 
-def _is_variable(x):
-    return hasattr(x, "_handle") and hasattr(x, "_dtape_read")
-
-
 def _source_handles(source):
     """Concrete (id-bearing) objects a source stands for: one per component."""
-    if _is_variable(source):
+    if is_variable(source):
         return [v._handle() for v in _tp._resolve_watched(source)]
     return [source]
 
@@ -207,7 +203,7 @@ class GradientTape:
         """
         self._require_tape("watch")
         for t in nest.flatten(tensor):
-            if _is_variable(t):
+            if is_variable(t):
                 _tp.watch_variable(self._tape, t)
             elif isinstance(t, Tensor):
                 if not _diff_dtype(t.dtype):
@@ -352,7 +348,7 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
 
 
 def _check_source(s):
-    if isinstance(s, Tensor) or _is_variable(s):
+    if isinstance(s, Tensor) or is_variable(s):
         return s
     raise ValueError(f"gradient sources must be dtape.Tensors or Variables, got {type(s).__name__}; "
                      "wrap values with dtape.constant and watch them first")
@@ -367,7 +363,7 @@ def _as_target(t):
     differentiable. A distributed variable resolves to this replica's
     component (the primary in the cross-replica context).
     """
-    if _is_variable(t):
+    if is_variable(t):
         return t._handle()
     if not isinstance(t, Tensor):
         raise ValueError(f"gradient target must be a dtape.Tensor, got {type(t).__name__}")

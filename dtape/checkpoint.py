@@ -3,9 +3,8 @@
 A variable passed as `name` is stored under the key `name`; a module's or an
 optimizer's variables under `name/0`, `name/1`, ... in their stable order,
 each with its `.name` (for a distributed variable, the container's name).
-Objects are recognised by duck typing: a variable has `_dtape_read` and
-`_handle`; a distributed variable also has a `.values` tuple of components
-(its logical value is saved: a MirroredVariable's primary, a
+Variables are recognised by `dtape.tensor.is_variable`; a distributed
+variable also has a `.values` tuple of components (its logical value is saved: a MirroredVariable's primary, a
 SyncOnReadVariable's aggregate; restore assigns every component); a
 container has a `variables()` method or a `.variables` attribute.
 
@@ -53,8 +52,7 @@ import torch
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.distribute import SyncOnReadVariable
-from dtape.module import is_variable
-from dtape.tensor import Tensor
+from dtape.tensor import Tensor, is_variable
 from dtape.variables import VariableAggregation
 
 __all__ = ["save", "restore", "read", "CheckpointError", "CheckpointManager", "latest_checkpoint"]

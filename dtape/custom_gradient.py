@@ -11,7 +11,7 @@ import inspect
 
 from dtape import nest
 from dtape import tape as _tp
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 
 def custom_gradient(f):
@@ -69,7 +69,7 @@ def _call(f, args, kwargs):
 
 def _as_input(a):
     """A Tensor for tensor-like arguments (a Variable is read, so recorded); others as is."""
-    if isinstance(a, Tensor) or hasattr(a, "_dtape_read"):
+    if isinstance(a, Tensor) or is_variable(a):
         return convert_to_tensor(a)
     return a
 

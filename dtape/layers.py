@@ -24,7 +24,7 @@ from dtape import random as _random
 from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 from dtape.variables import Variable
 
 __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "Dropout", "Sequential",
@@ -160,7 +160,7 @@ class Layer(Module):
 
     def __call__(self, x, training=False):
         """Applies the layer. x: Tensor, Variable, torch.Tensor, array or nested list."""
-        if not isinstance(x, Tensor) and not hasattr(x, "_dtape_read"):
+        if not isinstance(x, Tensor) and not is_variable(x):
             x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
         self._maybe_build(x.shape)
         if _takes_training(self.call):
@@ -383,7 +383,7 @@ class Dropout(Layer):
         self.built = True
 
     def __call__(self, x, training=False):
-        x = x if isinstance(x, Tensor) or hasattr(x, "_dtape_read") else convert_to_tensor(x)
+        x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
         if not training or self.rate == 0.0:
             return x
         if self.seed is None:
@@ -438,3 +438,6 @@ class Sequential(Layer):
         for layer in self.layers:
             x = layer(x, training=training) if _takes_training(layer.__call__) else layer(x)
         return x
+
+
+from dtape.torch_module import TorchModule  # noqa: F401  (re-export: dtape.layers.TorchModule)

@@ -1,22 +1,19 @@
 """Module: a named container that finds the variables held by its attributes.
 
-Source: tf.Module. Variables are recognised by duck typing (an object with
-`_dtape_read` and `_handle` methods), so the distributed variables of
-`dtape.distribute` count without this module importing it.
+Source: tf.Module. Variables are recognised by `dtape.tensor.is_variable`,
+so the distributed variables of `dtape.distribute` count without this module
+importing it.
 """
 import itertools
 import re
 import threading
 
-__all__ = ["Module"]
+from dtape.tensor import is_variable
+
+__all__ = ["Module", "is_variable"]
 
 _name_lock = threading.Lock()  # guards _name_counts (process-wide; modules may be built on replica threads)
 _name_counts = {}  # process-wide: base name -> itertools.count, for unique default names
-
-
-def is_variable(obj):
-    """True for dtape variables, plain or distributed (duck typed)."""
-    return callable(getattr(obj, "_dtape_read", None)) and callable(getattr(obj, "_handle", None))
 
 
 def _snake_case(name):

@@ -184,7 +184,7 @@ def _component_like(slot, var):
     container = distribute.value_container(var)
     if comps is None or container is var:
         return slot
-    return comps[container.values.index(var)]
+    return comps[next(i for i, c in enumerate(container.values) if c is var)]
 
 
 def _scope(strategy):

@@ -102,6 +102,15 @@ class Tensor:
     __hash__ = object.__hash__  # identity hash, as tf.Tensor in eager sets/dicts
 
 
+def is_variable(obj):
+    """True for dtape variables (`Variable` and distributed variables), whose reads are recorded.
+
+    The one test of "is this a variable" in dtape: classes get the mark from
+    `variables.install_tensor_protocol`.
+    """
+    return getattr(type(obj), "_dtape_variable", False)
+
+
 def _infer_dtype(value):
     if isinstance(value, bool):
         return torch.bool
@@ -247,9 +256,8 @@ def convert_to_tensor(value, dtype=None, device=None):
         if dtype is not None and value.dtype != dtype:
             raise ValueError(f"convert_to_tensor: tensor has dtype {value.dtype}, requested {dtype}; use dtape.cast")
         return value
-    read = getattr(value, "_dtape_read", None)
-    if read is not None:
-        return convert_to_tensor(read(), dtype)
+    if is_variable(value):
+        return convert_to_tensor(value._dtape_read(), dtype)
     return Tensor(_to_torch(value, dtype, device))
 
 

@@ -12,8 +12,8 @@ import torch
 
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
-from dtape.ops._dispatch import _torch_function
-from dtape.tensor import Tensor, _next_id, _to_torch
+from dtape.ops._dispatch import install_variable_operators
+from dtape.tensor import Tensor, _next_id, _to_torch, is_variable
 
 
 class VariableSynchronization(enum.Enum):
@@ -183,7 +183,7 @@ class Variable(metaclass=_VariableMeta):
                 initial_value = initial_value()
         if isinstance(initial_value, Tensor):
             initial_value = initial_value.torch()
-        elif hasattr(initial_value, "_dtape_read"):
+        elif is_variable(initial_value):
             with _tp.stop_recording():
                 initial_value = initial_value._dtape_read().torch()
         self._t = _to_torch(initial_value, dtype, device).clone()
@@ -261,7 +261,7 @@ class Variable(metaclass=_VariableMeta):
 
     # -- writes -------------------------------------------------------------
     def _coerce(self, value, what):
-        if hasattr(value, "_dtape_read"):
+        if is_variable(value):
             value = value._dtape_read()
         t = value.torch() if isinstance(value, Tensor) else _to_torch(value, self._t.dtype)
         if t.shape != self._t.shape:
@@ -324,21 +324,8 @@ class Variable(metaclass=_VariableMeta):
 
 
 def install_tensor_protocol(cls):
-    """Gives `cls` (a class with `_dtape_read()`) Tensor's operators and torch interop."""
-    names = ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"]
-    dunders = [f"__{n}__" for n in names] + [f"__r{n}__" for n in names]
-    dunders += ["__lt__", "__le__", "__gt__", "__ge__", "__neg__", "__abs__", "__getitem__",
-                "__float__", "__int__", "__bool__", "__len__"]
-    for d in dunders:
-        setattr(cls, d, _delegate(d))
-    cls.__torch_function__ = classmethod(_torch_function)
-
-
-def _delegate(dunder):
-    def method(self, *args):
-        return getattr(self._dtape_read(), dunder)(*args)
-    method.__name__ = dunder
-    return method
+    """Gives `cls` (a variable class with `_dtape_read()`) Tensor's operators and torch interop."""
+    install_variable_operators(cls)
 
 
 install_tensor_protocol(Variable)

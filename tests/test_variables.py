@@ -2,6 +2,7 @@
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,3 +194,25 @@ def test_gradient_of_max_of_variables_picks_the_largest():
     grads = tape.gradient(top, [a, b, c])
     assert grads[0] is None and grads[2] is None
     assert float(grads[1]) == 1.0
+
+
+def test_variables_share_tensors_operator_table():
+    """One operator table: every Tensor operator exists on every variable class and reads first."""
+    strategy = dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mirrored = dtape.Variable([1.0, -2.0])
+        on_read = dtape.Variable([1.0, -2.0], synchronization=dtape.VariableSynchronization.ON_READ,
+                                 aggregation=dtape.VariableAggregation.ONLY_FIRST_REPLICA)
+    plain = dtape.Variable([1.0, -2.0])
+    t = dtape.constant([1.0, -2.0])
+    for v in (plain, mirrored, on_read):
+        for name in dtape.Tensor._operator_names:
+            assert getattr(type(v), name) is not getattr(object, name, None), (type(v).__name__, name)
+        np.testing.assert_array_equal((v == t).numpy(), [True, True])
+        np.testing.assert_array_equal((v != 1.0).numpy(), [False, True])
+        np.testing.assert_array_equal((~(v > 0.0)).numpy(), [False, True])
+        assert [float(x) for x in v] == [1.0, -2.0]
+        with dtape.GradientTape() as tape:
+            y = dtape.reduce_sum(-v * abs(v))
+        assert tape.gradient(y, v) is not None
+    strategy.close()

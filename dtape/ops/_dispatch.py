@@ -5,12 +5,19 @@ A torch function called on dtape tensors runs the registered op for it
 the raw tensors, recorded with a backward that asks `torch.autograd` for its
 vector-Jacobian product. That backward is itself run through the fallback
 when a tape records it, so fallback derivatives compose to any order.
+A random function (dropout, attention with dropout) runs on a private seeded
+stream that the backward's re-run replays, so both see the same masks.
 """
+import threading
+
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from dtape import random as _random
 from dtape import tape as _tp
 from dtape.ops._registry import TORCH_TABLE, Tensor
+from dtape.tensor import is_variable
 
 
 def _is_diff(t):
@@ -20,21 +27,25 @@ def _is_diff(t):
 class TorchFallback:
     """Record op for a torch function without a registered gradient."""
 
-    __slots__ = ("name", "func", "spec", "leaves", "positions")
+    __slots__ = ("name", "func", "spec", "leaves", "positions", "seed")
 
-    def __init__(self, func, spec, leaves, positions):
+    def __init__(self, func, spec, leaves, positions, seed=None):
         self.name = getattr(func, "__name__", repr(func))
         self.func = func
         self.spec = spec
         self.leaves = leaves          # flat args/kwargs with tensors replaced by None
         self.positions = positions    # where the tensor inputs go in `leaves`
+        self.seed = seed              # random functions: (seed, devices) of their private stream
 
     def call_raw(self, tensors):
         leaves = list(self.leaves)
         for pos, t in zip(self.positions, tensors):
             leaves[pos] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return self.func(*args, **kwargs)
+        if self.seed is None:
+            return self.func(*args, **kwargs)
+        with _seeded(*self.seed):
+            return self.func(*args, **kwargs)
 
     def vjp_torch(self, n_in, diff_out):
         """A torch-level function (*inputs, *dys) -> grads of the float inputs."""
@@ -68,7 +79,7 @@ class TorchFallback:
 def _unwrap_leaves(flat):
     leaves, tensors, positions = [], [], []
     for i, leaf in enumerate(flat):
-        if type(leaf) is not Tensor and hasattr(leaf, "_dtape_read"):
+        if type(leaf) is not Tensor and is_variable(leaf):
             leaf = leaf._dtape_read()
         if type(leaf) is Tensor:
             tensors.append(leaf)
@@ -79,15 +90,67 @@ def _unwrap_leaves(flat):
     return leaves, tensors, positions
 
 
+# Torch functions that draw from torch's global generators. The fallback's
+# backward re-runs the function, so each call runs on a private stream seeded
+# from the calling replica's generator (dtape.random) and replayed by the
+# re-run: the gradient uses the forward's dropout masks, and replicas draw
+# reproducibly whatever the thread schedule.
+_RANDOM_FNS = frozenset([
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    F.rrelu, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout, torch.rrelu,
+    torch.bernoulli, torch.Tensor.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial])
+# Held while a seeded stream is installed in torch's (process-global) generators.
+_rng_lock = threading.RLock()
+
+
+def _new_seed(tensors):
+    """(seed, cuda device indices) for a random function's private stream."""
+    device = next((t._t.device for t in tensors), None)
+    gen = _random.get_generator(device)
+    seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device))
+    cuda = sorted({t._t.device.index or 0 for t in tensors if t._t.device.type == "cuda"})
+    return seed, tuple(cuda)
+
+
+class _seeded:
+    """Runs a block with torch's CPU (and listed CUDA) generators seeded by `seed`; restores them after."""
+
+    def __init__(self, seed, cuda_devices):
+        self.seed, self.cuda = seed, cuda_devices
+
+    def __enter__(self):
+        _rng_lock.acquire()
+        self._fork = torch.random.fork_rng(devices=list(self.cuda))
+        self._fork.__enter__()
+        torch.default_generator.manual_seed(self.seed)
+        for i in self.cuda:
+            torch.cuda.default_generators[i].manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        try:
+            return self._fork.__exit__(*exc)
+        finally:
+            _rng_lock.release()
+
+
 def call_fallback(func, args, kwargs):
-    """Runs torch `func` on dtape tensors; records it with an autograd-derived backward."""
+    """Runs torch `func` on dtape tensors; records it with an autograd-derived backward.
+
+    `inplace=True` (torch.nn.functional, e.g. from `nn.Dropout(inplace=True)`)
+    runs out of place: dtape tensors are immutable, and callers use the result.
+    """
     name = getattr(func, "__name__", "")
     if name.endswith("_") and not name.endswith("__"):
         raise TypeError(f"torch.{name} modifies its input in place; dtape.Tensor is immutable. "
                         f"Use the out-of-place torch.{name[:-1]} instead")
+    if kwargs.get("inplace") is True:  # torch.nn.functional's `inplace=`: immutable inputs, return the result
+        kwargs = dict(kwargs, inplace=False)
     flat, spec = pytree.tree_flatten((args, kwargs))
     leaves, tensors, positions = _unwrap_leaves(flat)
-    op = TorchFallback(func, spec, tuple(leaves), tuple(positions))
+    seed = _new_seed(tensors) if func in _RANDOM_FNS else None
+    op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
     out = op.call_raw([t._t for t in tensors])
     out_leaves, out_spec = pytree.tree_flatten(out)
     wrapped = [Tensor(o) if isinstance(o, torch.Tensor) else o for o in out_leaves]
@@ -104,22 +167,76 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     return call_fallback(func, args, kwargs or {})
 
 
+# Tensor's value protocol (defined in dtape/tensor.py) that variables forward after a read.
+_VALUE_DUNDERS = ("__float__", "__int__", "__index__", "__bool__", "__len__", "__iter__")
+
+
 def install_operators(ops):
-    """Installs Python operators and `__torch_function__` on Tensor."""
+    """Installs Python operators and `__torch_function__` on Tensor (the one operator table)."""
     Tensor.__torch_function__ = classmethod(_torch_function)
+    table = {}
     binary = {"add": ops.add, "sub": ops.subtract, "mul": ops.multiply, "truediv": ops.divide,
               "floordiv": ops.floordiv, "mod": ops.floormod, "pow": ops.pow, "matmul": ops.matmul}
     for name, fn in binary.items():
-        setattr(Tensor, f"__{name}__", _method(fn))
-        setattr(Tensor, f"__r{name}__", _rmethod(fn))
+        table[f"__{name}__"] = _method(fn)
+        table[f"__r{name}__"] = _rmethod(fn)
     for name, fn in {"lt": ops.less, "le": ops.less_equal, "gt": ops.greater,
                      "ge": ops.greater_equal, "eq": ops.equal, "ne": ops.not_equal}.items():
-        setattr(Tensor, f"__{name}__", _method(fn))
-    Tensor.__neg__ = lambda self: ops.negative(self)
-    Tensor.__pos__ = lambda self: self
-    Tensor.__abs__ = lambda self: ops.abs(self)
-    Tensor.__invert__ = lambda self: ops.logical_not(self)
-    Tensor.__getitem__ = lambda self, key: ops.getitem(self, key)
+        table[f"__{name}__"] = _method(fn)
+    table["__neg__"] = lambda self: ops.negative(self)
+    table["__pos__"] = lambda self: self
+    table["__abs__"] = lambda self: ops.abs(self)
+    table["__invert__"] = lambda self: ops.logical_not(self)
+    table["__getitem__"] = lambda self, key: ops.getitem(self, key)
+    for name, fn in table.items():
+        setattr(Tensor, name, fn)
+    Tensor._operator_names = tuple(table) + _VALUE_DUNDERS
+    Tensor.__getattr__ = _torch_attribute
+
+
+def install_variable_operators(cls):
+    """Gives a variable class (one with `_dtape_read()`) every Tensor operator and torch interop.
+
+    Each operator reads the variable (a recorded read that notifies the
+    tapes) and applies Tensor's own operator, so Tensor and variables share
+    one table. `cls._dtape_variable` marks the class for `tensor.is_variable`.
+    """
+    for name in Tensor._operator_names:
+        setattr(cls, name, _delegate(name))
+    cls.__torch_function__ = classmethod(_torch_function)
+    cls._dtape_variable = True
+
+
+def _delegate(name):
+    tensor_method = getattr(Tensor, name)
+
+    def method(self, *args):
+        return tensor_method(self._dtape_read(), *args)
+    method.__name__ = name
+    return method
+
+
+# Names dtape duck-types on (variables' `.values`, `.name`): never answered from torch.Tensor.
+_NOT_FORWARDED = frozenset({"values", "name"})
+
+
+def _torch_attribute(self, name):
+    """torch.Tensor's methods and properties on a dtape.Tensor (`x.dim()`, `x.view(...)`, `x.T`).
+
+    Called only for names Tensor lacks; the call runs through
+    `__torch_function__`, so it is recorded like `torch.<name>(x)`. This is
+    what lets torch.nn module code (`input.dim()`, `x.transpose(0, 1)`) run
+    on dtape tensors. Private names and in-place methods are not forwarded
+    (in-place methods raise TypeError when called: Tensor is immutable).
+    """
+    attr = None if name.startswith("_") or name in _NOT_FORWARDED else getattr(torch.Tensor, name, None)
+    if attr is None:
+        raise AttributeError(f"'dtape.Tensor' object has no attribute {name!r}")
+    if isinstance(attr, (property, type(torch.Tensor.T))):  # a property: read it now
+        return _torch_function(Tensor, attr.__get__, (Tensor,), (self,))
+    if not callable(attr):
+        raise AttributeError(f"'dtape.Tensor' object has no attribute {name!r}")
+    return lambda *args, **kwargs: _torch_function(Tensor, attr, (Tensor,), (self,) + args, kwargs)
 
 
 def _method(fn):

@@ -1,0 +1,264 @@
+"""TorchModule: train an existing `torch.nn.Module` with dtape.
+
+The module's parameters become trainable dtape Variables and its buffers
+non-trainable ones (created through the variable-creator stack, so under
+`strategy.scope()` they are MirroredVariables). A call runs the module's own
+`forward` on a private shallow copy of the module tree whose parameter slots
+hold the variables' current values as dtape Tensors: every torch function in
+the forward then reaches `dtape.Tensor.__torch_function__` and is recorded on
+the active tapes, as `torch.func.functional_call` substitutes parameters for
+torch's autograd. The shared module is never modified (no swapped
+parameters, no flipped train/eval mode), so replica threads can call the
+same TorchModule at once.
+
+Source: torch.func.functional_call (parameter substitution); Keras 3's
+`keras.layers.TorchModuleWrapper` is the analogous Keras API.
+"""
+import torch
+from torch.utils import _pytree as pytree
+
+from dtape import tape as _tp
+from dtape.module import Module
+from dtape.tensor import Tensor, convert_to_tensor
+from dtape.variables import Variable, VariableAggregation
+
+__all__ = ["TorchModule"]
+
+
+class TorchModule(Module):
+    """A `torch.nn.Module` as a dtape Module: its parameters and buffers are dtape Variables.
+
+    Parameters become trainable Variables (`trainable=p.requires_grad`),
+    buffers non-trainable ones, named `<name>/<torch name>` (e.g.
+    `torch_module/features.0.weight`), in `named_parameters()` then
+    `named_buffers()` order; tied parameters share one Variable. They are
+    created now, through the variable-creator stack: build the TorchModule
+    inside `strategy.scope()` to get MirroredVariables. The wrapped module's
+    own tensors are only copied from (see `state_dict` to copy back).
+
+    Calling it runs `module.forward(*args, **kwargs)` with the variables'
+    current values substituted; every torch op is recorded on the active
+    tapes through `__torch_function__`, so `tape.gradient` with respect to
+    `trainable_variables` equals torch.autograd's gradient of the module.
+
+    Buffers (e.g. BatchNorm's `running_mean`, `running_var`,
+    `num_batches_tracked`) are constants for differentiation, as in
+    PyTorch. The forward sees a private copy of each buffer; after a
+    training-mode call every buffer is written back to its Variable (changed
+    or not), after an eval-mode call those the forward replaced or modified
+    in place from Python. Under a strategy each replica computes its own update;
+    floating buffers are created with `VariableAggregation.MEAN`, so the
+    replicas' updates are averaged (one merge_call per updated buffer, as
+    Keras' BatchNormalization averages its moving statistics; for
+    `running_mean` with equal replica batches this equals the one-device
+    update, `running_var` averages per-replica variances), and other buffers
+    with `ONLY_FIRST_REPLICA` (replica 0's value, e.g. the step counter).
+    Every replica must update the same buffers in the same order.
+
+    Not supported (each raises where it can be detected): forward hooks,
+    pre-hooks and backward hooks on any submodule (NotImplementedError at
+    call); parametrizations (`torch.nn.utils.parametrize`),
+    `torch.jit.ScriptModule`s and `torch.compile`d modules (TypeError at
+    construction); parameters
+    modified in place inside `forward` (TypeError: dtape tensors are
+    immutable); tensors held outside registered parameters/buffers (plain
+    Python lists of modules, tensor attributes) are constants to dtape.
+    Outputs: nests (tuple, list, dict, namedtuple) of tensors come back with
+    each torch.Tensor leaf as a dtape Tensor; other objects (e.g. dataclass
+    outputs) are returned as the forward made them.
+
+    Args:
+      module: the torch.nn.Module to wrap (any device and dtype; variables
+        keep each tensor's dtype and device, a strategy places them on its
+        replica devices).
+      name: module name (default `torch_module`, made unique).
+
+    Call args:
+      *args, **kwargs: the forward's arguments. dtape Tensors, Variables
+        (read), torch.Tensors and numpy arrays anywhere in them become dtape
+        Tensors; other values pass through.
+      training: True runs the forward as after `module.train()`, False as
+        after `module.eval()`, for this call only; None (default) uses the
+        wrapped module's own current mode (`module.training`).
+
+    Returns:
+      The forward's output, torch.Tensor leaves as dtape Tensors.
+
+    Raises:
+      TypeError: `module` is not a torch.nn.Module, is scripted, compiled
+        or parametrized; or a forward modifies a parameter in place.
+      NotImplementedError: a submodule has hooks.
+      ValueError: a forward sets a buffer to None or changes its shape.
+
+    Source: torch.func.functional_call; Keras 3 `TorchModuleWrapper`.
+
+    Example:
+      >>> net = dtape.layers.TorchModule(torch.nn.Linear(3, 2))
+      >>> [tuple(v.shape) for v in net.trainable_variables]
+      [(2, 3), (2,)]
+      >>> with dtape.GradientTape() as tape:
+      ...     loss = dtape.reduce_sum(net(dtape.ones([4, 3])))
+      >>> [tuple(g.shape) for g in tape.gradient(loss, net.trainable_variables)]
+      [(2, 3), (2,)]
+    """
+
+    def __init__(self, module, name=None):
+        _check_module(module)
+        super().__init__(name=name)
+        self.module = module  # not walked for variables (not a dtape Module)
+        self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
+        self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False), _buffer_var)
+
+    def __call__(self, *args, training=None, **kwargs):
+        mode = self.module.training if training is None else bool(training)
+        shadow = _shadow(self.module, mode)
+        _install(shadow, self._params, _param_values(self._params), "_parameters")
+        scratch = _buffer_values(self._buffers)
+        before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
+        _install(shadow, self._buffers, scratch, "_buffers")
+        args, kwargs = pytree.tree_map(_as_input, (args, kwargs))
+        out = shadow(*args, **kwargs)
+        self._write_back(shadow, before, mode)
+        return pytree.tree_map(_as_output, out)
+
+    def _write_back(self, shadow, before, training):
+        """Assigns buffers to their Variables: all after a training call, else those the forward changed.
+
+        Kernels such as batch_norm update running statistics in place without
+        moving the tensor's version counter, so a training call writes every
+        buffer back (the same writes, in the same order, on every replica);
+        an eval call writes those replaced or modified in place by Python code.
+        """
+        written = set()
+        for name, (old, version) in before.items():
+            owner, leaf = _owner(shadow, name)
+            new = owner._buffers.get(leaf)
+            var = self._buffers[name]
+            if id(var) in written or not training and new is old and new._version == version:
+                continue
+            written.add(id(var))
+            if not isinstance(new, torch.Tensor) or new.shape != old.shape:
+                raise ValueError(f"{self.name}: forward replaced buffer {name!r} of shape {tuple(old.shape)} by "
+                                 f"{_describe(new)}; a TorchModule's buffers keep their shape and cannot be removed")
+            var.assign(new)
+
+    def state_dict(self):
+        """The variables' current values as a torch state dict: `module.load_state_dict(m.state_dict())`.
+
+        Returns:
+          dict name -> detached torch.Tensor copy (every name of the wrapped
+          module's `state_dict`, tied names included; a MirroredVariable
+          gives its primary component, read in the cross-replica context).
+        """
+        with _tp.stop_recording():
+            return {name: var._dtape_read().torch().detach().clone()
+                    for name, var in {**self._params, **self._buffers}.items()}
+
+
+# -- construction ------------------------------------------------------------------
+
+def _check_module(module):
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"TorchModule wraps a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError("TorchModule cannot wrap a torch.jit.ScriptModule (its forward is TorchScript, which "
+                        "dtape tensors cannot enter); wrap the original Python module")
+    if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        raise TypeError("TorchModule cannot wrap a torch.compile'd module (dynamo would trace dtape tensors); "
+                        "wrap the original module, `compiled._orig_mod`")
+    for name, sub in module.named_modules():
+        if torch.nn.utils.parametrize.is_parametrized(sub):
+            raise TypeError(f"TorchModule: submodule {name or type(module).__name__!r} has parametrizations "
+                            "(torch.nn.utils.parametrize), which are not supported; remove them with "
+                            "parametrize.remove_parametrizations(..., leave_parametrized=True) first")
+
+
+def _variables(prefix, named_tensors, make):
+    """{torch name: Variable}; names of one tensor (tied weights) share one Variable."""
+    by_tensor, out = {}, {}
+    for name, t in named_tensors:
+        var = by_tensor.get(id(t))
+        if var is None:
+            var = by_tensor[id(t)] = make(t, f"{prefix}/{name}")
+        out[name] = var
+    return out
+
+
+def _param_var(p, name):
+    return Variable(p.detach().clone(), trainable=p.requires_grad, name=name)
+
+
+def _buffer_var(b, name):
+    # Replicas' updates to a float buffer are averaged (Keras' moving statistics);
+    # integer buffers (counters) take replica 0's value.
+    aggregation = VariableAggregation.MEAN if b.is_floating_point() else VariableAggregation.ONLY_FIRST_REPLICA
+    return Variable(b.detach().clone(), trainable=False, name=name, aggregation=aggregation)
+
+
+# -- calls -----------------------------------------------------------------------------
+
+def _shadow(module, training):
+    """A shallow copy of the module tree with private parameter/buffer/submodule dicts and mode `training`.
+
+    The forward runs on it, so the shared module is never modified (thread
+    safe: replicas call the same TorchModule at once).
+    """
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or \
+            module._backward_pre_hooks:
+        raise NotImplementedError(f"TorchModule: {type(module).__name__} has forward or backward hooks, which are "
+                                  "not supported (they would see dtape tensors and never get torch gradients); "
+                                  "remove them (handle.remove()) or do their work after the call")
+    copy = object.__new__(type(module))
+    state = copy.__dict__
+    state.update(module.__dict__)
+    state["_parameters"] = dict(module._parameters)
+    state["_buffers"] = dict(module._buffers)
+    state["_modules"] = {k: None if m is None else _shadow(m, training) for k, m in module._modules.items()}
+    state["training"] = training
+    return copy
+
+
+def _owner(root, name):
+    *path, leaf = name.split(".")
+    for part in path:
+        root = root._modules[part]
+    return root, leaf
+
+
+def _install(shadow, variables, values, slot):
+    for name, var in variables.items():
+        owner, leaf = _owner(shadow, name)
+        getattr(owner, slot)[leaf] = values[id(var)]
+
+
+def _param_values(params):
+    """id(var) -> its value read once (recorded: a tied Variable's gradient sums its uses)."""
+    values = {}
+    for var in params.values():
+        if id(var) not in values:
+            values[id(var)] = var.read_value()
+    return values
+
+
+def _buffer_values(buffers):
+    """id(var) -> a private torch copy of its value (constant; the forward may update it in place)."""
+    values = {}
+    with _tp.stop_recording():
+        for var in buffers.values():
+            if id(var) not in values:
+                values[id(var)] = var._dtape_read().torch().clone()
+    return values
+
+
+def _as_input(x):
+    if isinstance(x, (Tensor, torch.Tensor)) or hasattr(x, "_dtape_read") or hasattr(x, "__array_interface__"):
+        return convert_to_tensor(x)
+    return x
+
+
+def _as_output(x):
+    return Tensor(x.detach()) if isinstance(x, torch.Tensor) else x
+
+
+def _describe(x):
+    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
