@@ -271,10 +271,10 @@ class Communicator:
     def _fail(self, err, ack=False):
         """Marks this worker failed, tells the store (acknowledging a peer's error), and raises `err`."""
         self._failed = f"{type(err).__name__}: {err}"
-        if ack:
-            self.store.add("acks", 1)
         note = getattr(err, "__notes__", [""])[0].split("\n")[0]
         print(f"dtape: rank {self.rank}: step failed: {self._failed} {note}", file=sys.stderr, flush=True)
+        if ack:  # after printing: the failing worker leaves once acknowledged, and torchrun then stops us
+            self.store.add("acks", 1)
         raise err
 
     # -- publishing ---------------------------------------------------------------------

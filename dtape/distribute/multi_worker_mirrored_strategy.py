@@ -25,6 +25,7 @@ the process group is unusable: restart the workers (torchrun --max-restarts).
 
 Source: tf.distribute.MultiWorkerMirroredStrategy (CollectiveAllReduceStrategy).
 """
+import atexit
 import datetime
 import itertools
 import os
@@ -154,7 +155,25 @@ def _join_group(resolver, backend, timeout):
     # torchrun's store outlives a restart: a fresh prefix per round, or gloo would dial the dead round's peers
     dist.init_process_group(backend, store=dist.PrefixStore(f"dtape_pg/{resolver.restart_count}", store),
                             rank=resolver.rank, world_size=resolver.world_size, timeout=pg_timeout)
+    atexit.register(_shutdown_group)
     return store, None
+
+
+def _shutdown_group():
+    """At exit: waits for the peers (unless this worker failed), then destroys the group we made.
+
+    Left to interpreter teardown, gloo's threads can abort the process
+    ("terminate called without an active exception") after a clean run.
+    """
+    comm = collective_ops._active
+    try:
+        if comm is not None and comm._failed is None:
+            comm.barrier()
+    except Exception:  # noqa: BLE001 - exiting anyway; the peers report their own failure
+        pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class MultiWorkerMirroredStrategy(Strategy):

@@ -17,7 +17,7 @@ FAULTS = {  # fault -> (what rank 0 must print, what rank 1 must print)
     "merge_fn": ("KeyError: 'injected in merge_fn'", "KeyError: 'injected in merge_fn'"),
     "grad_allreduce": ("ArithmeticError: injected in the gradient all-reduce",
                        "ArithmeticError: injected in the gradient all-reduce"),
-    "sigkill": ("rank 1 died (no exception published: killed", None),
+    "sigkill": ("PeerFailure: rank 0: all_reduce", None),   # "... failed because rank 1 died (... killed ...)"
 }
 
 
@@ -32,11 +32,14 @@ def test_fault_on_rank1_fails_every_worker_naming_rank1(fault, tmp_path):
     rank0_says, rank1_says = FAULTS[fault]
     assert "rank 1: step 1 done" in logs[1] and "rank 1: step 2 done" not in logs[1]
     assert "rank 0: step 2 done" not in logs[0], logs[0][-2000:]
-    assert rank0_says in logs[0], logs[0][-3000:]
-    assert "rank 1" in logs[0].split(rank0_says, 1)[1][:400] or fault == "sigkill"
-    assert "dtape: rank 0: step failed" in logs[0]
+    line = [ln for ln in logs[0].splitlines() if ln.startswith("dtape: rank 0: step failed:")]
+    assert line and rank0_says in line[0], logs[0][-3000:]
+    assert "rank 1" in line[0].split(rank0_says, 1)[1]
     if rank1_says:
         assert rank1_says in logs[1] and "(raised on worker rank 1 of 2)" in logs[1], logs[1][-2000:]
-        assert "exitcode  : 1" in output and "exitcode  : -15" not in output, output[-2500:]   # both exited themselves
+        # rank 1 exits 1 once rank 0 has acknowledged; rank 0 exits 1 itself or, if torchrun
+        # got there first, by torchrun's SIGTERM after printing its error.
+        assert "exitcode  : 1" in output, output[-2500:]
     else:
-        assert "exitcode  : -9" in output and "rank      : 1" in output
+        assert "because rank 1 died (no exception published: killed" in line[0]
+        assert "exitcode  : -9" in output
