@@ -312,8 +312,9 @@ def error_payload(exc, rank, world_size):
     """A JSON-able description of `exc` raised on worker `rank`."""
     cls = type(exc)
     tb = "".join(traceback.format_exception(exc)[-6:])
+    arg = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
     return {"rank": rank, "world_size": world_size, "module": cls.__module__, "type": cls.__qualname__,
-            "message": str(exc), "host": socket.gethostname(), "pid": os.getpid(), "traceback": tb}
+            "message": str(exc), "arg": arg, "host": socket.gethostname(), "pid": os.getpid(), "traceback": tb}
 
 
 def peer_exception(payload, rank, what):
@@ -327,7 +328,7 @@ def peer_exception(payload, rank, what):
     cls = _exception_class(payload["module"], payload["type"])
     message = payload["message"]
     try:
-        err = cls(message) if cls is not None else None
+        err = cls(payload.get("arg", message)) if cls is not None else None   # KeyError's str() adds quotes
     except Exception:  # noqa: BLE001 - a constructor that wants other arguments
         err = None
     if err is None:
