@@ -160,20 +160,21 @@ def _join_group(resolver, backend, timeout):
 
 
 def _shutdown_group():
-    """At exit: waits for the peers (unless this worker failed), then destroys the group we made.
+    """At exit after a clean run: waits for the peers, then destroys the group we made.
 
     Left to interpreter teardown, gloo's threads can abort the process
     ("terminate called without an active exception") after a clean run.
+    After a failure the group is left alone: destroying it would wait on the
+    collective that failed.
     """
     comm = collective_ops._active
+    if comm is None or comm._failed is not None or not dist.is_initialized():
+        return
     try:
-        if comm is not None and comm._failed is None:
-            comm.barrier()
+        comm.barrier()
     except Exception:  # noqa: BLE001 - exiting anyway; the peers report their own failure
-        pass
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return
+    dist.destroy_process_group()
 
 
 class MultiWorkerMirroredStrategy(Strategy):

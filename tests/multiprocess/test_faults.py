@@ -43,3 +43,14 @@ def test_fault_on_rank1_fails_every_worker_naming_rank1(fault, tmp_path):
     else:
         assert "because rank 1 died (no exception published: killed" in line[0]
         assert "exitcode  : -9" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_hung_rank1_times_out_on_rank0_naming_rank1(tmp_path):
+    args = _launch.torchrun_args(tmp_path / "logs") + [os.path.join(_launch.HERE, "worker_faults.py")]
+    rc, output, seconds = _launch.run(args, _launch.worker_env(timeout=3, DTAPE_TEST_FAULT="hang"), timeout=60)
+    logs = _launch.rank_logs(tmp_path / "logs")
+    assert rc not in (0, None) and seconds < 40, output[-2000:]
+    line = [ln for ln in logs[0].splitlines() if ln.startswith("dtape: rank 0: step failed:")]
+    assert line and "TimeoutError" in line[0] and "ranks [1] never reached it" in line[0], logs[0][-2000:]

@@ -144,6 +144,11 @@ def test_peer_exception_keeps_builtin_type_and_names_rank():
     err = collective_ops.peer_exception(json.loads(json.dumps(payload)), 0, "all_reduce #2")
     assert type(err) is ZeroDivisionError and str(err) == "boom"
     assert "rank 3 of 4" in err.__notes__[0] and "all_reduce #2" in err.__notes__[0]
+    try:
+        raise KeyError("missing")
+    except KeyError as e:
+        err = collective_ops.peer_exception(collective_ops.error_payload(e, 1, 2), 0, "x")
+    assert type(err) is KeyError and err.args == ("missing",)
     payload.update(module="nowhere.mod", type="Odd")
     assert isinstance(collective_ops.peer_exception(payload, 0, "x"), dd.WorkerError)
 

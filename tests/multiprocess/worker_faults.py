@@ -4,11 +4,13 @@ Faults (all on rank 1, in step 2):
   before_collective: raises ValueError in the replica function before its all_reduce.
   merge_fn:          raises KeyError inside a merge_fn (rank 0's merge_fn is in a reduction).
   grad_allreduce:    raises ArithmeticError inside the gradient all-reduce of apply_gradients.
-  sigkill:           kills itself with SIGKILL before apply_gradients.
+  sigkill:           kills itself with SIGKILL before apply_gradients (1 s into the step).
+  hang:              sleeps 60 s before apply_gradients (rank 0 must time out naming rank 1).
 Rank 0 is left blocked in a collective; it must fail within the timeout naming rank 1.
 """
 import os
 import signal
+import time
 
 import torch
 
@@ -51,7 +53,10 @@ def replica_step(x):
         dd.get_replica_context().merge_call(bad_merge, args=(loss,))
     grads = tape.gradient(loss, layer.trainable_variables)
     if step_no == 2 and failing and FAULT == "sigkill":
+        time.sleep(1.0)   # rank 0 is surely blocked in the gradient all-reduce by now, even on a loaded machine
         os.kill(os.getpid(), signal.SIGKILL)
+    if step_no == 2 and failing and FAULT == "hang":
+        time.sleep(60)
     opt.apply_gradients(zip(grads, layer.trainable_variables))
     return dd.get_replica_context().all_reduce("SUM", loss)
 
