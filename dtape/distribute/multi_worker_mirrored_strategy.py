@@ -139,7 +139,9 @@ def _worker_device(device, local_rank):
 
 def _join_group(resolver, backend, timeout):
     """(store, group) of the process group: the existing one, or one made from torchrun's env."""
-    pg_timeout = datetime.timedelta(seconds=timeout + 10)  # ours fires first, with a better message
+    # Ours fires first, with a better message; gloo's follows soon after, so a process that
+    # exits after a timeout is not held at teardown by the collective that never finished.
+    pg_timeout = datetime.timedelta(seconds=timeout + 2)
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (resolver.rank, resolver.world_size):
             raise ValueError(f"the existing process group is rank {dist.get_rank()} of {dist.get_world_size()}, "

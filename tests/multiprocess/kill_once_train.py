@@ -6,6 +6,7 @@ train.py --resume continues from the last checkpoint.
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "scripts"))
@@ -21,6 +22,7 @@ def _make_killing_step(self):
     def killing_step(batch):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and os.environ["RANK"] == "1" and self.step == KILL_AT:
+            time.sleep(1.0)   # rank 0 is blocked in this step's collectives by now
             os.kill(os.getpid(), signal.SIGKILL)
         return step(batch)
     return killing_step
