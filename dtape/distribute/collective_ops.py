@@ -209,10 +209,10 @@ class Communicator:
 
     def _wait(self, work, what):
         start = time.monotonic()
-        pause, marked = 0.001, False   # whole milliseconds: c10d reads a 0 ms timeout as "wait forever"
+        pause, marked = 0.001, False
         while True:
             try:
-                if work.wait(timeout=datetime.timedelta(milliseconds=max(1, round(pause * 1000)))):
+                if self._wait_slice(work, pause):
                     return
             except RuntimeError as e:
                 if "timed out" not in str(e).lower():
@@ -225,6 +225,16 @@ class Communicator:
             if waited > self.timeout:
                 self._fail(TimeoutError(self._timeout_message(what)))
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def _wait_slice(self, work, pause):
+        """True once `work` is done (raising its error), after waiting at most about `pause` seconds."""
+        if self.device.type == "cuda":   # NCCL: a host wait with a timeout may abort the communicator; poll
+            if work.is_completed():
+                return work.wait()
+            time.sleep(pause)
+            return False
+        # gloo: whole milliseconds, as c10d reads a 0 ms timeout as "wait forever"
+        return work.wait(timeout=datetime.timedelta(milliseconds=max(1, round(pause * 1000))))
 
     def _raise_if_failed(self, what):
         if self._failed is not None:

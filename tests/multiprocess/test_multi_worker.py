@@ -156,3 +156,19 @@ def test_peer_exception_keeps_builtin_type_and_names_rank():
 def test_input_context_rejects_bad_pipeline_id():
     with pytest.raises(ValueError, match="input_pipeline_id"):
         dd.InputContext(2, 2, 2)
+
+
+def test_mirrored_distribute_dataset_splits_dataloader_batches():
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10)),
+                                         batch_size=5)
+    strategy = dd.MirroredStrategy(["cpu:0", "cpu:1"])
+    batches = list(strategy.experimental_distribute_dataset(loader))
+    assert len(batches) == len(strategy.experimental_distribute_dataset(loader)) == 2
+    x, y = batches[1]
+    assert [t.numpy().tolist() for t in x.values] == [[5.0, 6.0, 7.0], [8.0, 9.0]]
+    assert [t.numpy().tolist() for t in y.values] == [[5, 6, 7], [8, 9]]
+
+
+def test_distribute_dataset_rejects_non_iterable():
+    with pytest.raises(TypeError, match="iterable of batches"):
+        dd.MultiWorkerMirroredStrategy().experimental_distribute_dataset(3)
