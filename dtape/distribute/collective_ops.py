@@ -121,6 +121,7 @@ class Communicator:
         self.store = dist.PrefixStore(prefix, store)
         self._seq = 0            # collectives launched by this worker (same order on every worker)
         self._failed = None      # the error this worker reported, once it has one
+        self._published = False  # whether this worker published the group's first error
         self.store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
     # -- collectives ----------------------------------------------------------------
@@ -198,9 +199,9 @@ class Communicator:
     # -- waiting ----------------------------------------------------------------------
     def _run(self, what, launch):
         """Launches one collective and waits for it, failing fast and naming the failing rank."""
-        self._raise_if_failed(what)
         self._seq += 1
         what = f"{what} #{self._seq}"
+        self._raise_if_failed(what)
         try:
             work = launch()
         except RuntimeError as e:
@@ -259,14 +260,18 @@ class Communicator:
         err = PeerFailure(f"rank {self.rank}: {what} failed because {who}; transport error: {cause}")
         self._fail(err, ack=True)
 
-    def _dead_local_ranks(self):
-        host, dead = socket.gethostname(), []
+    def _local_peers(self):
+        """{rank: pid} of the other workers on this host (from what they registered at start-up)."""
+        host, peers = socket.gethostname(), {}
         for r in range(self.world_size):
             if r != self.rank and self.store.check([f"proc/{r}"]):
                 info = json.loads(self.store.get(f"proc/{r}"))
-                if info["host"] == host and not _process_alive(info["pid"]):
-                    dead.append(r)
-        return dead
+                if info["host"] == host:
+                    peers[r] = info["pid"]
+        return peers
+
+    def _dead_local_ranks(self):
+        return [r for r, pid in self._local_peers().items() if not _process_alive(pid)]
 
     def _timeout_message(self, what):
         behind = [r for r in range(self.world_size) if r != self.rank and not self._reached(r)]
@@ -298,13 +303,31 @@ class Communicator:
         """
         if isinstance(exc, (PeerFailure, TimeoutError)) or getattr(exc, "_dtape_from_peer", False):
             return
+        if self._failed is not None:   # already reported (run, then sys.excepthook, see the same error)
+            return
         self._failed = f"{type(exc).__name__}: {exc}"
         payload = json.dumps(error_payload(exc, self.rank, self.world_size))
         first = self.store.compare_set("error", "", payload).decode() == payload
+        self._published = first
         if first:
             deadline = time.monotonic() + min(_ACK_WAIT_S, self.timeout)
             while self.store.add("acks", 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+
+    def leave_after_failure(self):
+        """At exit after a failure: the worker whose error started it waits (a few seconds at most) until
+        every peer has reached its exit (its error printed), then leaves first, so torchrun names it as
+        the root cause; torchrun then stops the peers still tearing down. The others say they are leaving."""
+        try:
+            if not self._published:
+                self.store.add("left", 1)
+                return
+            deadline = time.monotonic() + min(_ACK_WAIT_S, self.timeout)
+            while self.store.add("left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except (RuntimeError, OSError):  # the store went with a dead worker: nothing left to coordinate
+            pass
 
 
 def _process_alive(pid):

@@ -166,11 +166,14 @@ def _shutdown_group():
 
     Left to interpreter teardown, gloo's threads can abort the process
     ("terminate called without an active exception") after a clean run.
-    After a failure the group is left alone: destroying it would wait on the
-    collective that failed.
+    After a failure the group is left alone (destroying it would wait on the
+    collective that failed); see Communicator.leave_after_failure.
     """
     comm = collective_ops._active
-    if comm is None or comm._failed is not None or not dist.is_initialized():
+    if comm is None or not dist.is_initialized():
+        return
+    if comm._failed is not None:
+        comm.leave_after_failure()
         return
     try:
         comm.barrier()
