@@ -244,8 +244,13 @@ class Communicator:
         self._raise_if_peer_failed(what)
 
     def _raise_if_peer_failed(self, what):
-        if self.store.check(["error"]):
-            self._fail(peer_exception(json.loads(self.store.get("error")), self.rank, what), ack=True)
+        try:
+            published = self.store.get("error") if self.store.check(["error"]) else None
+        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+            self._fail(PeerFailure(f"rank {self.rank}: {what}: the group's store is unreachable ({e}); the process "
+                                   "hosting it (torchrun's agent, or rank 0 without torchrun) has probably died"))
+        if published is not None:
+            self._fail(peer_exception(json.loads(published), self.rank, what), ack=True)
 
     def _fail_from_transport(self, what, cause):
         """A collective failed in the transport: a peer died or closed its connection."""
