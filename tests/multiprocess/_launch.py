@@ -30,11 +30,14 @@ def worker_env(timeout=10, **extra):
 
 
 def torchrun_args(log_dir, nproc=2, standalone=True, extra=()):
-    """`python -m torch.distributed.run` arguments: 2 CPU workers on 127.0.0.1, per-rank logs in log_dir."""
+    """`python -m torch.distributed.run` arguments: `nproc` CPU workers on this machine, per-rank logs in log_dir.
+
+    standalone: `--standalone` (one node); else the caller adds its rendezvous flags.
+    """
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--monitor-interval",
             "0.1", "--log-dir", str(log_dir), "--redirects", "3", *extra]
     if standalone:
-        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nnodes", "1"]
+        args += ["--standalone", "--nnodes", "1"]   # c10d rendezvous on a free localhost port
     return args
 
 
