@@ -68,6 +68,11 @@ def set_active(communicator):
     _active = communicator
 
 
+def active_or_none():
+    """The process's communicator, or None when no MultiWorkerMirroredStrategy was made."""
+    return _active
+
+
 def active():
     """The process's communicator.
 
@@ -389,4 +394,4 @@ def _exception_class(module, qualname):
 
 
 __all__ = ["Communicator", "WorkerError", "PeerFailure", "all_reduce", "all_gather", "broadcast", "barrier",
-           "set_active", "active", "error_payload", "peer_exception"]
+           "set_active", "active", "active_or_none", "error_payload", "peer_exception"]

@@ -37,10 +37,10 @@ import torch.distributed as dist
 from dtape import _config, nest
 from dtape import tape as _tp
 from dtape.distribute import collective_ops, context, cross_device_ops, input_lib, replica_scope
-from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended, _check_reduce_op
+from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended, check_reduce_op
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica, SyncOnReadVariable,
-                                     _split_sum, select_replica)
+                                     split_sum, select_replica)
 from dtape.random import generator_scope
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 from dtape.tensor import device as device_scope
@@ -169,7 +169,7 @@ def _shutdown_group():
     After a failure the group is left alone (destroying it would wait on the
     collective that failed); see Communicator.leave_after_failure.
     """
-    comm = collective_ops._active
+    comm = collective_ops.active_or_none()
     if comm is None or not dist.is_initialized():
         return
     if comm._failed is not None:
@@ -357,7 +357,7 @@ class MultiWorkerMirroredStrategy(Strategy):
           accumulated in float32), identical on every worker. Not recorded
           on tapes.
         """
-        reduce_op = _check_reduce_op(reduce_op)
+        reduce_op = check_reduce_op(reduce_op)
         if axis is None:
             return self._extended._reduce(reduce_op, value)
         local = _local_tensor(value)
@@ -499,7 +499,7 @@ class _WorkerExtended(StrategyExtended):
         Returns:
           [Mirrored] in the input order (None for a None value).
         """
-        reduce_op = _check_reduce_op(reduce_op)
+        reduce_op = check_reduce_op(reduce_op)
         locals_ = [None if v is None else _local_tensor(v) for v, _ in value_destination_pairs]
         out = [None] * len(locals_)
         by_dtype = {}
@@ -575,7 +575,7 @@ class _WorkerSyncOnReadVariable(SyncOnReadVariable):
             part = value.values[0]
         elif self._aggregation == VariableAggregation.SUM:
             rank = strategy.cluster_resolver.rank
-            part = _split_sum(self._values[0]._coerce(value, method), strategy.num_replicas_in_sync)[rank]
+            part = split_sum(self._values[0]._coerce(value, method), strategy.num_replicas_in_sync)[rank]
         else:
             part = value
         getattr(self._values[0], method)(part)
@@ -591,9 +591,10 @@ def _install_excepthook():
 
     def hook(exc_type, exc, tb):
         try:
-            if collective_ops._active is not None and isinstance(exc, Exception):
+            comm = collective_ops.active_or_none()
+            if comm is not None and isinstance(exc, Exception):
                 if not getattr(exc, "_dtape_from_peer", False):
-                    collective_ops._active.publish_error(exc)
+                    comm.publish_error(exc)
         finally:
             previous(exc_type, exc, tb)
     sys.excepthook = hook
