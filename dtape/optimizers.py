@@ -89,11 +89,14 @@ class Optimizer:
             dtape.Tensors with the variable's shape, or None.
 
         In a replica context of a strategy the gradients are summed over
-        replicas (one merge_call) and every component gets the same update;
-        a variable whose gradient is None on some replicas only gets zeros
-        there (the replicas agree), and one that is None on every replica
-        is skipped with a warning. In the cross-replica context gradients
-        are applied as given (None skipped, with a warning).
+        replicas, flattened into buckets (one all-reduce per bucket, see
+        `dtape.distribute.GradientSync`; the reductions a synced tape
+        launched are used for the very tensors it returned), and every
+        component gets the same update (one merge_call); a variable whose
+        gradient is None on some replicas only gets zeros there (the
+        replicas agree), and one that is None on every replica is skipped
+        with a warning. In the cross-replica context gradients are applied
+        as given (None skipped, with a warning).
 
         Returns:
           The iterations variable.
@@ -104,6 +107,9 @@ class Optimizer:
         """
         pairs = [(g, v) for g, v in grads_and_vars]
         ctx = distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            reduced = distribute.gradient_sync.reduce_gradients(pairs)
+            return ctx.merge_call(self._merge_apply_reduced, args=(reduced,))
         if ctx is not None:
             return ctx.merge_call(self._merge_apply, args=(pairs,))
         return self._apply(distribute.get_strategy(), _drop_missing(pairs))
@@ -114,6 +120,10 @@ class Optimizer:
         kept = [(_fill_missing(g, v, devices), v) for g, v in _drop_missing(pairs)]
         reduced = strategy.extended.batch_reduce_to(ReduceOp.SUM, kept)
         return self._apply(strategy, [(g, v) for g, (_, v) in zip(reduced, kept)])
+
+    def _merge_apply_reduced(self, strategy, pairs):
+        """merge_fn: the gradients are already summed (each replica holds an identical copy): applies."""
+        return self._apply(strategy, _drop_missing(pairs))
 
     def _apply(self, strategy, pairs):
         for _, var in pairs:  # slots are made here, once, in the cross-replica context

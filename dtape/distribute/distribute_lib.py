@@ -106,7 +106,7 @@ class ReplicaContext:
         n = self.num_replicas_in_sync
         scale = None if reduce_op == ReduceOp.SUM else 1.0 / n
         for x, y in zip(nest.flatten(value), nest.flatten(result)):
-            _record_collective(x, y, _AllReduceGrad(scale))
+            _record_collective(x, y, _AllReduceGrad(self._strategy, scale))
         return result
 
     def all_gather(self, value, axis):
@@ -123,7 +123,7 @@ class ReplicaContext:
         result, sizes = self.merge_call(_merge_all_gather, args=(value, axis))
         for x, y, n in zip(nest.flatten(value), nest.flatten(result), sizes):
             start = sum(n[:self._replica_id])
-            _record_collective(x, y, _AllGatherGrad(axis, start, n[self._replica_id]))
+            _record_collective(x, y, _AllGatherGrad(self._strategy, axis, start, n[self._replica_id]))
         return result
 
 
@@ -155,7 +155,12 @@ def _weighted_mean(rctx, value, weight):
     total_w = rctx.all_reduce(ReduceOp.SUM, w)
 
     def weigh(v):
-        return None if v is None else v * ops.cast(w, v.dtype)
+        # where(): a zero-weight replica (an empty batch's NaN mean) adds 0, not NaN, and stays on
+        # the tape, so every replica's backward walk reaches the collective.
+        if v is None:
+            return None
+        wv = ops.to_device(ops.cast(w, v.dtype), v.device)
+        return ops.where(wv > 0, v, ops.zeros_like(v)) * wv
     sums = rctx.all_reduce(ReduceOp.SUM, nest.map_structure(weigh, value))
 
     def divide(s):
@@ -174,41 +179,41 @@ def _record_collective(x, y, grad):
         _tp.record(grad, (x._id,), (x,), (y,), None)
 
 
-def replica_all_reduce_sum(x):
-    """The SUM over replicas of `x` (a Tensor on this replica), recorded with itself as its transpose.
+def replica_all_reduce_sum(strategy, x):
+    """The SUM over `strategy`'s replicas of `x` (a Tensor on this replica), recorded; its own transpose.
 
-    Runs on a replica thread (or the one replica of a default/one-device
-    step); every replica must call it, in the same order (it is a collective).
+    Runs on a replica thread of `strategy` (or its one inline replica);
+    every replica must call it, in the same order (it is a collective).
     """
-    ext = _replica_extended("the gradient of all_reduce/all_gather")
+    ext = _replica_extended(strategy, "the gradient of ReplicaContext.all_reduce/all_gather")
     (total,) = ext._all_reduce_flat(ReduceOp.SUM, [x.torch().reshape(-1)])
     y = Tensor(total.reshape(x.shape))
-    _record_collective(x, y, _AllReduceGrad(None))
+    _record_collective(x, y, _AllReduceGrad(strategy, None))
     return y
 
 
-def _replica_extended(what):
+def _replica_extended(strategy, what):
     rctx = context.get_replica_context()
-    if rctx is None:
-        raise RuntimeError(f"{what} is a collective across replicas and must run in a replica context: call "
-                           "tape.gradient inside strategy.run, on every replica (a tape on the main thread "
-                           "cannot differentiate through ReplicaContext.all_reduce/all_gather; reduce with "
-                           "strategy.reduce in the cross-replica context instead)")
-    return rctx.strategy.extended
+    if rctx is None or rctx.strategy is not strategy:
+        raise RuntimeError(f"{what} is a collective across replicas and must run in a replica context of the "
+                           "same strategy: call tape.gradient inside strategy.run, on every replica (a tape on "
+                           "the main thread cannot differentiate through ReplicaContext.all_reduce/all_gather; "
+                           "reduce with strategy.reduce in the cross-replica context instead)")
+    return strategy.extended
 
 
 class _AllReduceGrad:
     """Backward of an all-reduce: SUM of the cotangents over replicas (times `scale` for a MEAN)."""
 
-    __slots__ = ("scale",)
+    __slots__ = ("strategy", "scale")
     name = "AllReduce"
 
-    def __init__(self, scale):
-        self.scale = scale
+    def __init__(self, strategy, scale):
+        self.strategy, self.scale = strategy, scale
 
     def backward(self, dys, outputs, inputs, attrs, raw):
         dy = dys[0]
-        g = replica_all_reduce_sum(Tensor(dy) if raw else dy)
+        g = replica_all_reduce_sum(self.strategy, Tensor(dy) if raw else dy)
         if self.scale is not None:
             g = g * self.scale
         x = inputs[0]
@@ -220,15 +225,15 @@ class _AllReduceGrad:
 class _AllGatherGrad:
     """Backward of an all-gather: reduce-scatter (this replica's slice of the summed cotangent)."""
 
-    __slots__ = ("axis", "start", "size")
+    __slots__ = ("strategy", "axis", "start", "size")
     name = "AllGather"
 
-    def __init__(self, axis, start, size):
-        self.axis, self.start, self.size = axis, start, size
+    def __init__(self, strategy, axis, start, size):
+        self.strategy, self.axis, self.start, self.size = strategy, axis, start, size
 
     def backward(self, dys, outputs, inputs, attrs, raw):
         dy = dys[0]
-        total = replica_all_reduce_sum(Tensor(dy) if raw else dy)
+        total = replica_all_reduce_sum(self.strategy, Tensor(dy) if raw else dy)
         index = [slice(None)] * total.ndim
         index[self.axis] = slice(self.start, self.start + self.size)
         g = total[tuple(index)]
@@ -368,7 +373,7 @@ class Strategy:
         """Runs `fn(*args, **kwargs)` once per replica; returns PerReplica results (or the value for one replica)."""
         raise NotImplementedError
 
-    def reduce(self, reduce_op, value, axis=None):
+    def reduce(self, reduce_op, value, axis=None, weights=None):
         """Reduces a per-replica value to one tensor (cross-replica context).
 
         Args:
@@ -379,6 +384,11 @@ class Strategy:
             single replica.
           axis: None, or an axis (or axes) of each value to reduce as well;
             MEAN over an axis averages over all examples of all replicas.
+          weights: MEAN only, with axis=None: one weight per replica (a
+            PerReplica, or a list/tuple of numbers, e.g. each replica's
+            real example count): the result is sum_r(w_r v_r) / sum_r(w_r)
+            (0 if every weight is 0), so a mean of per-replica means over
+            uneven batches equals the mean over all examples.
 
         Returns:
           A dtape.Tensor of the values' dtype on the first replica's device
@@ -390,6 +400,8 @@ class Strategy:
             replica (as TF), naming the fixes; values of different shapes.
         """
         reduce_op = _check_reduce_op(reduce_op)
+        if weights is not None:
+            return self._weighted_mean(reduce_op, value, axis, weights)
         if axis is None:
             return self._extended._reduce(reduce_op, value)
         if not isinstance(value, DistributedValues):
@@ -403,6 +415,23 @@ class Strategy:
         if reduce_op == ReduceOp.MEAN:
             total = total / max(sum(_count(v, axis) for v in values), 1)
         return cross_device_ops.narrow(total, dtype)
+
+    def _weighted_mean(self, reduce_op, value, axis, weights):
+        """sum_r(w_r v_r) / sum_r(w_r), recorded (the weights are constants)."""
+        if reduce_op != ReduceOp.MEAN or axis is not None:
+            raise ValueError("strategy.reduce(weights=...) weights a MEAN with axis=None; use ReduceOp.MEAN "
+                             "(reduce over an axis already counts every example)")
+        ws = weights.values if isinstance(weights, DistributedValues) else tuple(weights)
+        n = self.num_replicas_in_sync
+        if len(ws) != n:
+            raise ValueError(f"strategy.reduce got {len(ws)} weights for {n} replicas; give one per replica")
+        values = value.values if isinstance(value, DistributedValues) else (value,) * n
+        values = [convert_to_tensor(v) for v in values]
+        ws = [float(convert_to_tensor(w).torch()) for w in ws]
+        # a zero weight (an empty batch, whose mean is NaN) contributes zeros
+        total = self._extended._reduce(ReduceOp.SUM, PerReplica(tuple(
+            v * w if w > 0 else ops.zeros_like(v) for v, w in zip(values, ws))))
+        return total / max(sum(ws), torch.finfo(total.dtype).tiny)
 
     def gather(self, value, axis):
         """Concatenates the per-replica values along `axis` on the first device."""
