@@ -174,6 +174,7 @@ class _Session:
     """Buckets of one `tape.gradient` call on one replica: filled during the walk, launched in order."""
 
     def __init__(self, ext, sources, cap_bytes):
+        self.cap_bytes = cap_bytes
         self._ext = ext
         self._sources = sources
         self._buckets = plan_buckets(_float_items(sources), cap_bytes)
@@ -238,13 +239,15 @@ def _registry():
 
 
 # -- the reduction apply_gradients uses --------------------------------------------------
-def reduce_gradients(pairs, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, timeout=None):
+def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
     """Sums (gradient, variable) pairs over the replicas; called on every replica, in a replica context.
 
     Args:
       pairs: list of (gradient or None, variable); the same variables, in
         the same order, on every replica.
-      bucket_cap_mb: bucket size for gradients reduced here.
+      bucket_cap_mb: bucket size for gradients reduced here; default: that
+        of the GradientSync that computed these variables' latest gradients
+        on this replica, else 25.
       timeout: seconds to wait for each reduction (default: the strategy's).
 
     Returns:
@@ -265,7 +268,11 @@ def reduce_gradients(pairs, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, timeout=None):
         for _, v in pairs:
             registry.pop(id(v), None)
         return [(e.session.reduced(e.index, timeout), v) for e, (_, v) in zip(entries, pairs)]
-    return _reduce_fresh(rctx.strategy.extended, pairs, _check_cap(bucket_cap_mb), timeout)
+    if bucket_cap_mb is not None:
+        cap = _check_cap(bucket_cap_mb)
+    else:
+        cap = next((e.session.cap_bytes for e in entries if e is not None), _check_cap(DEFAULT_BUCKET_CAP_MB))
+    return _reduce_fresh(rctx.strategy.extended, pairs, cap, timeout)
 
 
 def _reduce_fresh(ext, pairs, cap_bytes, timeout):
