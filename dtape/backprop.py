@@ -194,6 +194,12 @@ class GradientTape:
     Args:
       persistent: allow more than one `gradient()`/`jacobian()` call.
       watch_accessed_variables: watch every trainable variable read while active.
+      gradient_sync: None, or a `dtape.distribute.GradientSync`: under a
+        strategy, `gradient()` starts all-reducing each bucket of gradients
+        as soon as the walk has finished it (it still returns the local
+        gradients; `apply_gradients` uses the reductions). Any object with
+        `start(sources) -> session or None`, the session having
+        `ready(index, grad)` and `finish(grads)`.
 
     Ops run on any thread are recorded while the tape is active, when an
     input is watched (the set of tapes is process-global). Under a strategy,
