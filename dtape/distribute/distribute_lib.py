@@ -122,9 +122,18 @@ class ReplicaContext:
         value = nest.map_structure(replica_operand, value)
         result, sizes = self.merge_call(_merge_all_gather, args=(value, axis))
         for x, y, n in zip(nest.flatten(value), nest.flatten(result), sizes):
+            if n is None:  # this process holds one replica's value only: learn the others' sizes
+                n = self._all_sizes(int(convert_to_tensor(x).shape[axis]))
             start = sum(n[:self._replica_id])
             _record_collective(x, y, _AllGatherGrad(self._strategy, axis, start, n[self._replica_id]))
         return result
+
+    def _all_sizes(self, size):
+        """Every replica's `size` (an int), by one SUM all-reduce of one-hot vectors."""
+        onehot = torch.zeros(self.num_replicas_in_sync, dtype=torch.float64, device=normalize_device(self.devices[0]))
+        onehot[self._replica_id] = size
+        (total,) = self._strategy.extended._all_reduce_flat(ReduceOp.SUM, [onehot])
+        return tuple(int(s) for s in total.tolist())
 
 
 def _merge_all_reduce(strategy, reduce_op, value):
@@ -139,7 +148,8 @@ def _merge_all_gather(strategy, value, axis):
     def gather(v):
         if not isinstance(v, DistributedValues):  # the same object on every replica
             v = PerReplica((v,) * n)
-        sizes.append(tuple(int(convert_to_tensor(x).shape[axis]) for x in v.values))
+        # every replica's size along `axis`, when this process holds every replica's value
+        sizes.append(tuple(int(convert_to_tensor(x).shape[axis]) for x in v.values) if len(v.values) == n else None)
         gathered = strategy.gather(v, axis)
         return Mirrored(cross_device_ops.broadcast(gathered, strategy.extended._destinations(gathered)))
     return nest.map_structure(gather, value), sizes
