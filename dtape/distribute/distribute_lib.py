@@ -427,21 +427,25 @@ class Strategy:
         return cross_device_ops.narrow(total, dtype)
 
     def _weighted_mean(self, reduce_op, value, axis, weights):
-        """sum_r(w_r v_r) / sum_r(w_r), recorded (the weights are constants)."""
+        """sum_r(w_r v_r) / sum_r(w_r), recorded (the weights are constants); reductions via `_reduce`."""
         if reduce_op != ReduceOp.MEAN or axis is not None:
             raise ValueError("strategy.reduce(weights=...) weights a MEAN with axis=None; use ReduceOp.MEAN "
                              "(reduce over an axis already counts every example)")
-        ws = weights.values if isinstance(weights, DistributedValues) else tuple(weights)
-        n = self.num_replicas_in_sync
-        if len(ws) != n:
-            raise ValueError(f"strategy.reduce got {len(ws)} weights for {n} replicas; give one per replica")
-        values = value.values if isinstance(value, DistributedValues) else (value,) * n
-        values = [convert_to_tensor(v) for v in values]
+        ws = weights.values if isinstance(weights, DistributedValues) else (
+            tuple(weights) if isinstance(weights, (list, tuple)) else (weights,))
+        n_local = len(self._extended.worker_devices)  # the replicas whose values this process holds
+        if len(ws) != n_local:
+            raise ValueError(f"strategy.reduce got {len(ws)} weights for {n_local} replicas; give one per replica "
+                             "(a PerReplica, e.g. what `run` returned, or a list)")
         ws = [float(convert_to_tensor(w).torch()) for w in ws]
+        values = value.values if isinstance(value, DistributedValues) else (value,) * n_local
+        values = [convert_to_tensor(v) for v in values]
         # a zero weight (an empty batch, whose mean is NaN) contributes zeros
         total = self._extended._reduce(ReduceOp.SUM, PerReplica(tuple(
             v * w if w > 0 else ops.zeros_like(v) for v, w in zip(values, ws))))
-        return total / max(sum(ws), torch.finfo(total.dtype).tiny)
+        w_total = self._extended._reduce(ReduceOp.SUM, PerReplica(tuple(
+            Tensor(torch.tensor(w, dtype=torch.float64)) for w in ws)))
+        return total / max(float(w_total.torch()), torch.finfo(total.dtype).tiny)
 
     def gather(self, value, axis):
         """Concatenates the per-replica values along `axis` on the first device."""
