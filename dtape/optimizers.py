@@ -17,6 +17,7 @@ import torch
 
 from dtape import distribute
 from dtape import tape as _tp
+from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 from dtape.variables import Variable, VariableAggregation
@@ -109,7 +110,7 @@ class Optimizer:
         ctx = distribute.get_replica_context()
         if ctx is not None and ctx.num_replicas_in_sync > 1:
             reduced = distribute.gradient_sync.reduce_gradients(pairs)
-            return ctx.merge_call(self._merge_apply_reduced, args=(reduced,))
+            return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
         if ctx is not None:
             return ctx.merge_call(self._merge_apply, args=(pairs,))
         return self._apply(distribute.get_strategy(), _drop_missing(pairs))
@@ -121,8 +122,15 @@ class Optimizer:
         reduced = strategy.extended.batch_reduce_to(ReduceOp.SUM, kept)
         return self._apply(strategy, [(g, v) for g, (_, v) in zip(reduced, kept)])
 
-    def _merge_apply_reduced(self, strategy, pairs):
-        """merge_fn: the gradients are already summed (each replica holds an identical copy): applies."""
+    def _merge_apply_reduced(self, strategy, pairs, given):
+        """merge_fn: the gradients are already summed (each replica holds an identical copy): applies.
+
+        `given` (the gradients as passed, grouped): one that is the same object
+        on every replica is not distributed, and summing it raises (as TF).
+        """
+        for g in given:
+            if g is not None and not isinstance(g, distribute.DistributedValues):
+                reduce_non_distributed_value(ReduceOp.SUM, g, strategy.num_replicas_in_sync)
         return self._apply(strategy, _drop_missing(pairs))
 
     def _apply(self, strategy, pairs):

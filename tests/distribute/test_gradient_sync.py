@@ -240,3 +240,13 @@ def test_plan_buckets_cap_and_dtypes():
     layout = [(b.dtype, [m[0] for m in b.members]) for b in buckets]
     assert layout == [(torch.float32, [0]), (torch.float32, [1]), (torch.float64, [2]), (torch.float32, [3, 4])]
     assert buckets[3].size() == 204 + 2     # values, then one presence flag per member
+
+
+def test_a_gradient_shared_by_every_replica_is_not_summed():
+    strategy = _strategy()
+    with strategy.scope():
+        v = dtape.Variable(1.0)
+    shared = dtape.constant(1.0)   # one object, made outside the replica function: not distributed
+    with pytest.raises(ValueError, match="non-distributed"):
+        strategy.run(lambda: dtape.optimizers.SGD(0.1).apply_gradients([(shared, v)]))
+    assert [float(c) for c in v.values] == [1.0, 1.0]
