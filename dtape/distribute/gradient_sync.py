@@ -141,21 +141,22 @@ def _fill(buf, member, g):
 
 def _unpack(bucket, reduced):
     """{index: reduced Tensor, or None where no replica had a gradient} for one bucket."""
+    present = reduced[bucket.numel:].tolist()  # one host read per bucket, after the reduction
     out = {}
-    for k, (index, offset, n, shape, dtype) in enumerate(bucket.members):
-        present = bool(reduced[bucket.numel + k] > 0)
-        out[index] = Tensor(reduced[offset:offset + n].reshape(shape).to(dtype)) if present else None
+    for (index, offset, n, shape, dtype), count in zip(bucket.members, present):
+        out[index] = Tensor(reduced[offset:offset + n].reshape(shape).to(dtype)) if count > 0 else None
     return out
 
 
 def _launch(ext, bucket, grads_by_index):
     """Flattens a bucket's gradients and launches its all-reduce (SUM); returns the handle."""
     buf = torch.zeros(bucket.size(), dtype=bucket.dtype, device=bucket.device)
-    for k, member in enumerate(bucket.members):
+    flags = []
+    for member in bucket.members:
         g = grads_by_index.get(member[0])
         _fill(buf, member, g)
-        if g is not None:
-            buf[bucket.numel + k] = 1
+        flags.append(0.0 if g is None else 1.0)
+    buf[bucket.numel:] = torch.tensor(flags, dtype=bucket.dtype)
     return ext._all_reduce_flat_async(ReduceOp.SUM, [buf])
 
 
