@@ -5,10 +5,13 @@ How the overlap works (DDP's reducer, on the tape):
 * `GradientTape(gradient_sync=GradientSync())` in a replica context of a
   strategy with more than one replica opens a session at `tape.gradient`.
   The session lays the float sources out in buckets of about
-  `bucket_cap_mb` (flattened, one dtype per bucket, in reverse source order,
-  DDP's proxy for the order in which the walk finishes gradients). The
-  layout depends only on the sources' shapes and dtypes, so every replica
-  builds the same buckets without talking to the others.
+  `bucket_cap_mb` (flattened, one dtype per bucket) in order of readiness:
+  the first call for a list of sources uses reverse source order (DDP's
+  guess) and records the order in which the walk finishes them; replica
+  0's order is then shared with every replica (one small all-reduce, once)
+  and later calls bucket in it (DDP's bucket rebuild). The layout depends
+  only on the sources' shapes and that agreed order, so every replica
+  builds the same buckets.
 * The backward walk tells the session when a source's gradient is final
   (the walk has processed its last consumer record; `backprop._Readiness`).
   The session copies it into its bucket; once every member of a bucket is
@@ -65,27 +68,52 @@ class GradientSync:
       bucket_cap_mb: megabytes (2**20 bytes) of gradients per bucket (default
         25, as DDP). Smaller buckets start earlier; larger ones make fewer
         collectives.
+      order: "readiness" (default): the first `tape.gradient` call for a
+        given list of sources buckets them in reverse source order and
+        records the order in which the walk finished them; replica 0's order
+        is shared with every replica (one small all-reduce, once) and later
+        calls bucket in that order (DDP's bucket rebuild). "reverse": always
+        reverse source order, no extra all-reduce.
 
     Use it as `dtape.GradientTape(gradient_sync=dtape.distribute.GradientSync())`
     inside `strategy.run`; then `optimizer.apply_gradients(zip(grads, vars))`
     waits for the launched reductions instead of reducing again. Outside a
-    replica context, or with one replica, it does nothing. See the module
-    docstring for the design and its rules (every replica calls
-    `tape.gradient` with the same sources).
+    replica context, or with one replica, it does nothing. One object may
+    serve every replica and every step. See the module docstring for the
+    design and its rules (every replica calls `tape.gradient` with the same
+    sources).
 
     Raises:
-      ValueError: a non-positive bucket_cap_mb.
+      ValueError: a non-positive bucket_cap_mb, or an unknown order.
     """
 
-    def __init__(self, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB):
+    def __init__(self, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, order="readiness"):
+        if order not in ("readiness", "reverse"):
+            raise ValueError(f"GradientSync order must be 'readiness' or 'reverse', got {order!r}")
         self.bucket_cap_bytes = _check_cap(bucket_cap_mb)
+        self.order = order
+        self._lock = threading.Lock()
+        self._orders = {}  # (strategy id, replica id, sources' shapes and dtypes) -> agreed readiness order
 
     def start(self, sources):
         """The tape's hook: a session for one `tape.gradient` call, or None (nothing to synchronise)."""
         rctx = context.get_replica_context()
         if rctx is None or rctx.num_replicas_in_sync == 1:
             return None
-        return _Session(rctx.strategy.extended, list(sources), self.bucket_cap_bytes)
+        sources = list(sources)
+        key = (id(rctx.strategy), rctx.replica_id_in_sync_group,
+               tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
+        order, learn = None, None
+        if self.order == "readiness":
+            with self._lock:
+                order = self._orders.get(key)
+            if order is None:
+                learn = (self._learned, key, rctx.replica_id_in_sync_group)
+        return _Session(rctx.strategy.extended, sources, self.bucket_cap_bytes, order, learn)
+
+    def _learned(self, key, order):
+        with self._lock:
+            self._orders[key] = order
 
 
 # -- bucket layout ----------------------------------------------------------------------
@@ -160,25 +188,30 @@ def _launch(ext, bucket, grads_by_index):
     return ext._all_reduce_flat_async(ReduceOp.SUM, [buf])
 
 
-def _float_items(values_and_refs):
-    """[(index, shape, dtype, device)] for the float entries, reversed (DDP's readiness order)."""
+def _float_items(values_and_refs, order=None):
+    """[(index, shape, dtype, device)] for the float entries: in `order` (indices), else reversed (DDP's guess)."""
     items = []
     for j, ref in enumerate(values_and_refs):
         dtype = getattr(ref, "dtype", None)
         if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
             items.append((j, tuple(ref.shape), dtype, normalize_device(ref.device)))
-    return items[::-1]
+    if order is None:
+        return items[::-1]
+    rank = {j: p for p, j in enumerate(order)}
+    return sorted(items, key=lambda item: rank[item[0]])
 
 
 # -- the session of one tape.gradient call ----------------------------------------------
 class _Session:
     """Buckets of one `tape.gradient` call on one replica: filled during the walk, launched in order."""
 
-    def __init__(self, ext, sources, cap_bytes):
+    def __init__(self, ext, sources, cap_bytes, order=None, learn=None):
         self.cap_bytes = cap_bytes
         self._ext = ext
         self._sources = sources
-        self._buckets = plan_buckets(_float_items(sources), cap_bytes)
+        self._learn = learn
+        self._seen = []  # float sources in the order the walk finished them
+        self._buckets = plan_buckets(_float_items(sources, order), cap_bytes)
         self._where = {m[0]: b for b, bucket in enumerate(self._buckets) for m in bucket.members}
         self._left = [len(b.members) for b in self._buckets]
         self._grads = [{} for _ in self._buckets]
@@ -192,6 +225,7 @@ class _Session:
         if b is None or j in self._grads[b]:
             return
         self._grads[b][j] = g
+        self._seen.append(j)
         self._left[b] -= 1
         while self._next < len(self._buckets) and self._left[self._next] == 0:
             b = self._next
@@ -208,6 +242,20 @@ class _Session:
         for j, src in enumerate(self._sources):
             if j in self._where:
                 registry[id(src)] = _Entry(src, grads[j], self, j)
+        if self._learn is not None:
+            self._agree_order()
+
+    def _agree_order(self):
+        """Replica 0's readiness order, on every replica (one SUM all-reduce: the others add zeros)."""
+        remember, key, replica_id = self._learn
+        if not self._seen:  # no float source (the same on every replica): nothing to agree on
+            remember(key, [])
+            return
+        device = self._buckets[0].device
+        seen = torch.tensor(self._seen if replica_id == 0 else [0] * len(self._seen), dtype=torch.float64,
+                            device=device)
+        (agreed,) = self._ext._all_reduce_flat(ReduceOp.SUM, [seen])
+        remember(key, [int(j) for j in agreed.tolist()])
 
     def reduced(self, j, timeout):
         b = self._where[j]

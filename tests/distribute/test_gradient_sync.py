@@ -84,7 +84,7 @@ def test_synced_reduction_equals_per_variable_reduction_exactly(cap_mb, n_bucket
 
     def fn():
         x, y = _batch(_rid())
-        with dtape.GradientTape(gradient_sync=GradientSync(cap_mb)) as tape:
+        with dtape.GradientTape(gradient_sync=GradientSync(cap_mb, order="reverse")) as tape:
             loss = _loss(model, x, y)
         variables = model.trainable_variables
         grads = tape.gradient(loss, variables)
@@ -111,10 +111,11 @@ def _train(sync, transform=None, steps=2, cap_mb=TINY_MB, extra=False):
         more = [dtape.Variable([1.0, 2.0], name="extra"), dtape.Variable(3.0, name="unused")] if extra else []
     opt = dtape.optimizers.SGD(0.1, momentum=0.9)
     calls = _count_launches(strategy)
+    gradient_sync = GradientSync(cap_mb) if sync else None   # learns the readiness order at the first step
 
     def step(i):
         x, y = _batch(_rid(), i, torch.float64)
-        with dtape.GradientTape(gradient_sync=GradientSync(cap_mb) if sync else None) as tape:
+        with dtape.GradientTape(gradient_sync=gradient_sync) as tape:
             loss = _loss(model, x, y)
             if extra and _rid() == 0:   # used on replica 0 only: None on replica 1
                 loss = loss + dtape.reduce_sum(more[0] * more[0])
@@ -144,7 +145,8 @@ def test_training_with_sync_equals_training_without_and_reduces_once_per_bucket(
     synced, synced_calls, _ = _train(sync=True)
     _assert_same(plain, synced)
     assert plain_calls == [2] * 2             # unsynced: apply_gradients reduces, one 25 MB bucket per step
-    assert synced_calls == [2 * N_VARS] * 2   # synced: the walk's launches are used, nothing reduced again
+    # synced: the walk's launches are used, nothing reduced again; + 1: the readiness order agreed at step 1
+    assert synced_calls == [2 * N_VARS + 1] * 2
     for comps in synced:                      # mirrored components stay bit-identical
         np.testing.assert_array_equal(comps[0], comps[1])
     assert not np.allclose(plain[0][0], _values(_model(_strategy(), torch.float64))[0][0])  # it did train
@@ -152,7 +154,7 @@ def test_training_with_sync_equals_training_without_and_reduces_once_per_bucket(
 
 def test_default_bucket_size_makes_one_reduction_per_step():
     _, calls, _ = _train(sync=True, cap_mb=25.0)
-    assert calls == [2, 2]
+    assert calls == [2 + 1, 2 + 1]
 
 
 def test_transformed_gradients_are_reduced_afresh():
@@ -163,7 +165,7 @@ def test_transformed_gradients_are_reduced_afresh():
     assert not np.allclose(plain[0][0], unclipped[0][0])  # clipping matters here
     synced, calls, _ = _train(sync=True, transform=clip)
     _assert_same(plain, synced)                   # the clipped values were summed, not the tape's
-    assert calls == [2 * 2 * N_VARS] * 2          # launched in the walk, then reduced again (the tape's buckets)
+    assert calls == [2 * 2 * N_VARS + 1] * 2      # launched in the walk, then reduced again (the tape's buckets)
 
 
 def test_gradient_none_on_one_replica_counts_as_zeros():
@@ -183,12 +185,13 @@ def _nested(sync, apply_inner):
     strategy = _strategy()
     model = _model(strategy, torch.float64)
     opt = dtape.optimizers.SGD(0.1)
+    gradient_sync = GradientSync(TINY_MB) if sync else None
 
     def step():
         x, y = _batch(_rid(), 0, torch.float64)
         variables = model.trainable_variables
         with dtape.GradientTape() as outer:
-            with dtape.GradientTape(gradient_sync=GradientSync(TINY_MB) if sync else None) as inner:
+            with dtape.GradientTape(gradient_sync=gradient_sync) as inner:
                 loss = _loss(model, x, y)
             g = inner.gradient(loss, variables)
             total = loss + 0.1 * dtape.add_n([dtape.reduce_sum(t * t) for t in g])
@@ -228,6 +231,8 @@ def test_gradient_sync_outside_a_strategy_is_plain():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         GradientSync(0)
+    with pytest.raises(ValueError, match="order"):
+        GradientSync(order="forward")
     with pytest.raises(TypeError, match="gradient_sync"):
         dtape.GradientTape(gradient_sync=object())
 
@@ -250,3 +255,32 @@ def test_a_gradient_shared_by_every_replica_is_not_summed():
     with pytest.raises(ValueError, match="non-distributed"):
         strategy.run(lambda: dtape.optimizers.SGD(0.1).apply_gradients([(shared, v)]))
     assert [float(c) for c in v.values] == [1.0, 1.0]
+
+
+def test_buckets_follow_the_learned_readiness_order():
+    strategy = _strategy()
+    model = _model(strategy)
+    sync, opt = GradientSync(TINY_MB), dtape.optimizers.SGD(0.1)
+    sizes = []
+    orig = strategy.extended._all_reduce_flat_async
+
+    def recording(reduce_op, tensors):
+        if _rid() == 0:
+            sizes.append(int(tensors[0].numel()))
+        return orig(reduce_op, tensors)
+    strategy.extended._all_reduce_flat_async = recording
+    variables = list(model.trainable_variables)                  # W1 b1 W2 b2 W3 b3
+    shuffled = [variables[i] for i in (2, 1, 4, 0, 5, 3)]         # W2 b1 W3 W1 b3 b2
+
+    def step():
+        x, y = _batch(_rid())
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = _loss(model, x, y)
+        opt.apply_gradients(zip(tape.gradient(loss, shuffled), shuffled))
+    strategy.run(step)
+    first, sizes[:] = list(sizes), []
+    strategy.run(step)
+    bucket = [int(np.prod(v.shape)) + 1 for v in shuffled]       # values + one presence flag
+    assert first == bucket[::-1] + [N_VARS]                      # reverse source order, then the agreement
+    # The walk finishes the last layer first: b3 W3 b2 W2 b1 W1 (each layer reads its kernel, then its bias).
+    assert sizes == [int(np.prod(v.shape)) + 1 for v in variables[::-1]]
