@@ -6,6 +6,9 @@ destination device explicitly (`copy_to_device`) before it is summed; sums
 run in replica order on the destination device, so every replica receives
 bit-identical results; float16/bfloat16 values are summed in float32 and
 cast back, so a reduction overflows only when its result does.
+`ThreadCollectives` is MirroredStrategy's flat all-reduce among its replica
+threads (the engine behind `StrategyExtended._all_reduce_flat_async`):
+launches are matched by order, the last replica to arrive sums.
 Source: tensorflow/python/distribute/cross_device_ops.py.
 """
 import threading

@@ -112,9 +112,16 @@ class ReplicaContext:
     def all_gather(self, value, axis):
         """Concatenates every replica's `value` along `axis`, in replica order; differentiable.
 
-        Each replica gets its own result Tensor on its own device. A tensor
-        that is the same object on every replica contributes once per
-        replica. Sizes along `axis` may differ between replicas.
+        Args:
+          value: a nest of Tensors (or variables), same dtype and same shape
+            except along `axis` on every replica (sizes along `axis` may differ).
+          axis: the axis to concatenate along (negative counts from the end).
+
+        Returns:
+          The nest of gathered Tensors, each replica its own copy on its own
+          device. A tensor that is the same object on every replica
+          contributes once per replica.
+
         The gradient is a reduce-scatter: replica r gets the sum over
         replicas of the cotangent's slice that replica r contributed (every
         replica must call `tape.gradient`, as for `all_reduce`).
