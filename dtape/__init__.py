@@ -3,7 +3,10 @@
 The public surface is described in API.md; this module re-exports it.
 """
 from dtape import tape, nn  # noqa: F401
-from dtape.tensor import Tensor, constant, convert_to_tensor, device  # noqa: F401
+from dtape.tensor import Tensor, as_dtype, constant, convert_to_tensor, device, from_dlpack  # noqa: F401
+# dtype names: the torch dtypes themselves (dtape.float32 is torch.float32), as tf.float32 in TF.
+from torch import (bfloat16, bool, complex64, complex128, float16, float32, float64,  # noqa: F401
+                   int8, int16, int32, int64, uint8)
 from dtape import random  # noqa: F401
 from dtape.ops import *  # noqa: F401,F403
 from dtape.ops import __all__ as _ops_all
@@ -16,14 +19,23 @@ from dtape import layers, checkpoint  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["Tensor", "constant", "convert_to_tensor", "device", "random", "stop_recording", "Variable",
-           "VariableAggregation", "VariableSynchronization", "variable_creator_scope",
+__all__ = ["Tensor", "as_dtype", "constant", "convert_to_tensor", "device", "from_dlpack", "random",
+           "stop_recording", "Variable", "VariableAggregation", "VariableSynchronization", "variable_creator_scope",
            "GradientTape", "UnconnectedGradients", "tape", "nn"] + list(_ops_all)
+# dtype names; `bool` is left out: a star import must not shadow the builtin.
+__all__ += ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+            "complex64", "complex128"]
 __all__ += ["Module", "layers", "checkpoint"]
 from dtape import distribute  # noqa: E402,F401  (last: registers the tape's resolver)
+from dtape import _replica_info  # noqa: E402
+_replica_info.register(distribute.get_replica_context, distribute.in_cross_replica_context,
+                       distribute.has_strategy)
 from dtape import optimizers  # noqa: E402,F401
-__all__ += ["distribute", "optimizers"]
+from dtape import losses, metrics, regularizers, mixed_precision  # noqa: E402,F401
+__all__ += ["distribute", "optimizers", "losses", "metrics", "regularizers", "mixed_precision"]
 from dtape import backprop  # noqa: F401,E402
 from dtape.custom_gradient import custom_gradient  # noqa: F401,E402
 from dtape.function import function, recompute_grad  # noqa: F401,E402
 __all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]
+from dtape import debugging
+__all__ += ["debugging"]

@@ -2,12 +2,41 @@
 
 Process-wide, read-only after import. Stdlib only (layer 0).
 """
+import math
 import os
+import threading
 
 _VALID_FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
-def _read_float(name, default):
+def validate_timeout(value, source="timeout"):
+    """Seconds to wait on a replica, as a float: finite and greater than zero.
+
+    Every wait in dtape has a timeout, so there is no "wait forever": NaN,
+    zero, negative numbers and infinity are rejected (use a large finite
+    number, e.g. 86400, for a very slow step). Used for both the strategy's
+    `timeout=` argument and DTAPE_DISTRIBUTE_TIMEOUT.
+
+    Args:
+      value: a real number (int or float; not bool).
+      source: what the value came from, for the message (e.g. "timeout=").
+
+    Raises:
+      TypeError: if `value` is not a real number.
+      ValueError: if it is NaN, <= 0, infinite or above threading.TIMEOUT_MAX.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{source} must be a number of seconds, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{source} is {value!r}; it must be a positive number of seconds, e.g. 300")
+    if value > threading.TIMEOUT_MAX:  # includes infinity
+        raise ValueError(f"{source} is {value!r}; every wait needs a finite timeout (at most "
+                         f"{threading.TIMEOUT_MAX:.3g} s): use a large finite number, e.g. 86400")
+    return value
+
+
+def _read_timeout(name, default):
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -15,9 +44,7 @@ def _read_float(name, default):
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {name}=300") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
+    return validate_timeout(value, f"{name}={raw!r}")
 
 
 def _read_choice(name, default, choices):
@@ -29,7 +56,7 @@ def _read_choice(name, default, choices):
 
 # Seconds any replica thread, merge_call rendezvous or collective waits before
 # failing with a TimeoutError (never a silent hang).
-DISTRIBUTE_TIMEOUT_S = _read_float("DTAPE_DISTRIBUTE_TIMEOUT", 300.0)
+DISTRIBUTE_TIMEOUT_S = _read_timeout("DTAPE_DISTRIBUTE_TIMEOUT", 300.0)
 
 # Default dtype for Python floats given to dtape.constant / convert_to_tensor.
 DEFAULT_FLOAT_DTYPE = _read_choice("DTAPE_DEFAULT_FLOAT_DTYPE", "float32", _VALID_FLOAT_DTYPES)

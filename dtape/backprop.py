@@ -4,9 +4,11 @@ Source: tf.GradientTape / tensorflow/python/eager/backprop.py, with seed 2's
 distribution-aware sources: a variable source is expanded through the tape's
 watched-variable resolver and the gradients of its components are summed.
 """
+import contextlib
 import enum
 import inspect
 import warnings
+import weakref
 
 import torch
 
@@ -20,6 +22,26 @@ class UnconnectedGradients(enum.Enum):
 
     NONE = "none"
     ZERO = "zero"
+
+
+_NO_RANGE = contextlib.nullcontext()
+_torch_profiler = torch.autograd.profiler
+
+
+def profile_range(name):
+    """A `torch.profiler.record_function(name)` range while a torch profiler runs, else a no-op context.
+
+    dtape's backward walks ("dtape.gradient") and collectives
+    ("dtape.all_reduce", "dtape.broadcast") show as named ranges in
+    torch.profiler traces, replica threads included when the profiler
+    records all threads (`_ExperimentalConfig(profile_all_threads=True)`).
+    The test is torch's process-wide "a profiler is running" flag (set on
+    whichever thread started it), so without a profiler a range costs a
+    module attribute read.
+    """
+    if getattr(_torch_profiler, "_is_profiler_enabled", True):
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 def _source_handles(source):
@@ -82,6 +104,18 @@ def _gather_multi(rec, grads, keep, raw):
     return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, rec[4]))
 
 
+def _widen_autocast_dy(dys, inputs, raw):
+    """Under torch.autocast an op's output, hence its gradient, may be narrower than its floating
+    inputs (bf16 matmul of float32 operands); the rule would then mix dtypes. Widen the gradient."""
+    dt = dys[0].dtype
+    for x in inputs:
+        xd = getattr(x, "dtype", None)
+        if xd is not None and xd is not dt and xd.is_floating_point and dt.is_floating_point \
+                and xd.itemsize > dt.itemsize:
+            return (dys[0].to(xd) if raw else ops.cast(dys[0], xd),)
+    return dys
+
+
 def _walk(records, reach, grads, keep, raw, ready=None):
     """Reverse walk: calls each record's backward once its outputs' gradients are summed.
 
@@ -101,6 +135,8 @@ def _walk(records, reach, grads, keep, raw, ready=None):
             dys = _gather_multi(rec, grads, keep, raw)
             if dys is None:
                 continue
+        if len(dys) == 1:
+            dys = _widen_autocast_dy(dys, inputs, raw)
         if getattr(op, "takes_needs", False):
             in_grads = op.backward(dys, outputs, inputs, attrs, raw, tuple([i in reach for i in in_ids]))
         else:
@@ -181,9 +217,10 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
         prev = grads.get(t._id)
         grads[t._id] = dy if prev is None else prev + dy
     keep = set(source_ids)
-    records, reach = _prune(tape.records(), target_ids, source_ids)
-    ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
-    _walk(records, reach, grads, keep, raw, ready)
+    with profile_range("dtape.gradient"):  # a named range in torch.profiler traces
+        records, reach = _prune(tape.records(), target_ids, source_ids)
+        ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
+        _walk(records, reach, grads, keep, raw, ready)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 
@@ -202,7 +239,9 @@ class GradientTape:
         `ready(index, grad)` and `finish(grads)`.
 
     Ops run on any thread are recorded while the tape is active, when an
-    input is watched (the set of tapes is process-global). Under a strategy,
+    input is watched (the set of tapes is process-global). A tape entered
+    and never exited stops recording once it is garbage-collected (the
+    global set does not keep it alive). Under a strategy,
     a watched `MirroredVariable` is its container in a replica context and
     its components in the cross-replica context (seed 2).
 
@@ -227,6 +266,7 @@ class GradientTape:
         self._tape = None
         self._recording = False
         self._used = False
+        self._unpush = None  # weakref.finalize popping the tape if self dies while recording
 
     def __enter__(self):
         if self._recording:
@@ -237,13 +277,18 @@ class GradientTape:
         else:  # re-entering resumes recording on the same tape (tf.GradientTape)
             _tp.push_tape(self._tape)
         self._recording = True
+        self._unpush = weakref.finalize(self, _tp.pop_tape, self._tape)
         return self
 
     def __exit__(self, *exc):
         if self._recording:
-            _tp.pop_tape(self._tape)
-            self._recording = False
+            self._stop()
         return False
+
+    def _stop(self):
+        self._unpush.detach()
+        _tp.pop_tape(self._tape)
+        self._recording = False
 
     def _require_tape(self, what):
         if self._tape is None:
@@ -324,8 +369,7 @@ class GradientTape:
                                "gradients (or jacobians); create it with persistent=True to call "
                                f"{what}() more than once")
         if self._recording and not self._persistent:
-            _tp.pop_tape(self._tape)
-            self._recording = False
+            self._stop()
         self._used = True
 
     def _end_use(self):

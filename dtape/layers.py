@@ -1,4 +1,8 @@
-"""Keras-style layers built on dtape ops: Dense, Conv2D, Embedding, LayerNormalization, Dropout, Sequential.
+"""Keras-style layers built on dtape ops.
+
+Dense, Conv2D, Embedding, LayerNormalization, BatchNormalization, Dropout,
+MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D,
+Flatten, Reshape, Sequential.
 
 Each layer is a `Module`; its variables are made with `dtape.Variable` when it
 is built (on the first call, or at construction when the input size is given),
@@ -10,8 +14,14 @@ value is passed to `Variable` as a callable, so a layer built lazily inside
 `strategy.run` draws it once, in the strategy's merge_call on the caller's
 thread: creation is deterministic and equals building the layer outside.
 
+A layer is built by its first call, by `build(input_shape)` (shapes with
+None for unknown sizes, e.g. the batch), or at construction from
+`input_shape=` (without the batch dimension, as Keras) or a layer's own
+size argument (`input_dim=`, `input_channels=`).
+
 Source: tf.keras.layers.
 """
+import functools
 import inspect
 import math
 import threading
@@ -19,16 +29,21 @@ import threading
 import numpy as np
 import torch
 
+from dtape import _replica_info
 from dtape import nn as _nn
 from dtape import random as _random
+from dtape import regularizers as _regularizers
+from dtape import tape as _tp
+from dtape.custom_gradient import custom_gradient
 from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable
+from dtape.variables import Variable, VariableAggregation
 
-__all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "Dropout", "Sequential",
-           "get_activation", "get_initializer"]
+__all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "BatchNormalization", "Dropout",
+           "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "Flatten", "Reshape",
+           "Sequential", "get_activation", "get_initializer"]
 
 
 # -- activations -------------------------------------------------------------
@@ -117,55 +132,151 @@ def get_initializer(initializer):
 
 # -- base layer ----------------------------------------------------------------
 
-class Layer(Module):
-    """Base class: builds its variables on first call, then runs `call`.
+def _shape_tuple(shape):
+    """A shape as a tuple of ints and Nones (unknown sizes)."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        return tuple(None if d is None else int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise TypeError(f"a shape must be a tuple of ints or None, got {shape!r}") from None
+
+
+def _wrap_build(build):
+    """A subclass's `build`: runs once (later calls do nothing), then marks the layer built."""
+    @functools.wraps(build)
+    def wrapper(self, input_shape):
+        if self.built:
+            return
+        build(self, _shape_tuple(input_shape))
+        self.built = True
+        if getattr(self, "_build_shape", None) is None:
+            self._build_shape = _shape_tuple(input_shape)
+    wrapper._dtape_wrapped = True
+    return wrapper
+
+
+class _LayerMeta(type):
+    """Builds a layer at the end of construction when `input_shape=` was given."""
+
+    def __call__(cls, *args, **kwargs):
+        layer = super().__call__(*args, **kwargs)
+        shape = vars(layer).get("_input_shape_arg")
+        if shape is not None and not layer.built:
+            layer.build((None,) + shape)
+            layer._output_shape = layer.compute_output_shape((None,) + shape)
+        return layer
+
+
+_regularized_lock = threading.Lock()  # guards Layer._regularized (rare: at build)
+
+
+class _CallState(threading.local):
+    depth = 0
+
+
+_call_state = _CallState()
+
+
+class Layer(Module, metaclass=_LayerMeta):
+    """Base class: builds its variables on first call (or `build(shape)`), then runs `call`.
 
     Subclasses define `build(input_shape)` (create variables with
-    `self.add_weight`) and `call(x)` or `call(x, training=False)`.
+    `self.add_weight`; it runs once and sets `built`) and `call(x)` or
+    `call(x, training=False)`.
 
     Args:
       name: module name (default: the snake-cased class name, made unique).
       dtype: torch floating dtype of the variables (default float32).
       seed: int seed of this layer's initializers; None draws from torch's
         global generator (`torch.manual_seed`).
+      input_shape: the input's shape without the batch dimension (Keras);
+        when given the layer is built at construction for (None, *input_shape).
+      activity_regularizer: None, a name ("l1", "l2") or a callable; its
+        value on the output is added to `losses` at each call.
+
+    Losses added during a call (`add_loss`, activity regularizers) are kept
+    per thread and cleared when the next top-level layer call starts on it.
+    Source: tf.keras.layers.Layer.
     """
 
-    def __init__(self, name=None, dtype=torch.float32, seed=None):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        build = cls.__dict__.get("build")
+        if build is not None and not getattr(build, "_dtape_wrapped", False):
+            cls.build = _wrap_build(build)
+
+    def __init__(self, name=None, dtype=torch.float32, seed=None, input_shape=None, activity_regularizer=None):
         super().__init__(name=name)
         self.dtype = dtype
         self.built = False
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._input_shape_arg = None if input_shape is None else _shape_tuple(input_shape)
+        self._build_shape = None
+        self._output_shape = None
+        self._regularized = []  # (variable, regularizer) pairs, for `losses`
+        self.activity_regularizer = _regularizers.get(activity_regularizer)
 
     def build(self, input_shape):
-        """Creates the variables for inputs of `input_shape` (a torch.Size)."""
+        """Creates the variables for inputs of `input_shape` (a tuple, None for unknown sizes).
+
+        Runs once: later calls do nothing. Source: tf.keras.layers.Layer.build.
+        """
+
+    def compute_output_shape(self, input_shape):
+        """The output shape for `input_shape`, or None when this layer cannot tell without a call."""
+        return None
 
     def call(self, x):
         raise NotImplementedError(f"{type(self).__name__} must define call(x)")
 
-    def add_weight(self, name, shape, initializer="glorot_uniform", trainable=True):
+    def add_weight(self, name, shape, initializer="glorot_uniform", trainable=True, regularizer=None,
+                   aggregation=VariableAggregation.NONE):
         """Creates a variable `<layer>/<name>` of `shape`, its initial value drawn once where it is created.
 
         The value is given to `Variable` as a callable: inside `strategy.run`
         the strategy calls it once, in its merge_call on the caller's thread,
         so replica threads never draw (and never race on) initial values.
+        `regularizer(variable)` is added to `losses`.
         """
         init, shape, dtype, gen = get_initializer(initializer), tuple(shape), self.dtype, self._generator
-        return Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
-                        dtype=self.dtype)
+        var = Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
+                       dtype=self.dtype, aggregation=aggregation)
+        regularizer = _regularizers.get(regularizer)
+        if regularizer is not None:
+            # A layer built lazily inside strategy.run is built by every replica thread, and every
+            # replica gets the same variable back: register it once.
+            with _regularized_lock:
+                if not any(v is var for v, _ in self._regularized):
+                    self._regularized.append((var, regularizer))
+        return var
 
     def _maybe_build(self, input_shape):
         if not self.built:
-            self.build(torch.Size(input_shape))
-            self.built = True
+            self.build(input_shape)
+
+    def _convert_input(self, x):
+        if not isinstance(x, Tensor) and not is_variable(x):
+            x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
+        return x
 
     def __call__(self, x, training=False):
         """Applies the layer. x: Tensor, Variable, torch.Tensor, array or nested list."""
-        if not isinstance(x, Tensor) and not is_variable(x):
-            x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
-        self._maybe_build(x.shape)
-        if _takes_training(self.call):
-            return self.call(x, training=training)
-        return self.call(x)
+        top = _call_state.depth == 0
+        if top:
+            self._clear_losses()
+        _call_state.depth += 1
+        try:
+            x = self._convert_input(x)
+            self._maybe_build(tuple(x.shape))
+            out = self.call(x, training=training) if _takes_training(self.call) else self.call(x)
+        finally:
+            _call_state.depth -= 1
+        if self.activity_regularizer is not None:
+            self.add_loss(self.activity_regularizer(out))
+        if hasattr(out, "shape"):
+            self._output_shape = (None,) + tuple(out.shape[1:]) if len(out.shape) else ()
+        return out
 
 
 def _is_float_like(x):
@@ -197,7 +308,9 @@ class Dense(Layer):
       use_bias: whether to add a bias.
       kernel_initializer, bias_initializer: names or callables.
       input_dim: input size; when given, the variables are created now.
-      name, dtype, seed: see `Layer`.
+      kernel_regularizer, bias_regularizer: None, "l1"/"l2" or a callable;
+        their penalties are in `losses`.
+      name, dtype, seed, input_shape, activity_regularizer: see `Layer`.
 
     Variables: `kernel` [in, units], `bias` [units].
     Shapes: x [..., in] -> [..., units] (floating dtypes).
@@ -210,8 +323,10 @@ class Dense(Layer):
     """
 
     def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", input_dim=None, name=None, dtype=torch.float32, seed=None):
-        super().__init__(name=name, dtype=dtype, seed=seed)
+                 bias_initializer="zeros", input_dim=None, name=None, dtype=torch.float32, seed=None,
+                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None, input_shape=None):
+        super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
+                         activity_regularizer=activity_regularizer)
         if int(units) <= 0:
             raise ValueError(f"Dense units must be a positive int, got {units!r}")
         self.units = int(units)
@@ -219,14 +334,20 @@ class Dense(Layer):
         self.use_bias = bool(use_bias)
         self.kernel_initializer = kernel_initializer
         self.bias_initializer = bias_initializer
+        self.kernel_regularizer = _regularizers.get(kernel_regularizer)
+        self.bias_regularizer = _regularizers.get(bias_regularizer)
         if input_dim is not None:
-            self._maybe_build((int(input_dim),))
+            self._maybe_build((None, int(input_dim)))
 
     def build(self, input_shape):
         in_dim = _last_dim(input_shape, self)
-        self.kernel = self.add_weight("kernel", (in_dim, self.units), self.kernel_initializer)
+        self.kernel = self.add_weight("kernel", (in_dim, self.units), self.kernel_initializer,
+                                      regularizer=self.kernel_regularizer)
         if self.use_bias:
-            self.bias = self.add_weight("bias", (self.units,), self.bias_initializer)
+            self.bias = self.add_weight("bias", (self.units,), self.bias_initializer, regularizer=self.bias_regularizer)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.units,)
 
     def call(self, x):
         lead = tuple(x.shape[:-1])
@@ -250,6 +371,7 @@ class Conv2D(Layer):
       padding: "valid" or "same" (TF semantics).
       activation, use_bias, kernel_initializer, name, dtype, seed: as `Dense`.
       input_channels: when given, the variables are created now.
+      kernel_regularizer, bias_regularizer, activity_regularizer, input_shape: as `Dense`.
 
     Variables: `kernel` [kh, kw, in, filters], `bias` [filters].
     Shapes: x [batch, h, w, in] -> [batch, h', w', filters].
@@ -258,8 +380,12 @@ class Conv2D(Layer):
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", activation=None, use_bias=True,
                  kernel_initializer="glorot_uniform", input_channels=None, name=None, dtype=torch.float32,
-                 seed=None):
-        super().__init__(name=name, dtype=dtype, seed=seed)
+                 seed=None, kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
+                 input_shape=None):
+        super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
+                         activity_regularizer=activity_regularizer)
+        self.kernel_regularizer = _regularizers.get(kernel_regularizer)
+        self.bias_regularizer = _regularizers.get(bias_regularizer)
         self.filters = int(filters)
         self.kernel_size = _pair(kernel_size, "kernel_size")
         self.strides = _pair(strides, "strides")
@@ -270,15 +396,19 @@ class Conv2D(Layer):
         self.use_bias = bool(use_bias)
         self.kernel_initializer = kernel_initializer
         if input_channels is not None:
-            self._maybe_build((1, 1, 1, int(input_channels)))
+            self._maybe_build((None, None, None, int(input_channels)))
 
     def build(self, input_shape):
         if len(input_shape) != 4:
             raise ValueError(f"{self.name}: Conv2D expects NHWC input [batch, h, w, c], got {tuple(input_shape)}")
         shape = self.kernel_size + (_last_dim(input_shape, self), self.filters)
-        self.kernel = self.add_weight("kernel", shape, self.kernel_initializer)
+        self.kernel = self.add_weight("kernel", shape, self.kernel_initializer, regularizer=self.kernel_regularizer)
         if self.use_bias:
-            self.bias = self.add_weight("bias", (self.filters,), "zeros")
+            self.bias = self.add_weight("bias", (self.filters,), "zeros", regularizer=self.bias_regularizer)
+
+    def compute_output_shape(self, input_shape):
+        hw = [_pool_out(d, k, s, self.padding) for d, k, s in zip(input_shape[1:3], self.kernel_size, self.strides)]
+        return (input_shape[0], *hw, self.filters)
 
     def call(self, x):
         y = _nn.conv2d(x, self.kernel, strides=[1, *self.strides, 1], padding=self.padding)
@@ -301,22 +431,32 @@ class Embedding(Layer):
       input_dim: vocabulary size.
       output_dim: vector size.
       embeddings_initializer: name or callable (default "random_uniform", as Keras).
-      name, dtype, seed: see `Layer`.
+      embeddings_regularizer: None, "l1"/"l2" or a callable (penalty in `losses`).
+      name, dtype, seed, input_shape, activity_regularizer: see `Layer`.
 
     Variables: `embeddings` [input_dim, output_dim], created at construction.
     Source: tf.keras.layers.Embedding.
     """
 
+    _input_dtype = torch.int64
+
     def __init__(self, input_dim, output_dim, embeddings_initializer="random_uniform", name=None,
-                 dtype=torch.float32, seed=None):
-        super().__init__(name=name, dtype=dtype, seed=seed)
+                 dtype=torch.float32, seed=None, embeddings_regularizer=None, activity_regularizer=None,
+                 input_shape=None):
+        super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
+                         activity_regularizer=activity_regularizer)
         self.input_dim, self.output_dim = int(input_dim), int(output_dim)
         self.embeddings = self.add_weight("embeddings", (self.input_dim, self.output_dim),
-                                          embeddings_initializer)
+                                          embeddings_initializer, regularizer=embeddings_regularizer)
         self.built = True
 
-    def __call__(self, ids, training=False):
-        ids = ids if isinstance(ids, Tensor) else convert_to_tensor(ids, dtype=torch.int64)
+    def _convert_input(self, ids):
+        return ids if isinstance(ids, Tensor) else convert_to_tensor(ids, dtype=torch.int64)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.output_dim,)
+
+    def call(self, ids):
         return _nn.embedding_lookup(self.embeddings, ids)
 
 
@@ -333,11 +473,14 @@ class LayerNormalization(Layer):
     Source: tf.keras.layers.LayerNormalization(axis=-1).
     """
 
-    def __init__(self, epsilon=1e-3, input_dim=None, name=None, dtype=torch.float32, seed=None):
-        super().__init__(name=name, dtype=dtype, seed=seed)
+    def __init__(self, epsilon=1e-3, input_dim=None, name=None, dtype=torch.float32, seed=None, input_shape=None):
+        super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape)
         self.epsilon = float(epsilon)
         if input_dim is not None:
-            self._maybe_build((int(input_dim),))
+            self._maybe_build((None, int(input_dim)))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
 
     def build(self, input_shape):
         d = _last_dim(input_shape, self)
@@ -382,6 +525,9 @@ class Dropout(Layer):
         self._streams_lock = threading.Lock()
         self.built = True
 
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
     def __call__(self, x, training=False):
         x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
         if not training or self.rate == 0.0:
@@ -409,12 +555,343 @@ def _derive_seed(seed, replica_id):
     return int(ss.generate_state(1, np.uint64)[0]) & (2**63 - 1)
 
 
+# -- pooling, reshaping ---------------------------------------------------------
+
+def _pool_out(size, k, stride, padding):
+    """Output length of a window op along one axis (None stays None). TF: VALID floor, SAME ceil(size / stride)."""
+    if size is None:
+        return None
+    if padding == "SAME":
+        return -(-size // stride)
+    return max((size - k) // stride + 1, 0)
+
+
+def _same_pads(size, k, stride):
+    """TF "SAME" padding along one axis: (before, after), the extra one after."""
+    total = max((_pool_out(size, k, stride, "SAME") - 1) * stride + k - size, 0)
+    return total // 2, total - total // 2
+
+
+def _padding_arg(padding, layer):
+    if not isinstance(padding, str) or padding.lower() not in ("valid", "same"):
+        raise ValueError(f"{layer} padding must be 'valid' or 'same', got {padding!r}")
+    return padding.upper()
+
+
+def _channels_last(data_format, layer):
+    if data_format not in (None, "channels_last"):
+        raise ValueError(f"{layer}: only data_format='channels_last' (NHWC) is supported, got {data_format!r}; "
+                         "transpose NCHW inputs with dtape.transpose(x, (0, 2, 3, 1))")
+
+
+class _Pooling2D(Layer):
+    """Window reduction over NHWC images (the reduction in `_pool`)."""
+
+    def __init__(self, pool_size=(2, 2), strides=None, padding="valid", data_format=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        _channels_last(data_format, type(self).__name__)
+        self.pool_size = _pair(pool_size, "pool_size")
+        self.strides = self.pool_size if strides is None else _pair(strides, "strides")
+        self.padding = _padding_arg(padding, type(self).__name__)
+
+    def compute_output_shape(self, input_shape):
+        _check_rank(input_shape, 4, self)
+        hw = [_pool_out(d, k, st, self.padding) for d, k, st in zip(input_shape[1:3], self.pool_size, self.strides)]
+        return (input_shape[0], *hw, input_shape[3])
+
+    def call(self, x):
+        _check_rank(x.shape, 4, self)
+        nchw = _array.transpose(x, (0, 3, 1, 2))
+        pads = (0, 0, 0, 0)
+        if self.padding == "SAME":
+            (top, bottom), (left, right) = (_same_pads(d, k, st) for d, k, st in
+                                            zip(x.shape[1:3], self.pool_size, self.strides))
+            pads = (left, right, top, bottom)
+        return _array.transpose(self._pool(nchw, pads), (0, 2, 3, 1))
+
+
+def _check_rank(shape, rank, layer):
+    if len(shape) != rank:
+        raise ValueError(f"{layer.name}: {type(layer).__name__} expects inputs of rank {rank} "
+                         f"([batch, height, width, channels]), got shape {tuple(shape)}")
+
+
+class MaxPooling2D(_Pooling2D):
+    """Max over `pool_size` windows of NHWC images, moved by `strides`.
+
+    Args:
+      pool_size: int or (h, w) (default (2, 2)).
+      strides: int or (sh, sw); default pool_size.
+      padding: "valid" (windows inside the image) or "same" (TF: output
+        ceil(size / stride), padding split with the extra row/column after;
+        padded positions never win).
+      data_format: "channels_last" only.
+      name: see `Layer`.
+
+    Shapes: [batch, h, w, c] -> [batch, h', w', c], same dtype and device.
+    Gradients go to the maximum of each window.
+    Source: tf.keras.layers.MaxPooling2D.
+    """
+
+    def _pool(self, x, pads):
+        if any(pads):
+            x = torch.nn.functional.pad(x, pads, value=float("-inf"))
+        return torch.nn.functional.max_pool2d(x, self.pool_size, self.strides)
+
+
+class AveragePooling2D(_Pooling2D):
+    """Mean over `pool_size` windows of NHWC images.
+
+    Args: as `MaxPooling2D`. With padding="same" the padded positions are
+    not counted (TF): a border window averages only the real pixels.
+    Shapes: [batch, h, w, c] -> [batch, h', w', c].
+    Source: tf.keras.layers.AveragePooling2D.
+    """
+
+    def _pool(self, x, pads):
+        if not any(pads):
+            return torch.nn.functional.avg_pool2d(x, self.pool_size, self.strides)
+        total = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(x, pads), self.pool_size, self.strides)
+        ones = torch.ones((1, 1) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+        share = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(ones, pads), self.pool_size, self.strides)
+        return total / Tensor(share)
+
+
+class _GlobalPooling2D(Layer):
+    def __init__(self, data_format=None, keepdims=False, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        _channels_last(data_format, type(self).__name__)
+        self.keepdims = bool(keepdims)
+
+    def compute_output_shape(self, input_shape):
+        _check_rank(input_shape, 4, self)
+        return (input_shape[0], 1, 1, input_shape[3]) if self.keepdims else (input_shape[0], input_shape[3])
+
+    def call(self, x):
+        _check_rank(x.shape, 4, self)
+        return self._reduce(x, axis=(1, 2), keepdims=self.keepdims)
+
+
+class GlobalAveragePooling2D(_GlobalPooling2D):
+    """Mean over height and width: [batch, h, w, c] -> [batch, c] ([batch, 1, 1, c] with keepdims).
+
+    Source: tf.keras.layers.GlobalAveragePooling2D.
+    """
+
+    _reduce = staticmethod(_math.reduce_mean)
+
+
+class GlobalMaxPooling2D(_GlobalPooling2D):
+    """Max over height and width: [batch, h, w, c] -> [batch, c]. Source: tf.keras.layers.GlobalMaxPooling2D."""
+
+    _reduce = staticmethod(_math.reduce_max)
+
+
+class Flatten(Layer):
+    """Flattens all but the batch axis: [batch, d1, d2, ...] -> [batch, d1 * d2 * ...] ([batch] -> [batch, 1]).
+
+    Source: tf.keras.layers.Flatten.
+    """
+
+    def __init__(self, data_format=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        _channels_last(data_format, "Flatten")
+
+    def compute_output_shape(self, input_shape):
+        rest = input_shape[1:]
+        return (input_shape[0], None if None in rest else math.prod(rest))
+
+    def call(self, x):
+        if x.ndim == 0:
+            raise ValueError(f"{self.name}: Flatten needs a batch axis, got a scalar")
+        return _array.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
+
+
+class Reshape(Layer):
+    """Reshapes all but the batch axis to `target_shape` (one entry may be -1).
+
+    Args:
+      target_shape: tuple of ints, without the batch dimension.
+
+    Shapes: [batch, ...] -> [batch, *target_shape].
+    Raises:
+      ValueError: a target_shape with more than one -1, or one that does not fit the input.
+    Source: tf.keras.layers.Reshape.
+    """
+
+    def __init__(self, target_shape, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.target_shape = tuple(int(d) for d in target_shape)
+        if sum(d == -1 for d in self.target_shape) > 1 or any(d < -1 or d == 0 for d in self.target_shape):
+            raise ValueError(f"Reshape target_shape must have positive sizes and at most one -1, "
+                             f"got {self.target_shape}")
+
+    def _resolved(self, input_shape):
+        rest = input_shape[1:]
+        if None in rest:
+            return tuple(None if d == -1 else d for d in self.target_shape)
+        n, known = math.prod(rest), math.prod(d for d in self.target_shape if d != -1)
+        if -1 in self.target_shape:
+            if n % known:
+                raise ValueError(f"{self.name}: cannot reshape {tuple(rest)} ({n} values) to {self.target_shape}")
+            return tuple(n // known if d == -1 else d for d in self.target_shape)
+        if n != known:
+            raise ValueError(f"{self.name}: cannot reshape {tuple(rest)} ({n} values) to {self.target_shape} "
+                             f"({known} values)")
+        return self.target_shape
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0],) + self._resolved(tuple(input_shape))
+
+    def call(self, x):
+        return _array.reshape(x, (x.shape[0],) + self._resolved(tuple(x.shape)))
+
+
+# -- batch normalization -------------------------------------------------------------
+
+def _sync_moments(x, axes, ctx):
+    """Mean and (population) variance of x over `axes` and over every replica's x (one all-reduce).
+
+    Keras 3's synchronized formula: sums of x and x^2 and the count are
+    all-reduced (SUM), mean = sum / count, var = max(sum_sq / count - mean^2, 0).
+    The gradient is exact for the global batch: each replica's cotangents of
+    mean and var are all-reduced too (the transpose of the all-reduce), so
+    summing the replicas' gradients equals one device on the whole batch.
+    Every replica must then compute gradients (tape.gradient) in step.
+    """
+    replicas = 1 if ctx is None else ctx.num_replicas_in_sync
+
+    @custom_gradient
+    def moments(x):
+        count = float(math.prod(x.shape[a] for a in axes))
+        sums = [_math.reduce_sum(x, axis=axes), _math.reduce_sum(x * x, axis=axes),
+                Tensor(torch.tensor(count, dtype=x.dtype, device=x.device))]
+        if replicas > 1:
+            sums = ctx.all_reduce("sum", sums)
+        total = sums[2]
+        mean = sums[0] / total
+        var = _math.maximum(sums[1] / total - mean * mean, 0.0)
+
+        def grad(dmean, dvar):
+            if replicas > 1:
+                dmean, dvar = ctx.all_reduce("sum", [dmean, dvar])
+            return (dmean + 2.0 * dvar * (x - mean)) / total
+        return (mean, var), grad
+    return moments(x)
+
+
+class BatchNormalization(Layer):
+    """Normalises with batch statistics in training and moving statistics in inference.
+
+    training=True: mean, var = moments of x over every axis but `axis`
+    (population variance); y = gamma * (x - mean) / sqrt(var + epsilon) + beta;
+    moving_mean = momentum * moving_mean + (1 - momentum) * mean, likewise
+    moving_variance with var (Keras: the biased variance; torch's BatchNorm
+    uses the unbiased one and momentum = 1 - Keras momentum).
+    training=False: the moving statistics instead of the batch's.
+
+    Under a strategy: with synchronized=True the statistics are those of the
+    global batch (sums all-reduced across replicas, as PyTorch's
+    SyncBatchNorm), so 2 replicas compute what one device computes on the
+    whole batch, gradients included (every replica must call tape.gradient
+    in step). With synchronized=False each replica uses its own batch. The
+    moving statistics are non-trainable variables with aggregation MEAN:
+    a replica-context update is averaged over replicas and written to every
+    component, so the mirrored copies stay identical (with synchronized=True
+    the replicas' updates are already identical).
+
+    Args:
+      axis: the feature axis (default -1, channels last).
+      momentum: of the moving statistics (0.99).
+      epsilon: added to the variance (1e-3).
+      center, scale: use beta / gamma.
+      beta_initializer, gamma_initializer, moving_mean_initializer,
+        moving_variance_initializer: names or callables.
+      synchronized: batch statistics across replicas (Keras 3 name).
+      name, dtype, seed, input_shape: see `Layer`.
+
+    Variables: `gamma`, `beta` [d] (trainable), `moving_mean`,
+    `moving_variance` [d] (non-trainable). Shapes: x [..., d, ...] -> same.
+    Source: tf.keras.layers.BatchNormalization (Keras 3, synchronized=).
+    """
+
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True, beta_initializer="zeros",
+                 gamma_initializer="ones", moving_mean_initializer="zeros", moving_variance_initializer="ones",
+                 synchronized=False, name=None, dtype=torch.float32, seed=None, input_shape=None,
+                 beta_regularizer=None, gamma_regularizer=None):
+        super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape)
+        self.axis, self.momentum, self.epsilon = int(axis), float(momentum), float(epsilon)
+        if not 0.0 <= self.momentum <= 1.0 or not self.epsilon > 0:
+            raise ValueError(f"BatchNormalization needs 0 <= momentum <= 1 and epsilon > 0, got "
+                             f"momentum={momentum}, epsilon={epsilon}")
+        self.center, self.scale, self.synchronized = bool(center), bool(scale), bool(synchronized)
+        self._inits = (beta_initializer, gamma_initializer, moving_mean_initializer, moving_variance_initializer)
+        self._regs = (beta_regularizer, gamma_regularizer)
+
+    def _feature_axis(self, rank):
+        axis = self.axis + rank if self.axis < 0 else self.axis
+        if not 0 <= axis < rank:
+            raise ValueError(f"{self.name}: axis {self.axis} is out of range for inputs of rank {rank}")
+        return axis
+
+    def build(self, input_shape):
+        axis = self._feature_axis(len(input_shape))
+        d = input_shape[axis]
+        if d is None:
+            raise ValueError(f"{self.name}: the feature axis {self.axis} must be known, got shape {input_shape}")
+        beta_init, gamma_init, mean_init, var_init = self._inits
+        if self.scale:
+            self.gamma = self.add_weight("gamma", (d,), gamma_init, regularizer=self._regs[1])
+        if self.center:
+            self.beta = self.add_weight("beta", (d,), beta_init, regularizer=self._regs[0])
+        self.moving_mean = self.add_weight("moving_mean", (d,), mean_init, trainable=False,
+                                           aggregation=VariableAggregation.MEAN)
+        self.moving_variance = self.add_weight("moving_variance", (d,), var_init, trainable=False,
+                                               aggregation=VariableAggregation.MEAN)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def call(self, x, training=False):
+        rank = x.ndim
+        axis = self._feature_axis(rank)
+        axes = [a for a in range(rank) if a != axis]
+        if training:
+            if self.synchronized:
+                mean, var = _sync_moments(x, axes, _replica_info.replica_context())
+            else:
+                mean, var = _nn.moments(x, axes)
+            self._update_moving(mean, var)
+        else:
+            mean, var = self.moving_mean, self.moving_variance
+        shape = [1] * rank
+        shape[axis] = -1
+        inv = _math.rsqrt(_array.reshape(var, shape) + self.epsilon)
+        if self.scale:
+            inv = inv * _array.reshape(self.gamma, shape)
+        y = (x - _array.reshape(mean, shape)) * inv
+        return y + _array.reshape(self.beta, shape) if self.center else y
+
+    def _update_moving(self, mean, var):
+        with _tp.stop_recording():
+            m = self.momentum
+            for moving, batch in ((self.moving_mean, mean), (self.moving_variance, var)):
+                new = moving.torch() * m + batch.torch().to(moving.dtype) * (1.0 - m)
+                moving.assign(Tensor(new))
+
+
 class Sequential(Layer):
     """Chains layers: `layers[-1](...layers[0](x))`; `training` is passed to layers that take it.
 
     Args:
       layers: a list of layers (or any callables); more via `add`.
       name: see `Layer`.
+
+    `build(input_shape)` (batch dimension included, None allowed) creates
+    every layer's variables now, each from the previous layer's output
+    shape; a first layer given `input_shape=` builds the whole model at
+    construction (Keras). `summary()` then lists every layer's output shape
+    and parameter count.
 
     Source: tf.keras.Sequential.
 
@@ -428,16 +905,68 @@ class Sequential(Layer):
     def __init__(self, layers=None, name=None):
         super().__init__(name=name)
         self.layers = list(layers or [])
-        self.built = True
+        shape = getattr(self.layers[0], "_input_shape_arg", None) if self.layers else None
+        if shape is not None:
+            self.build((None,) + shape)
 
     def add(self, layer):
-        """Appends `layer`."""
+        """Appends `layer` (built at once when the model is built)."""
         self.layers.append(layer)
+        if self.built and self._output_shape is not None:
+            self._output_shape = _build_layer(layer, self._output_shape)
 
-    def __call__(self, x, training=False):
+    def build(self, input_shape):
+        """Builds every layer for inputs of `input_shape` (e.g. (None, 784)); runs once.
+
+        Each layer is built from the previous one's output shape
+        (`compute_output_shape`); a layer that cannot tell its output shape
+        is run once on a zero batch of 1 (not recorded) to find it.
+        Source: tf.keras.Sequential.build.
+        """
+        shape = tuple(input_shape)
+        for layer in self.layers:
+            shape = _build_layer(layer, shape)
+        self._output_shape = shape
+
+    def compute_output_shape(self, input_shape):
+        return self._output_shape if self.built else None
+
+    def _maybe_build(self, input_shape):
+        self.built = True  # its layers build themselves on this first call
+
+    def _convert_input(self, x):
+        first = self.layers[0] if self.layers else None
+        return first._convert_input(x) if isinstance(first, Layer) else super()._convert_input(x)
+
+    def call(self, x, training=False):
         for layer in self.layers:
             x = layer(x, training=training) if _takes_training(layer.__call__) else layer(x)
         return x
 
+
+def _build_layer(layer, shape):
+    """Builds `layer` for inputs of `shape`; returns its output shape (None where unknown)."""
+    if not isinstance(layer, Layer):
+        return _probe(layer, shape)
+    layer.build(shape)
+    out = layer.compute_output_shape(shape)
+    if out is None:
+        return _probe(layer, shape)
+    layer._output_shape = tuple(out)
+    return tuple(out)
+
+
+def _probe(layer, shape):
+    """Runs `layer` once on zeros of `shape` (None -> 1), unrecorded; its output shape with the batch unknown."""
+    if shape is None or any(d is None for d in shape[1:]):
+        return None
+    dtype = getattr(layer, "_input_dtype", None) or getattr(layer, "dtype", torch.float32)
+    device = next((v.device for v in getattr(layer, "variables", ())), None)
+    with _tp.stop_recording():
+        out = layer(Tensor(torch.zeros((1,) + tuple(shape[1:]), dtype=dtype, device=device)))
+    return (shape[0],) + tuple(out.shape[1:])
+
+
+Layer.build = _wrap_build(Layer.build)  # a plain Layer (no variables) is built by its first call too
 
 from dtape.torch_module import TorchModule  # noqa: F401  (re-export: dtape.layers.TorchModule)

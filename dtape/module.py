@@ -5,8 +5,10 @@ so the distributed variables of `dtape.distribute` count without this module
 importing it.
 """
 import itertools
+import math
 import re
 import threading
+import weakref
 
 from dtape.tensor import is_variable
 
@@ -17,6 +19,7 @@ _name_counts = {}  # process-wide: base name -> itertools.count, for unique defa
 
 
 def _snake_case(name):
+    """"Dense" -> "dense", "Conv2D" -> "conv2_d" (kept: checkpoints store these names)."""
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
@@ -64,6 +67,34 @@ def _walk(module):
 
 
 _DONE = object()
+
+
+class _LossState(threading.local):
+    """Per-thread: module -> the losses `add_loss` gave it on this thread (replica threads keep their own)."""
+
+    def __init__(self):
+        self.by_module = weakref.WeakKeyDictionary()
+
+
+_loss_state = _LossState()
+
+
+def _direct_children(module):
+    """The modules directly held by `module` (through attributes, lists, tuples, dicts), in order."""
+    out, seen, stack = [], {id(module)}, [iter(_children(module))]
+    while stack:
+        value = next(stack[-1], _DONE)
+        if value is _DONE:
+            stack.pop()
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, Module):
+            out.append(value)
+        elif isinstance(value, (dict, list, tuple)):
+            stack.append(iter(_children(value)))
+    return out
 
 
 class Module:
@@ -122,5 +153,108 @@ class Module:
         """Every module below this one (not itself), depth-first, as a tuple."""
         return tuple(obj for kind, obj in _walk(self) if kind == "module")
 
+    # -- Keras names ----------------------------------------------------------
+    @property
+    def trainable_weights(self):
+        """Keras name of `trainable_variables`. Source: tf.keras.layers.Layer.trainable_weights."""
+        return list(self.trainable_variables)
+
+    @property
+    def non_trainable_weights(self):
+        """Keras name of `non_trainable_variables`."""
+        return list(self.non_trainable_variables)
+
+    @property
+    def weights(self):
+        """Keras name of `variables`."""
+        return list(self.variables)
+
+    # -- losses ------------------------------------------------------------------
+    def add_loss(self, loss):
+        """Adds a loss (a scalar Tensor, e.g. an activity penalty) to `losses`, on this thread only.
+
+        Losses added during a call are cleared when the next top-level call
+        of a layer starts on the same thread. Under a strategy each replica
+        thread sees only its own. Source: tf.keras.layers.Layer.add_loss.
+        """
+        _loss_state.by_module.setdefault(self, []).append(loss)
+
+    def _clear_losses(self):
+        """Forgets the losses added on this thread to this module and every sub-module."""
+        for m in (self,) + self.submodules:
+            _loss_state.by_module.pop(m, None)
+
+    def _own_losses(self):
+        added = list(_loss_state.by_module.get(self, ()))
+        return added + [reg(var) for var, reg in vars(self).get("_regularized", ())]
+
+    @property
+    def losses(self):
+        """The losses of this module and its sub-modules: those added by `add_loss` on this thread
+        (activity regularizers) during the last call, then the weight penalties (`kernel_regularizer`, ...)
+        computed now from the current values (so differentiable under a tape).
+
+        Returns a list of scalar Tensors (empty when there are none). Sum them
+        into the loss; under a strategy scale the sum with
+        `dtape.nn.scale_regularization_loss`. Source: tf.keras.layers.Layer.losses.
+        """
+        out = []
+        for m in (self,) + self.submodules:
+            out.extend(m._own_losses())
+        return out
+
+    # -- summary ---------------------------------------------------------------
+    def summary(self, print_fn=None, line_length=80):
+        """Prints (and returns) a table of the direct sub-modules: name (type), output shape, parameters.
+
+        Output shapes are those of the last call or build (`?` before any).
+        Parameters count every element of the variables (a distributed
+        variable once). Totals: all, trainable and non-trainable.
+
+        Args:
+          print_fn: called with the table (default `print`); pass
+            `lambda s: None` to only get the string.
+          line_length: width of the table (widened to fit long names and shapes).
+
+        Returns:
+          The table as a str. Source: tf.keras.Model.summary.
+        """
+        rows = self._summary_rows()
+        w1 = max([int(line_length * 0.45), 20] + [len(label) + 2 for label, _, _ in rows])
+        w2 = max([int(line_length * 0.3), 16] + [len(shape) + 2 for _, shape, _ in rows])
+        w3 = max(line_length - w1 - w2, 10)
+        line_length = w1 + w2 + w3
+        rule, bold = "_" * line_length, "=" * line_length
+        lines = [f'Model: "{self.name}"', rule, f"{'Layer (type)':<{w1}}{'Output Shape':<{w2}}{'Param #':>{w3}}", bold]
+        for i, (label, shape, count) in enumerate(rows):
+            lines.append(f"{label:<{w1}}{shape:<{w2}}{count:>{w3},}")
+            lines.append(rule if i < len(rows) - 1 else bold)
+        if not rows:
+            lines.append(bold)
+        trainable = _count(self.trainable_variables)
+        total = _count(self.variables)
+        lines += [f"Total params: {total:,}", f"Trainable params: {trainable:,}",
+                  f"Non-trainable params: {total - trainable:,}", rule]
+        text = "\n".join(lines)
+        (print if print_fn is None else print_fn)(text)
+        return text
+
+    def _summary_rows(self):
+        children = getattr(self, "layers", None)
+        children = [c for c in children if isinstance(c, Module)] if isinstance(children, list) \
+            else _direct_children(self)
+        return [(f"{c.name} ({type(c).__name__})", _shape_str(getattr(c, "_output_shape", None)),
+                 _count(c.variables)) for c in children]
+
     def __repr__(self):
         return f"<{type(self).__module__}.{type(self).__name__} '{self.name}'>"
+
+
+def _count(variables):
+    return sum(math.prod(tuple(v.shape)) for v in variables)
+
+
+def _shape_str(shape):
+    if shape is None:
+        return "?"
+    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"

@@ -6,9 +6,14 @@ component, so mirrored components stay bit-identical. Slot variables are
 created in their variable's strategy scope, so they are mirrored like it.
 Every write goes through `Variable._update_value` (the variable's lock);
 slots are keyed by the variable's never-reused id and freed when it dies.
-Source: tf.keras.optimizers (SGD, Adam, AdamW).
+Clipping (`clipnorm`, `clipvalue`, `global_clipnorm`, one of them) is a
+separate step after the cross-replica aggregation (`_distributed_apply`),
+as Keras 3: under a strategy the summed gradient is clipped, so 2 replicas
+train exactly as one device on the global batch.
+Source: tf.keras.optimizers (SGD, Adam, AdamW, RMSprop, Adagrad).
 """
 import contextlib
+import inspect
 import math
 import warnings
 import weakref
@@ -16,10 +21,13 @@ import weakref
 import torch
 
 from dtape import distribute
+from dtape import optimizers_schedules as schedules
+from dtape import ops as _ops
 from dtape import tape as _tp
+from dtape.backprop import GradientTape
 from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation
 
 
@@ -29,13 +37,29 @@ class Optimizer:
     Subclasses define `_slot_names` and `_update(var, grad, slots, step)`
     (`var` a component Variable, `grad` a torch.Tensor on its device); they
     write with `_write(variable, fn)`, never by touching a variable's tensor.
+
+    Args (every optimizer):
+      learning_rate: a float >= 0; a `schedules.LearningRateSchedule` (called
+        with `iterations`); a callable taking the step; or a callable taking
+        no argument (Keras 3), evaluated at each step.
+      name: prefix of the slot variables' names.
+      clipnorm: clip each aggregated gradient to this L2 norm (tf.clip_by_norm).
+      clipvalue: clip each aggregated gradient elementwise to [-clipvalue, clipvalue].
+      global_clipnorm: clip all aggregated gradients together to this global
+        norm (tf.clip_by_global_norm). At most one of the three.
+
+    Raises:
+      ValueError: more than one clipping option, or a non-positive/non-finite
+        one; a negative or non-finite learning rate.
     """
 
     _slot_names = ()
+    _slot_initial = {}  # slot name -> initial value (default 0)
 
-    def __init__(self, learning_rate, name):
-        self.learning_rate = learning_rate
+    def __init__(self, learning_rate, name, clipnorm=None, clipvalue=None, global_clipnorm=None):
+        self.learning_rate = _check_learning_rate(learning_rate)
         self.name = name
+        self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(clipnorm, clipvalue, global_clipnorm)
         self._slots = {}          # _slot_key(var) -> {slot name: variable}, in creation order
         self._iterations = None
 
@@ -49,7 +73,7 @@ class Optimizer:
     def _make_variable(self, value, dtype, like, name):
         strategy = getattr(like, "distribute_strategy", None) or distribute.get_strategy()
         with _tp.stop_recording(), _scope(strategy):
-            init = torch.zeros((), dtype=dtype) + value if like is None else torch.zeros_like(like.torch())
+            init = torch.zeros((), dtype=dtype) + value if like is None else torch.zeros_like(like.torch()) + value
             return Variable(init, trainable=False, name=f"{self.name}/{name}",
                             aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
 
@@ -57,7 +81,8 @@ class Optimizer:
         key = _slot_key(var)
         slots = self._slots.get(key)
         if slots is None:
-            slots = {n: self._make_variable(0, None, var, f"{var.name}/{n}") for n in self._slot_names}
+            slots = {n: self._make_variable(self._slot_initial.get(n, 0), None, var, f"{var.name}/{n}")
+                     for n in self._slot_names}
             self._slots[key] = slots
             # The key is never reused, so a new variable never inherits these;
             # dropping the variable frees them (the finalizer holds no optimizer).
@@ -113,14 +138,43 @@ class Optimizer:
             return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
         if ctx is not None:
             return ctx.merge_call(self._merge_apply, args=(pairs,))
-        return self._apply(distribute.get_strategy(), _drop_missing(pairs))
+        return self._distributed_apply(distribute.get_strategy(), _drop_missing(pairs))
 
     def _merge_apply(self, strategy, pairs):
         """merge_fn: fills one-sided None gradients with zeros, sums over replicas, applies."""
         devices = strategy.extended.worker_devices
         kept = [(_fill_missing(g, v, devices), v) for g, v in _drop_missing(pairs)]
         reduced = strategy.extended.batch_reduce_to(ReduceOp.SUM, kept)
-        return self._apply(strategy, [(g, v) for g, (_, v) in zip(reduced, kept)])
+        return self._distributed_apply(strategy, [(g, v) for g, (_, v) in zip(reduced, kept)])
+
+    def _distributed_apply(self, strategy, pairs):
+        """Cross-replica context, gradients already aggregated: clip, then apply."""
+        return self._apply(strategy, self._clip_gradients(pairs))
+
+    def _clip_gradients(self, pairs):
+        """`clipnorm` / `global_clipnorm` / `clipvalue` on the aggregated gradients (Keras 3 order).
+
+        A Mirrored gradient is clipped copy by copy (copies are identical, so
+        every replica applies the same update).
+        """
+        if not pairs or (self.clipnorm is None and self.clipvalue is None and self.global_clipnorm is None):
+            return pairs
+        grads = [g for g, _ in pairs]
+        n = max((len(g.values) for g in grads if isinstance(g, distribute.DistributedValues)), default=0)
+        with _tp.stop_recording():
+            if not n:
+                clipped = self._clip_list([convert_to_tensor(g) for g in grads])
+            else:
+                per = [self._clip_list([_replica_part(g, i) for g in grads]) for i in range(n)]
+                clipped = [distribute.Mirrored(tuple(p[k] for p in per)) for k in range(len(grads))]
+        return [(g, v) for g, (_, v) in zip(clipped, pairs)]
+
+    def _clip_list(self, grads):
+        if self.clipnorm is not None:
+            return [_ops.clip_by_norm(g, self.clipnorm) for g in grads]
+        if self.global_clipnorm is not None:
+            return _ops.clip_by_global_norm(grads, self.global_clipnorm)[0]
+        return [_ops.clip_by_value(g, -self.clipvalue, self.clipvalue) for g in grads]
 
     def _merge_apply_reduced(self, strategy, pairs, given):
         """merge_fn: the gradients are already summed (each replica holds an identical copy): applies.
@@ -131,7 +185,7 @@ class Optimizer:
         for g in given:
             if g is not None and not isinstance(g, distribute.DistributedValues):
                 reduce_non_distributed_value(ReduceOp.SUM, g, strategy.num_replicas_in_sync)
-        return self._apply(strategy, _drop_missing(pairs))
+        return self._distributed_apply(strategy, _drop_missing(pairs))
 
     def _apply(self, strategy, pairs):
         for _, var in pairs:  # slots are made here, once, in the cross-replica context
@@ -148,14 +202,92 @@ class Optimizer:
         slots = {n: _component_like(s, var) for n, s in self._slots_for(container).items()}
         self._update(var, convert_to_tensor(grad).torch().to(var.device), slots, step)
 
-    def minimize(self, loss, var_list, tape):
-        """Computes the gradients of `loss` with `tape` and applies them to `var_list`."""
+    def minimize(self, loss, var_list, tape=None):
+        """Minimizes `loss` over `var_list`: gradients, then `apply_gradients`.
+
+        Args:
+          loss: a scalar Tensor computed under `tape`, or a callable taking no
+            arguments that returns one (then no tape is needed: one is opened
+            here around the call).
+          var_list: list of variables, or a callable returning it (called
+            after `loss()`, so layers built lazily by `loss` are included).
+          tape: the GradientTape that recorded a Tensor `loss`.
+
+        Returns:
+          The iterations variable.
+
+        Raises:
+          ValueError: a Tensor loss without a tape.
+
+        Source: tf.keras.optimizers.Optimizer.minimize.
+        """
+        if not callable(loss):
+            if tape is None:
+                raise ValueError("`tape` is required when a `Tensor` loss is passed; pass a callable "
+                                 "`loss=lambda: ...` to minimize without a tape")
+            if callable(var_list):
+                var_list = var_list()
+        else:
+            tape = tape if tape is not None else GradientTape()
+            with tape:
+                if not callable(var_list):
+                    tape.watch(var_list)
+                loss = loss()
+                if callable(var_list):
+                    var_list = var_list()
+        var_list = list(var_list)
         grads = tape.gradient(loss, var_list)
         return self.apply_gradients(zip(grads, var_list))
 
     def _lr(self):
+        """The learning rate for this step: a float, a schedule or `fn(step)` of `iterations`, or `fn()`."""
         lr = self.learning_rate
-        return float(lr(int(self.iterations.numpy()))) if callable(lr) else float(lr)
+        if isinstance(lr, schedules.LearningRateSchedule):
+            return float(lr(int(self.iterations.numpy())))
+        if callable(lr):
+            return float(lr(int(self.iterations.numpy())) if _takes_step(lr) else lr())
+        return float(lr)
+
+
+def _check_learning_rate(lr):
+    if callable(lr) or is_variable(lr):
+        return lr
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(f"learning_rate must be a float, a LearningRateSchedule or a callable, got "
+                        f"{type(lr).__name__} {lr!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"learning_rate must be a finite float >= 0, got {lr!r}")
+    return lr
+
+
+def _check_clipping(clipnorm, clipvalue, global_clipnorm):
+    given = [n for n, v in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set, got {given}")
+    out = []
+    for name, v in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)):
+        if v is not None:
+            v = float(v)
+            if not v > 0 or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite float > 0, got {v!r}")
+        out.append(v)
+    return tuple(out)
+
+
+def _takes_step(fn):
+    """Whether a learning-rate callable takes the step (Keras 3 calls plain callables with none)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+
+
+def _replica_part(grad, i):
+    return convert_to_tensor(grad.values[i] if isinstance(grad, distribute.DistributedValues) else grad)
 
 
 def _write(var, fn):
@@ -216,8 +348,8 @@ class SGD(Optimizer):
     (Nesterov: w += momentum * velocity - lr * g). Source: tf.keras.optimizers.SGD.
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD"):
-        super().__init__(learning_rate, name)
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD", **clipping):
+        super().__init__(learning_rate, name, **clipping)
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"SGD momentum must be in [0, 1], got {momentum}")
         self.momentum = float(momentum)
@@ -244,8 +376,8 @@ class Adam(Optimizer):
 
     _slot_names = ("m", "v")
 
-    def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="Adam"):
-        super().__init__(learning_rate, name)
+    def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="Adam", **clipping):
+        super().__init__(learning_rate, name, **clipping)
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
     def _update(self, var, g, slots, step):
@@ -266,12 +398,88 @@ class AdamW(Adam):
     """
 
     def __init__(self, learning_rate=1e-3, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 name="AdamW"):
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, name)
+                 name="AdamW", **clipping):
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, name, **clipping)
         self.weight_decay = float(weight_decay)
 
     def _decay(self, w):
         return self._lr() * self.weight_decay * w
 
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+class RMSprop(Optimizer):
+    """RMSprop with Keras's epsilon inside the square root.
+
+    v = rho v + (1 - rho) g^2; (centered: a = rho a + (1 - rho) g, den = v - a^2 + eps; else den = v + eps);
+    inc = lr g / sqrt(den); momentum > 0: m = momentum m + inc, w -= m; else w -= inc.
+    (torch.optim.RMSprop adds eps outside the root: equal when eps = 0.)
+
+    Args:
+      learning_rate: float, schedule or callable (default 0.001).
+      rho: decay of the squared-gradient average (0.9).
+      momentum: float >= 0 (0.0).
+      epsilon: 1e-7.
+      centered: divide by the estimated variance instead of the second moment.
+      name, clipnorm, clipvalue, global_clipnorm: see `Optimizer`.
+
+    Source: tf.keras.optimizers.RMSprop.
+    """
+
+    def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False, name="RMSprop",
+                 **clipping):
+        super().__init__(learning_rate, name, **clipping)
+        if not 0.0 <= float(rho) <= 1.0 or float(momentum) < 0:
+            raise ValueError(f"RMSprop needs 0 <= rho <= 1 and momentum >= 0, got rho={rho}, momentum={momentum}")
+        self.rho, self.momentum, self.epsilon = float(rho), float(momentum), float(epsilon)
+        self.centered = bool(centered)
+        self._slot_names = ("velocity",) + (("momentum",) if self.momentum else ()) + \
+            (("average_gradient",) if self.centered else ())
+
+    def _update(self, var, g, slots, step):
+        lr, rho = self._lr(), self.rho
+        v = _write(slots["velocity"], lambda v: rho * v + (1 - rho) * g * g)
+        if self.centered:
+            a = _write(slots["average_gradient"], lambda a: rho * a + (1 - rho) * g)
+            den = v - a * a + self.epsilon
+        else:
+            den = v + self.epsilon
+        inc = lr * g / torch.sqrt(den)
+        if self.momentum:
+            inc = _write(slots["momentum"], lambda m: self.momentum * m + inc)
+        _write(var, lambda w: w - inc)
+
+
+class Adagrad(Optimizer):
+    """Adagrad: acc += g^2; w -= lr g / sqrt(acc + epsilon) (Keras's epsilon inside the root).
+
+    Args:
+      learning_rate: float, schedule or callable (default 0.001).
+      initial_accumulator_value: starting value of acc (0.1).
+      epsilon: 1e-7. (torch.optim.Adagrad adds eps outside the root: equal when eps = 0.)
+      name, clipnorm, clipvalue, global_clipnorm: see `Optimizer`.
+
+    Source: tf.keras.optimizers.Adagrad.
+    """
+
+    _slot_names = ("accumulator",)
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7, name="Adagrad", **clipping):
+        super().__init__(learning_rate, name, **clipping)
+        if float(initial_accumulator_value) < 0:
+            raise ValueError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
+        self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
+        self._slot_initial = {"accumulator": self.initial_accumulator_value}
+
+    def _update(self, var, g, slots, step):
+        lr = self._lr()
+        acc = _write(slots["accumulator"], lambda a: a + g * g)
+        _write(var, lambda w: w - lr * g / torch.sqrt(acc + self.epsilon))
+
+
+def __getattr__(name):  # Keras 3 name; defined in dtape.mixed_precision (which imports this module)
+    if name == "LossScaleOptimizer":
+        from dtape.mixed_precision import LossScaleOptimizer
+        return LossScaleOptimizer
+    raise AttributeError(f"module 'dtape.optimizers' has no attribute {name!r}")
+
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "schedules"]

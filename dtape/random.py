@@ -15,7 +15,7 @@ import threading
 import torch
 
 from dtape._local import ThreadLocalScope
-from dtape.tensor import DEFAULT_FLOAT_DTYPE, Tensor, convert_to_tensor, default_device
+from dtape.tensor import DEFAULT_FLOAT_DTYPE, Tensor, as_dtype, convert_to_tensor, default_device
 
 
 class _GeneratorState(threading.local):
@@ -51,7 +51,7 @@ def get_generator(device=None):
 
 
 def _dtype(dtype):
-    return DEFAULT_FLOAT_DTYPE if dtype is None else dtype
+    return DEFAULT_FLOAT_DTYPE if dtype is None else as_dtype(dtype)
 
 
 def _shape(shape):
@@ -115,7 +115,7 @@ def categorical(logits, num_samples, dtype=torch.int64, seed=None):
     probs = torch.softmax(logits.to(torch.float64), dim=-1)
     out = torch.multinomial(probs, int(num_samples), replacement=True,
                             generator=_seeded(seed, logits.device))
-    return Tensor(out.to(dtype))
+    return Tensor(out.to(as_dtype(dtype)))
 
 
 def bernoulli_mask(shape, keep_prob, dtype, device):

@@ -5,6 +5,12 @@ set shared by every thread, so a tape opened on one thread records the ops
 other threads run on tensors it watches (what replica threads need), while
 `stop_recording()` pauses recording on the calling thread only.
 
+Automatic watching of variable reads is scoped by thread lineage (issue 7
+point 3): a tape is owned by the thread that creates it, the replica threads
+of a `strategy.run` inherit their caller's lineage (`lineage_scope`), and a
+read watches and records only on tapes owned by the reading thread's
+lineage, or on tapes that watched that variable explicitly.
+
 Concurrency: the set is mutated under `_set_lock` and published as an
 immutable tuple, so the hot path reads one module global with no lock. Each
 tape guards its records and watch sets with its own lock; nothing relies on
@@ -19,6 +25,7 @@ import threading
 
 import torch
 
+from dtape._local import ThreadLocalScope
 from dtape.tensor import Tensor, convert_to_tensor
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
@@ -28,11 +35,24 @@ _set_lock = threading.Lock()
 
 
 class _ThreadState(threading.local):
-    """Per-thread state: stop flag, tapes paused on this thread, variable-read captures."""
+    """Per-thread state: stop flag, tapes paused on this thread, variable-read captures, lineage,
+    and the tracker of the tapes pushed on this thread (a PushedTapes or None).
+
+    `scope` is this thread's own tape-scope token (a tape created here is
+    owned by it); `lineage` is `scope` followed by the scopes of the threads
+    that started this one's current job through `strategy.run`
+    (`lineage_scope`). A variable read notifies only the tapes whose owner is
+    in the reading thread's lineage.
+    """
 
     stopped = False
     paused = ()
     captures = ()
+    pushed = None
+
+    def __init__(self):  # threading.local runs it once per thread, on first use there
+        self.scope = object()
+        self.lineage = (self.scope,)
 
 
 _thread_state = _ThreadState()
@@ -66,7 +86,7 @@ class Tape:
     """
 
     __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_records",
-                 "_watched", "_watched_vars", "__weakref__")
+                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "__weakref__")
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
@@ -75,16 +95,30 @@ class Tape:
         self._records = []
         self._watched = set()
         self._watched_vars = {}  # id(var) -> var, insertion (first-watch) ordered
+        self._accessed = set()   # _id of variables whose reads were already resolved and watched
+        self._explicit = set()   # _id of variables watched by `watch`: their reads follow to any thread
+        self._owner = _thread_state.scope  # the creating thread's tape scope
 
     def _watch_ids(self, ids):
         with self._lock:
             self._watched.update(ids)
 
-    def _watch_variable(self, variable):
+    def _watch_variable(self, variable, explicit=False):
         handle = variable._handle()
         with self._lock:
             self._watched_vars.setdefault(id(variable), variable)
             self._watched.add(handle._id)
+            if explicit:
+                self._explicit.add(handle._id)
+
+    def _watch_accessed(self, key, variables):
+        """Watches the resolved `variables` of an accessed variable and remembers `key` as done."""
+        handles = [v._handle()._id for v in variables]
+        with self._lock:
+            for v in variables:
+                self._watched_vars.setdefault(id(v), v)
+            self._watched.update(handles)
+            self._accessed.add(key)
 
     def watched_variables(self):
         """Variables watched so far, in first-watch order, without duplicates."""
@@ -102,6 +136,8 @@ class Tape:
             self._records = []
             self._watched = set()
             self._watched_vars = {}
+            self._accessed = set()
+            self._explicit = set()
 
     def release(self):
         """Drops the records (a non-persistent tape after its gradient)."""
@@ -118,15 +154,20 @@ def push_new_tape(persistent=False, watch_accessed_variables=True):
     tape = Tape(persistent, watch_accessed_variables)
     with _set_lock:
         _tape_set = _tape_set + (tape,)
+    if _thread_state.pushed is not None:
+        _thread_state.pushed.add(tape)
     return tape
 
 
 def push_tape(tape):
-    """Adds an existing tape back to the active set (no-op if present)."""
+    """Adds an existing tape back to the active set (no-op if present); the calling thread owns it."""
     global _tape_set
+    tape._owner = _thread_state.scope
     with _set_lock:
         if tape not in _tape_set:
             _tape_set = _tape_set + (tape,)
+    if _thread_state.pushed is not None:
+        _thread_state.pushed.add(tape)
 
 
 def pop_tape(tape):
@@ -134,6 +175,46 @@ def pop_tape(tape):
     global _tape_set
     with _set_lock:
         _tape_set = tuple(t for t in _tape_set if t is not tape)
+    if _thread_state.pushed is not None:
+        _thread_state.pushed.discard(tape)
+
+
+class PushedTapes:
+    """The tapes pushed on one thread (inside `track_pushed_tapes`) and not popped there since.
+
+    Thread-safe: `detach()` may run on another thread, e.g. to remove the
+    tapes of a replica thread that was abandoned while stuck.
+    """
+
+    __slots__ = ("_lock", "_tapes")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tapes = {}  # id -> tape
+
+    def add(self, tape):
+        with self._lock:
+            self._tapes[id(tape)] = tape
+
+    def discard(self, tape):
+        with self._lock:
+            self._tapes.pop(id(tape), None)
+
+    def detach(self):
+        """Removes every tracked tape from the active set; returns how many there were."""
+        with self._lock:
+            tapes, self._tapes = list(self._tapes.values()), {}
+        for tape in tapes:
+            pop_tape(tape)
+        return len(tapes)
+
+
+class track_pushed_tapes(ThreadLocalScope):
+    """Thread-local: records in a PushedTapes the tapes pushed on this thread inside the block."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "pushed"
 
 
 def _recording_tapes():
@@ -153,25 +234,100 @@ def watch(tape, tensor):
 
 
 def watch_variable(tape, variable):
-    """Marks `variable` as watched by `tape`, as the registered resolver resolves it."""
+    """Marks `variable` as watched by `tape`, as the registered resolver resolves it.
+
+    An explicitly watched variable's reads are recorded on any thread
+    (explicit watches follow data, seed 1).
+    """
     for v in _resolve_watched(variable):
-        tape._watch_variable(v)
+        tape._watch_variable(v, explicit=True)
 
 
 def variable_accessed(variable):
     """Notifies the tapes recording on this thread that `variable` was read.
 
-    Tapes with `watch_accessed_variables` watch it; an active
-    `capture_variable_reads()` on this thread records it regardless of the
-    stop flag.
+    Tapes with `watch_accessed_variables` owned by this thread's lineage
+    (this thread, or the caller of the `strategy.run` whose replica this
+    thread runs) watch it; an active `capture_variable_reads()` on this
+    thread records it regardless of the stop flag.
     """
-    captures = _thread_state.captures
-    if captures:
-        captures[-1].setdefault(id(variable), variable)
-    tapes = _recording_tapes()
-    for tape in tapes:
-        if tape.watch_accessed_variables:
-            watch_variable(tape, variable)
+    state = _thread_state
+    if state.captures:
+        state.captures[-1].setdefault(id(variable), variable)
+    if state.stopped:
+        return
+    key = getattr(variable, "_id", None)
+    lineage, paused = state.lineage, state.paused
+    for tape in _tape_set:
+        if tape._owner in lineage and tape.watch_accessed_variables and \
+                not (paused and tape in paused) and (key is None or key not in tape._accessed):
+            if key is None:
+                for v in _resolve_watched(variable):
+                    tape._watch_variable(v)
+            else:
+                tape._watch_accessed(key, _resolve_watched(variable))
+
+
+def variable_read(variable, out, op):
+    """The tape side of `Variable.read_value`: notifies the tapes, then records `op` from the variable to `out`.
+
+    The read is recorded on the tapes that watch the variable, except tapes
+    of other threads that only watch it because their own thread read it.
+    A tape that already resolved this variable is skipped without calling
+    the resolver or taking its lock (issue 7 point 7).
+    """
+    state = _thread_state
+    trainable = variable._trainable
+    if trainable and state.captures:
+        state.captures[-1].setdefault(id(variable), variable)
+    vid = variable._id
+    foreign = ()  # tapes of other threads that must not record this read (issue 7 point 3)
+    if not state.stopped:  # variable_accessed inlined: this is the hot path of every variable operand
+        lineage, paused = state.lineage, state.paused
+        for tape in _tape_set:
+            if tape._owner not in lineage:
+                if vid not in tape._explicit:
+                    foreign += (tape,)
+            elif trainable and tape.watch_accessed_variables and vid not in tape._accessed and \
+                    not (paused and tape in paused):
+                tape._watch_accessed(vid, _resolve_watched(variable))
+    if not foreign:
+        record(op, (vid,), (variable,), (out,), None)
+        return
+    prev = state.paused
+    state.paused = prev + foreign
+    try:
+        record(op, (vid,), (variable,), (out,), None)
+    finally:
+        state.paused = prev
+
+
+def current_lineage():
+    """This thread's tape-scope lineage (for the replica threads of a `strategy.run` called here)."""
+    return _thread_state.lineage
+
+
+class lineage_scope:
+    """Thread-local: this thread runs a job for a thread of lineage `parent` (`strategy.run`'s caller).
+
+    Variable reads here notify the tapes owned by this thread or by any
+    thread in `parent`; restores the previous lineage on exit.
+    """
+
+    __slots__ = ("_parent", "_prev")
+
+    def __init__(self, parent):
+        self._parent = parent
+
+    def __enter__(self):
+        state = _thread_state
+        self._prev = state.lineage
+        state.lineage = (state.scope,) + tuple(self._parent)
+        return self
+
+    def __exit__(self, *exc):
+        _thread_state.lineage = self._prev
+        return False
 
 
 def _ids(tensors):
@@ -362,6 +518,7 @@ class capture_variable_reads:
 
 
 __all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
-           "variable_accessed", "should_record", "record", "record_operation", "delete_trace",
+           "variable_accessed", "variable_read", "current_lineage", "lineage_scope", "should_record", "record",
+           "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver"]
+           "register_watched_variable_resolver", "PushedTapes", "track_pushed_tapes"]

@@ -6,6 +6,7 @@ reads of variables are filled in from above (`ops/_dispatch.py`,
 array methods from its numpy layer.
 """
 import itertools
+import operator
 import threading
 
 import numpy as np
@@ -28,7 +29,10 @@ class Tensor:
     Every instance has a unique integer `_id` that tapes watch. `.torch()`
     returns the wrapped tensor without a copy; it never requires grad.
     Operators (`+ - * / // % ** @`, unary `-`, `abs`, indexing) are
-    differentiable and recorded on active tapes.
+    differentiable and recorded on active tapes, also with a numpy array on
+    the left (`np_array * x` is a recorded Tensor). A 0-d tensor formats as
+    a number (`f"{loss:.4f}"`); `np.asarray(x)` copies out; DLPack
+    (`np.from_dlpack(x)`, `torch.from_dlpack(x)`) shares memory.
 
     Source: tf.Tensor (EagerTensor) with torch dtypes and devices.
 
@@ -66,8 +70,16 @@ class Tensor:
         return self._t
 
     def numpy(self):
-        """A numpy copy of the value (moved to the CPU first)."""
-        return self._t.detach().cpu().numpy()
+        """A numpy copy of the value (moved to the CPU first).
+
+        Raises:
+          TypeError: for dtypes numpy lacks (bfloat16): cast first, e.g. `dtape.cast(x, dtape.float32)`.
+        """
+        try:
+            return self._t.detach().cpu().numpy()
+        except TypeError:
+            raise TypeError(f"numpy has no {self._t.dtype}: cast first, e.g. "
+                            f"dtape.cast(x, dtape.float32).numpy()") from None
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
@@ -96,8 +108,54 @@ class Tensor:
         return (self[i] for i in range(self._t.shape[0]))
 
     def __repr__(self):
-        body = repr(self._t.numpy() if self._t.device.type == "cpu" else self._t.cpu().numpy())
-        return f"<dtape.Tensor: shape={tuple(self._t.shape)}, dtype={self._t.dtype}, device={self._t.device}, numpy={body}>"
+        return (f"<dtape.Tensor: shape={tuple(self._t.shape)}, dtype={self._t.dtype}, device={self._t.device}, "
+                f"numpy={numpy_repr(self._t)}>")
+
+    # -- number and array protocols -----------------------------------------
+    # Written on `self.torch()` (not recorded), so variables install these same
+    # functions unchanged (ops/_dispatch.py `_SHARED_DUNDERS`).
+    def __format__(self, spec):
+        """`f"{loss:.4f}"`: a 0-d tensor formats as its number (numpy's and torch's rule).
+
+        Raises:
+          TypeError: for a format spec on a tensor with more than one element.
+        """
+        t = self.torch()
+        if t.dim() == 0:
+            arr = _display_numpy(t)
+            return format(arr[()], spec) if spec else str(arr)  # str: numpy's shortest digits ('0.1')
+        if not spec:
+            return str(self)
+        raise TypeError(f"format spec {spec!r} needs a 0-d (scalar) dtape tensor, got shape {tuple(t.shape)}; "
+                        f"format one element (f\"{{x[0]:{spec}}}\") or the numpy array (np.array2string)")
+
+    # numpy ufuncs on dtape tensors (NEP 13). The operator ufuncs, which numpy
+    # also runs for `np_array * x`, `np_array @ w`, `np_array < x`, run dtape's
+    # operators: a recorded dtape.Tensor, so gradients flow to `x`. Any other
+    # ufunc or ufunc method (np.exp, np.add.reduce, out=) runs numpy on the
+    # values, as torch.Tensor and tf.Tensor do, and returns numpy (no gradient).
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        fn = _UFUNC_OPERATORS.get(ufunc)
+        if fn is not None and method == "__call__" and not kwargs:
+            return fn(*[x if type(x) in _PY_SCALARS or isinstance(x, Tensor) or is_variable(x)
+                        else convert_to_tensor(x) for x in inputs])
+        if any(isinstance(o, Tensor) or is_variable(o) for o in kwargs.get("out", ())):
+            raise TypeError(f"numpy {ufunc.__name__}(out=...): a dtape tensor is immutable and a variable "
+                            f"changes only through assign; use the result, or variable.assign(...)")
+        inputs = [np.asarray(x) if isinstance(x, Tensor) or is_variable(x) else x for x in inputs]
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __dlpack__(self, **kwargs):
+        """DLPack export (`np.from_dlpack(x)`, `torch.from_dlpack(x)`): shares memory, no copy.
+
+        Keyword arguments (`stream`, `max_version`, `dl_device`, `copy`) are
+        torch.Tensor.__dlpack__'s. The consumer must not write to the shared
+        memory: dtape tensors are immutable.
+        """
+        return self.torch().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.torch().__dlpack_device__()
 
     __hash__ = object.__hash__  # identity hash, as tf.Tensor in eager sets/dicts
 
@@ -109,6 +167,79 @@ def is_variable(obj):
     `variables.install_tensor_protocol`.
     """
     return getattr(type(obj), "_dtape_variable", False)
+
+
+_PY_SCALARS = (int, float, bool, complex)
+
+# numpy ufunc -> the Python operator whose dtape implementation it runs.
+_UFUNC_OPERATORS = {
+    np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul,
+    np.true_divide: operator.truediv, np.floor_divide: operator.floordiv, np.remainder: operator.mod,
+    np.power: operator.pow, np.matmul: operator.matmul, np.less: operator.lt, np.less_equal: operator.le,
+    np.greater: operator.gt, np.greater_equal: operator.ge, np.equal: operator.eq, np.not_equal: operator.ne,
+    np.negative: operator.neg, np.positive: operator.pos, np.absolute: operator.abs,
+}
+
+
+def _display_numpy(t):
+    """numpy copy of torch tensor `t` for display: dtypes numpy lacks (bfloat16, float8) as float32."""
+    t = t.detach().cpu()
+    try:
+        return t.numpy()
+    except TypeError:
+        return t.to(torch.complex64 if t.is_complex() else torch.float32).numpy()
+
+
+def numpy_repr(t):
+    """numpy-style repr of torch tensor `t`, any dtype: bfloat16 shows its float32 values, named bfloat16."""
+    arr = _display_numpy(t)
+    body = repr(arr)
+    if arr.dtype.name != str(t.dtype).removeprefix("torch."):  # converted for display: name the real dtype
+        body = body.replace(f"dtype={arr.dtype.name}", f"dtype={str(t.dtype).removeprefix('torch.')}")
+    return body
+
+
+# -- dtypes ----------------------------------------------------------------------
+# dtype names dtape accepts (torch's and TF's canonical names, and TF's aliases).
+_DTYPE_NAMES = {name: getattr(torch, name) for name in (
+    "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+    "complex64", "complex128")}
+_DTYPE_NAMES.update(half=torch.float16, float=torch.float32, double=torch.float64)
+# Python types as dtypes: what dtape makes of a Python value of that type.
+_PY_TYPE_DTYPES = {float: DEFAULT_FLOAT_DTYPE, int: torch.int64, bool: torch.bool, complex: torch.complex64}
+
+
+def as_dtype(dtype):
+    """The torch.dtype for `dtype`: a torch.dtype, a name ("float32", "bfloat16", "int64", "bool"),
+    a numpy dtype or type (np.float32, np.dtype("int32")) or a Python type (float: float32, int: int64).
+
+    None passes through (it means "the default" wherever a dtype is optional).
+    Every dtype argument in dtape goes through this function.
+
+    Raises:
+      ValueError: for an unknown name (the message lists the valid ones).
+      TypeError: for a value that is not a dtype at all.
+
+    Source: tf.dtypes.as_dtype, returning torch dtypes.
+    """
+    if type(dtype) is torch.dtype or dtype is None:
+        return dtype
+    if isinstance(dtype, str):
+        found = _DTYPE_NAMES.get(dtype.removeprefix("torch."))
+        if found is None:
+            raise ValueError(f"unknown dtype name {dtype!r}; valid names: {', '.join(_DTYPE_NAMES)} "
+                             f"(or a torch.dtype such as dtape.float32)")
+        return found
+    if isinstance(dtype, type) and dtype in _PY_TYPE_DTYPES:
+        return _PY_TYPE_DTYPES[dtype]
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in _DTYPE_NAMES:
+        raise TypeError(f"{dtype!r} is not a dtype dtape supports; give a torch.dtype (dtape.float32), "
+                        f"a name ({', '.join(_DTYPE_NAMES)}) or a numpy dtype")
+    return _DTYPE_NAMES[name]
 
 
 def _infer_dtype(value):
@@ -123,6 +254,8 @@ def _infer_dtype(value):
 
 def _to_torch(value, dtype=None, device=None):
     """A torch.Tensor from a scalar, nested list, numpy array or torch.Tensor."""
+    if dtype is not None:
+        dtype = as_dtype(dtype)
     if isinstance(value, torch.Tensor):
         t = value.detach()
     elif isinstance(value, np.ndarray) or np.isscalar(value) and not isinstance(value, (int, float, bool)):
@@ -216,7 +349,7 @@ def constant(value, dtype=None, shape=None, device=None):
 
     Args:
       value: Python scalar, nested list, numpy array or torch.Tensor.
-      dtype: torch.dtype; default float32 for Python floats, int64 for ints,
+      dtype: torch.dtype or a name/numpy dtype (see `as_dtype`); default float32 for Python floats, int64 for ints,
         the source dtype for numpy and torch values.
       shape: optional shape; a scalar value is broadcast to it.
       device: torch device or name ('cpu', 'cuda:0'); default: a torch.Tensor's
@@ -253,8 +386,9 @@ def convert_to_tensor(value, dtype=None, device=None):
     Source: tf.convert_to_tensor.
     """
     if type(value) is Tensor:
-        if dtype is not None and value.dtype != dtype:
-            raise ValueError(f"convert_to_tensor: tensor has dtype {value.dtype}, requested {dtype}; use dtape.cast")
+        if dtype is not None and value.dtype != as_dtype(dtype):
+            raise ValueError(f"convert_to_tensor: tensor has dtype {value.dtype}, requested {as_dtype(dtype)}; "
+                             f"use dtape.cast")
         return value
     if is_variable(value):
         return convert_to_tensor(value._dtape_read(), dtype)
@@ -264,3 +398,26 @@ def convert_to_tensor(value, dtype=None, device=None):
 def is_differentiable_dtype(dtype):
     """True for floating and complex dtypes (the ones that get gradients)."""
     return dtype.is_floating_point or dtype.is_complex
+
+
+def from_dlpack(obj):
+    """A dtape.Tensor sharing memory with `obj` (no copy), through DLPack.
+
+    Args:
+      obj: anything with `__dlpack__` (numpy array, torch.Tensor, CuPy/JAX
+        array, dtape Tensor or Variable) or a DLPack capsule.
+
+    Returns:
+      A Tensor of obj's shape, dtype and device over the same memory: writes
+      to `obj` afterwards show in the Tensor (dtape never writes to it).
+      A torch.Tensor that requires grad is detached first.
+
+    Raises:
+      BufferError / RuntimeError: (from the producer or torch) for memory
+        DLPack cannot share (e.g. a read-only numpy array).
+
+    Source: tf.experimental.dlpack.from_dlpack, torch.from_dlpack.
+    """
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach()
+    return Tensor(torch.from_dlpack(obj))

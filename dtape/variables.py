@@ -13,7 +13,7 @@ import torch
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import install_variable_operators
-from dtape.tensor import Tensor, _next_id, _to_torch, is_variable
+from dtape.tensor import Tensor, _next_id, _to_torch, is_variable, numpy_repr
 
 
 class VariableSynchronization(enum.Enum):
@@ -237,11 +237,9 @@ class Variable(metaclass=_VariableMeta):
         if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
             t = _read_hook.fn(self, t)
         out = Tensor(t)
-        if _tp._tape_set:
-            if self._trainable:
-                _tp.variable_accessed(self)
-            _tp.record(_READ_OP, (self._id,), (self,), (out,), None)
-        elif _tp._thread_state.captures and self._trainable:
+        if _tp._tape_set:  # one call: watches (once per tape) and records the read
+            _tp.variable_read(self, out, _READ_OP)
+        elif self._trainable and _tp._thread_state.captures:
             _tp.variable_accessed(self)
         return out
 
@@ -317,7 +315,7 @@ class Variable(metaclass=_VariableMeta):
 
     def __repr__(self):
         return (f"<dtape.Variable '{self._name}' shape={tuple(self._t.shape)} dtype={self._t.dtype} "
-                f"device={self._t.device}, numpy={self.numpy()!r}>")
+                f"device={self._t.device}, numpy={numpy_repr(self._t)}>")
 
     def __hash__(self):
         return id(self)

@@ -18,58 +18,323 @@ Random numbers: --dropout RATE adds the task's dropout layers. Under
 its masks from its own generator (seeded from (seed, replica id)), so a run
 is reproducible whatever the thread schedule.
 
+Checking first: every argument is checked before any work (numbers, device
+names and their existence, the output folders, which are created and probed
+with a file); a mistake prints one line on stderr saying what to do and exits
+with status 2. An existing checkpoint is never replaced unless --resume
+(continue it) or --overwrite (start over) is given.
+
+Checkpoints: --checkpoint-dir DIR gets last.pt, written atomically at the end
+of each epoch, every --save-every steps, at the end of the run and when the job
+is stopped. It holds the model, optimizer, step counter, metrics so far, the
+run's settings and every random state (torch's default CPU and CUDA
+generators and the replicas' generators), so a resumed run, dropout included,
+continues bit-identically. --resume refuses a checkpoint made with another
+task, seed, global batch size, model or optimizer, naming the setting; with no
+checkpoint there yet it says so and starts at step 0 (as Keras'
+BackupAndRestore), so a requeued batch job can always pass --resume.
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM (what batch schedulers send before
+preemption) lets the current step finish, saves the checkpoint, writes the
+outputs and exits with 128 + the signal number (130, 143); a second signal
+stops at once.
+
 Outputs: --out DIR gets metrics.json (per-step loss, per-epoch train/test
-accuracy, examples/second) and loss.png; --checkpoint-dir DIR gets last.pt,
-written atomically at the end of each epoch and of the run; --resume continues
-from it (model, optimizer, step counter, metrics so far, and every random
-state: torch's default CPU and CUDA generators and the replicas' generators),
-so a resumed run, dropout included, continues bit-identically.
+accuracy, examples/second, total run time over all resumed sessions) and
+loss.png (loss per step; accuracy per epoch); --logdir DIR gets TensorBoard
+scalars (loss, learning rate, accuracy, examples per second).
 Only the public dtape API is used.
 """
 import argparse
+import importlib.util
 import json
+import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
-
-import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import dtape  # noqa: E402
-import dtape.distribute  # noqa: E402
-import dtape.optimizers  # noqa: E402
-import tasks  # noqa: E402
+import tasks  # noqa: E402  (light: torch is imported only after the argument checks)
 
 CHECKPOINT_NAME = "last.pt"
+PROG = "train.py"
+MAX_SEED = 2**32 - 1  # scikit-learn's random_state range
+# Test hook: during step K (after its update, before its loss is recorded) print a line and wait for a signal.
+TEST_WAIT_ENV = "DTAPE_TRAIN_TEST_WAIT_FOR_SIGNAL_AT_STEP"
+OPTIMIZER_SETTINGS = {"sgd": {"momentum": 0.9},
+                      "adam": {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}}
+
+np = torch = dtape = None  # imported by load_libraries() once the arguments passed the cheap checks
+
+
+def load_libraries():
+    """Imports numpy, torch and dtape (about a second), so argument mistakes are reported before."""
+    global np, torch, dtape
+    import numpy as np
+    import torch
+
+    import dtape
+    import dtape.checkpoint
+    import dtape.distribute
+    import dtape.optimizers
+
+
+# -- command line ---------------------------------------------------------------
+
+def fail(message):
+    """Exits with status 2 after one line on stderr: what was wrong and what to do."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own mistakes (bad int, unknown option) as one line too
+        fail(f"{message} (see {PROG} -h)")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every default; options whose default depends on the task give it in their help instead."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:  # task-dependent, or an off switch
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _task_default(key):
+    return "task default: " + ", ".join(f"{name} {d[key]}" for name, d in tasks.DEFAULTS.items())
+
+
+def build_parser():
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    p.add_argument("--task", choices=tasks.TASKS, default="digits",
+                   help="digits: an MLP on scikit-learn's 8x8 digits; charlm: a small character-level transformer")
+    p.add_argument("--strategy", choices=("one_device", "mirrored", "multi_worker"), default="one_device",
+                   help="mirrored: one replica thread per device; multi_worker: one process per replica "
+                        "under torchrun")
+    p.add_argument("--devices", default=None,
+                   help="comma-separated, no spaces, e.g. cpu:0,cpu:1 or cuda:0,cuda:1 "
+                        "(default: cpu for one_device, cpu:0,cpu:1 for mirrored)")
+    p.add_argument("--epochs", type=int, default=None, help=f"number of epochs ({_task_default('epochs')})")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many global steps in total, resumed ones included (default: all epochs)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"GLOBAL batch size, split across replicas ({_task_default('batch_size')})")
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate ({_task_default('lr')})")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_SETTINGS), default=None,
+                   help=f"sgd (momentum 0.9) or adam ({_task_default('optimizer')})")
+    p.add_argument("--dropout", type=float, default=None, help=f"dropout rate in [0, 1) ({_task_default('dropout')})")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save last.pt here after each epoch, every --save-every steps and when stopped")
+    p.add_argument("--save-every", type=int, default=None, help="also save every N steps (needs --checkpoint-dir)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/last.pt (if there is one)")
+    p.add_argument("--overwrite", action="store_true", help="start over, replacing --checkpoint-dir/last.pt")
+    p.add_argument("--out", default=None, help="folder for metrics.json and loss.png")
+    p.add_argument("--logdir", default=None, help="folder for TensorBoard scalars (needs the tensorboard package)")
+    p.add_argument("--seed", type=int, default=0, help=f"seeds data split, shuffling, init, dropout; 0..{MAX_SEED}")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
 
 
 def parse_args(argv=None):
-    """Parses the command line (API.md "Command line"); task defaults fill what is not given."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=tasks.TASKS, default="digits")
-    p.add_argument("--strategy", choices=("one_device", "mirrored", "multi_worker"), default="one_device")
-    p.add_argument("--devices", default=None, help="comma-separated, e.g. cpu:0,cpu:1 (default: cpu)")
-    p.add_argument("--epochs", type=int, default=None, help="number of epochs (task default)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many global steps in total")
-    p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch size, split across replicas")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (task default)")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default=None, help="(task default)")
-    p.add_argument("--dropout", type=float, default=None, help="dropout rate in [0, 1) (task default: 0)")
-    p.add_argument("--checkpoint-dir", default=None, help="save last.pt here after each epoch")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/last.pt")
-    p.add_argument("--out", default=None, help="folder for metrics.json and loss.png")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = p.parse_args(argv)
-    if args.resume and not args.checkpoint_dir:
-        p.error("--resume needs --checkpoint-dir")
-    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
-        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    """Parses and checks the command line; task defaults fill what is not given.
+
+    Every mistake exits with status 2 and one line on stderr, before torch is imported
+    (except to check that a non-CPU device exists) and before any training work.
+    """
+    args = build_parser().parse_args(argv)
+    for key, value in tasks.DEFAULTS[args.task].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    check_numbers(args)
+    check_flags(args)
+    check_devices(args)
+    check_folders(args)
     return args
 
+
+def check_numbers(args):
+    for flag, value, example in (("--epochs", args.epochs, "--epochs 5"), ("--steps", args.steps, "--steps 100"),
+                                 ("--batch-size", args.batch_size, "--batch-size 64"),
+                                 ("--save-every", args.save_every, "--save-every 100")):
+        if value is not None and value < 1:
+            fail(f"{flag} must be 1 or more, got {value}; e.g. {example}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        fail(f"--lr must be a finite number above 0, got {args.lr}; e.g. --lr 0.01")
+    if not 0.0 <= args.dropout < 1.0:  # also refuses nan
+        fail(f"--dropout must be in [0, 1), got {args.dropout}; e.g. --dropout 0.1 (0 turns dropout off)")
+    if not 0 <= args.seed <= MAX_SEED:
+        fail(f"--seed must be in [0, {MAX_SEED}], got {args.seed}; e.g. --seed 0")
+
+
+def check_flags(args):
+    if args.resume and args.overwrite:
+        fail("--resume and --overwrite exclude each other; --resume continues the checkpoint, "
+             "--overwrite replaces it")
+    for flag, given in (("--resume", args.resume), ("--overwrite", args.overwrite),
+                        ("--save-every", args.save_every is not None)):
+        if given and not args.checkpoint_dir:
+            fail(f"{flag} needs --checkpoint-dir DIR (the folder of last.pt)")
+    if args.logdir and importlib.util.find_spec("tensorboard") is None:
+        fail("--logdir needs the tensorboard package: pip install tensorboard "
+             "(or pip install -e '.[examples]')")
+
+
+def check_devices(args):
+    if args.devices is None:
+        return
+    names = args.devices.split(",")
+    if any(c.isspace() for c in args.devices):
+        fail(f"--devices {args.devices!r} contains spaces; write the list without them, e.g. --devices cpu:0,cpu:1")
+    if "" in names:
+        fail(f"--devices {args.devices!r} has an empty item; give comma-separated names, e.g. --devices cpu:0,cpu:1")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        fail(f"--devices names {twice[0]} twice; give each device once (CPU replicas: cpu:0,cpu:1,...)")
+    if args.strategy == "one_device" and len(names) > 1:
+        fail(f"--strategy one_device takes one device, got {len(names)} ({args.devices}); "
+             f"use --strategy mirrored for several")
+    for name in names:
+        check_device(name)
+
+
+def check_device(name):
+    """Exits unless `name` is a device of this machine ('cpu', 'cpu:N' for CPU replicas, 'cuda:N', 'gpu:N', ...)."""
+    lower = name.lower()
+    if lower == "cpu" or (lower.startswith("cpu:") and lower[4:].isdigit()):
+        return
+    if lower.startswith("cpu"):
+        fail(f"--devices: {name!r} is not a device name; use cpu, cpu:N (CPU replicas) or cuda:N")
+    import torch as _torch  # only for a non-CPU device
+    try:
+        device = _torch.device("cuda" + lower[3:] if lower.startswith("gpu") else lower)
+    except RuntimeError:
+        fail(f"--devices: {name!r} is not a device name; use cpu, cpu:N (CPU replicas) or cuda:N")
+    backend = getattr(_torch, device.type, None)
+    try:
+        count = backend.device_count() if backend.is_available() else 0
+    except AttributeError:  # not a device module (e.g. "meta")
+        count = 0
+    if device.type == "cpu" or count == 0:
+        fail(f"--devices: {name} does not exist on this machine (no {device.type} device); "
+             "use cpu:0,cpu:1 to run replicas on the CPU")
+    if (device.index or 0) >= count:
+        fail(f"--devices: {name} does not exist on this machine ({count} {device.type} devices: "
+             f"{device.type}:0 to {device.type}:{count - 1})")
+
+
+def check_folders(args):
+    """Creates --out, --checkpoint-dir and --logdir and writes a probe file in each, so that a folder
+    that cannot be written fails now, not after training."""
+    if not is_chief():
+        return
+    for flag, path in (("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir), ("--logdir", args.logdir)):
+        if path is None:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            fail(f"{flag} {path} is a file, not a folder; give a folder (it is created if missing)")
+        try:
+            os.makedirs(path, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".train-probe-", dir=path)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            fail(f"{flag} {path} cannot be written ({e.strerror}); give a folder you can write to")
+
+
+# -- the run's settings, checked on --resume ----------------------------------------
+
+def optimizer_config(args):
+    return {"name": args.optimizer, "learning_rate": args.lr, **OPTIMIZER_SETTINGS[args.optimizer]}
+
+
+def run_config(args, task):
+    """The settings a checkpoint must share with the run that resumes it (plain data)."""
+    return {"task": args.task, "seed": args.seed, "global_batch_size": args.batch_size,
+            "model": task.model_config(args.dropout), "optimizer": optimizer_config(args)}
+
+
+def _config_of_old_checkpoint(metrics):
+    """run_config's fields that a checkpoint without "config" (older train.py) kept in its metrics."""
+    return {"task": metrics["task"], "seed": metrics["seed"], "global_batch_size": metrics["global_batch_size"],
+            "model": {"dropout": float(metrics.get("dropout") or 0.0)},
+            "optimizer": {"name": metrics["optimizer"], "learning_rate": metrics["lr"]}}
+
+
+_FLAGS = {("task",): "--task", ("seed",): "--seed", ("global_batch_size",): "--batch-size",
+          ("model", "dropout"): "--dropout", ("optimizer", "name"): "--optimizer",
+          ("optimizer", "learning_rate"): "--lr"}
+
+
+def config_difference(saved, current, path=()):
+    """The first setting of `saved` that `current` does not share, as (key path, saved, current), else None."""
+    for key, value in saved.items():
+        mine = current.get(key) if isinstance(current, dict) else None
+        if isinstance(value, dict) and isinstance(mine, dict):
+            found = config_difference(value, mine, path + (key,))
+            if found:
+                return found
+        elif value != mine:
+            return path + (key,), value, mine
+    return None
+
+
+def check_resumable(args, task, data):
+    """Exits unless checkpoint `data` was made with this run's task, seed, batch size, model and optimizer."""
+    saved = data.get("config") or _config_of_old_checkpoint(data["metrics"])
+    found = config_difference(saved, run_config(args, task))
+    if found is None:
+        return
+    key, theirs, mine = found
+    flag = _FLAGS.get(key)
+    setting = f"{flag} {theirs}, this run has {flag} {mine}" if flag else \
+        f"{' '.join(key)} = {theirs}, this run has {mine}"
+    fix = f"pass {flag} {theirs} to continue it" if flag else "use the code that made it to continue it"
+    fail(f"--resume: {checkpoint_path(args)} was made with {setting}; {fix}, "
+         "or start a new run with --overwrite or another --checkpoint-dir")
+
+
+def checkpoint_path(args):
+    return os.path.join(args.checkpoint_dir, CHECKPOINT_NAME)
+
+
+def read_checkpoint(args):
+    """The checkpoint's plain data and values, or None if there is none yet; exits if it cannot be read."""
+    path = checkpoint_path(args)
+    if not os.path.exists(path):
+        return None
+    try:
+        return dtape.checkpoint.read(path)
+    except dtape.checkpoint.CheckpointError as e:
+        fail(f"{e}; move it away, or start over with --overwrite")
+
+
+def check_checkpoint(args, task):
+    """Refuses to replace a checkpoint without --resume/--overwrite; on --resume, checks the settings.
+
+    Returns the checkpoint to resume from (read's dict), or None to start at step 0.
+    """
+    if not args.checkpoint_dir or args.overwrite:
+        return None
+    if not os.path.exists(checkpoint_path(args)):
+        if args.resume:
+            print(f"{PROG}: --resume: no checkpoint at {checkpoint_path(args)} yet; starting at step 0",
+                  file=sys.stderr)
+        return None
+    data = read_checkpoint(args)
+    if not args.resume:
+        fail(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint ({CHECKPOINT_NAME}, "
+             f"step {int(data['step'])}); continue it with --resume, replace it with --overwrite, "
+             "or choose another --checkpoint-dir")
+    check_resumable(args, task, data)
+    return data
+
+
+# -- strategy and optimizer --------------------------------------------------------
 
 def make_strategy(args):
     """The strategy named by --strategy, on --devices."""
@@ -85,10 +350,12 @@ def make_strategy(args):
     return factory()
 
 
-def make_optimizer(name, lr):
-    if name == "adam":
-        return dtape.optimizers.Adam(learning_rate=lr)
-    return dtape.optimizers.SGD(learning_rate=lr, momentum=0.9)
+def make_optimizer(config):
+    """The optimizer of `optimizer_config(args)`."""
+    settings = {k: v for k, v in config.items() if k != "name"}
+    if config["name"] == "adam":
+        return dtape.optimizers.Adam(**settings)
+    return dtape.optimizers.SGD(**settings)
 
 
 def epoch_batches(data, seed, epoch, batch_size):
@@ -99,26 +366,87 @@ def epoch_batches(data, seed, epoch, batch_size):
     return [(data["x_train"][order[s:s + batch_size]], data["y_train"][order[s:s + batch_size]]) for s in starts]
 
 
+# -- stopping on a signal -------------------------------------------------------------
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM ask the training loop to stop after the current step.
+
+    The handler only records the signal (the loop checks `signum` between
+    steps); a second signal gets the previous handler (Ctrl-C twice raises
+    KeyboardInterrupt at once; SIGTERM twice terminates). A signal that was
+    ignored (SIG_IGN) stays ignored. Handlers can only be set in the main
+    thread; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                previous = signal.getsignal(signum)
+                if previous is not signal.SIG_IGN:
+                    self._previous[signum] = previous
+                    signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            return
+        previous = self._previous.get(signum)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    @property
+    def name(self):
+        return signal.Signals(self.signum).name
+
+
+class _NoStop:
+    signum = None
+
+
+# -- training -------------------------------------------------------------------------
+
 class Trainer:
     """One training run: model, optimizer, strategy, counters and metrics."""
 
     def __init__(self, args, task):
-        self.args, self.task = args, task
+        load_libraries()
+        self.args, self.task, self.stop = args, task, _NoStop()
+        self.config = run_config(args, task)
         self.strategy = make_strategy(args)
         torch.manual_seed(args.seed)
         self.data = task.load_data(args.seed)
         with self.strategy.scope():
             self.model = task.build_model(args.seed, dropout=args.dropout)
-            self.optimizer = make_optimizer(args.optimizer, args.lr)
-        self.step = 0
+            self.optimizer = make_optimizer(self.config["optimizer"])
+        self.step = self.first_step = 0
+        self.seconds_before = 0.0  # run time of the sessions this one resumes
+        self.epoch_time = {"seconds": 0.0, "examples": 0}  # the current epoch's training so far
         self.metrics = {"task": args.task, "strategy": args.strategy, "seed": args.seed,
                         "num_replicas": self.strategy.num_replicas_in_sync, "global_batch_size": args.batch_size,
                         "lr": args.lr, "optimizer": args.optimizer, "dropout": args.dropout, "loss": [],
-                        "epochs": []}
+                        "epochs": [], "sessions": [], "run_seconds": 0.0}
+        self.writer = None
+        self._started = time.perf_counter()  # reset by run()
         self._train_step = self._make_train_step()
 
     def _make_train_step(self):
         model, optimizer, task, global_batch = self.model, self.optimizer, self.task, self.args.batch_size
+        wait_at = int(os.environ.get(TEST_WAIT_ENV, "0"))
 
         def replica_step(batch):
             x, y = batch
@@ -131,31 +459,51 @@ class Trainer:
 
         def step(batch):
             per_replica = self.strategy.run(replica_step, args=(batch,))
+            if self.step + 1 == wait_at:
+                self._wait_for_signal()
             return float(self.strategy.reduce(dtape.distribute.ReduceOp.SUM, per_replica, axis=None))
         return step
 
+    def _wait_for_signal(self, timeout=60.0):
+        """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step, deterministically."""
+        print(f"test hook: step {self.step + 1} waits for a signal", flush=True)
+        deadline = time.monotonic() + timeout
+        while self.stop.signum is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop_requested(self):
+        """Whether a signal asked the run to stop (checked between steps)."""
+        return self.stop.signum is not None
+
     # -- checkpoints ----------------------------------------------------------
     def checkpoint_path(self):
-        return os.path.join(self.args.checkpoint_dir, CHECKPOINT_NAME)
+        return checkpoint_path(self.args)
 
     def save(self):
         if not self.args.checkpoint_dir or not is_chief():
             return
         os.makedirs(self.args.checkpoint_dir, exist_ok=True)
         dtape.checkpoint.save(self.checkpoint_path(), model=self.model, optimizer=self.optimizer,
-                              step=self.step, metrics=self.metrics, **self.rng_states())
+                              step=self.step, metrics=self.metrics_now(), config=self.config,
+                              epoch_time=self.epoch_time, **self.rng_states())
+
+    def metrics_now(self):
+        """The metrics with the run time so far (what a checkpoint stores)."""
+        self.metrics["run_seconds"] = self.elapsed()
+        return self.metrics
 
     def restore(self):
-        """Restores the last checkpoint if there is one; returns whether it did."""
-        if not os.path.exists(self.checkpoint_path()):
-            print(f"--resume: no checkpoint at {self.checkpoint_path()}, starting from scratch", file=sys.stderr)
-            return False
-        self._create_optimizer_slots()
+        """Continues from the checkpoint (checked by `check_checkpoint` first); prints "resumed from step N"."""
+        self.optimizer.build(self.model.trainable_variables)  # the slots restore fills
         data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
-        self.step, self.metrics = int(data["step"]), data["metrics"]
+        self.step = self.first_step = int(data["step"])
+        self.metrics = data["metrics"]
         self.metrics.update(strategy=self.args.strategy, num_replicas=self.strategy.num_replicas_in_sync)
+        self.metrics.setdefault("sessions", [])
+        self.seconds_before = float(self.metrics.get("run_seconds") or 0.0)
+        self.epoch_time = data.get("epoch_time") or {"seconds": 0.0, "examples": 0}
         self.set_rng_states(data)
-        return True
+        print(f"resumed from step {self.step} ({self.checkpoint_path()})", flush=True)
 
     def rng_states(self):
         """Every random state a step draws from, as checkpoint data (uint8 CPU tensors and lists of them)."""
@@ -187,48 +535,72 @@ class Trainer:
             print(f"--resume: random state not restored for {'; '.join(skipped)}; the run continues, "
                   "but not bit-identically", file=sys.stderr)
 
-    def _create_optimizer_slots(self):
-        """Makes the optimizer create its slots so that restore can fill them."""
-        self.optimizer.build(self.model.trainable_variables)
-
     # -- training ---------------------------------------------------------------
+    def steps_per_epoch(self):
+        n = len(self.data["x_train"])
+        if self.args.batch_size > n:
+            fail(f"--batch-size {self.args.batch_size} is larger than the {self.args.task} training set "
+                 f"({n} examples); use --batch-size {n} or less")
+        return n // self.args.batch_size
+
     def total_steps(self, steps_per_epoch):
         full = self.args.epochs * steps_per_epoch
         return full if self.args.steps is None else min(self.args.steps, full)
 
+    def elapsed(self):
+        """Run time in seconds over every session of this run (resumed ones included)."""
+        return self.seconds_before + time.perf_counter() - self._started
+
     def run(self):
-        steps_per_epoch = len(self.data["x_train"]) // self.args.batch_size
-        if steps_per_epoch == 0:
-            raise ValueError(f"--batch-size {self.args.batch_size} is larger than the training set "
-                             f"({len(self.data['x_train'])} examples)")
+        """Trains up to the last step and returns the metrics; after SIGINT/SIGTERM, see `interrupted`."""
+        steps_per_epoch = self.steps_per_epoch()
         total = self.total_steps(steps_per_epoch)
+        self._started = time.perf_counter()
+        self.open_writer()
         bar = progress_bar(total, self.step, disable=self.args.no_progress or not is_chief())
-        start = time.perf_counter()
-        while self.step < total:
-            self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
-        bar.close()
-        self.finish(time.perf_counter() - start)
+        try:
+            with StopSignals() as self.stop:  # also covers the final evaluation and save
+                while self.step < total and not self.stop_requested():
+                    self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
+                bar.close()
+                if self.step < total:  # a signal came first
+                    self.interrupted()  # exits
+                self.finish()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
         return self.metrics
 
     def run_epoch(self, epoch, steps_per_epoch, total, bar):
         batches = epoch_batches(self.data, self.args.seed, epoch, self.args.batch_size)
         first = self.step - epoch * steps_per_epoch
         remaining = batches[first:first + total - self.step]
-        t0 = time.perf_counter()
+        t = time.perf_counter()
         for batch in self.strategy.experimental_distribute_dataset(remaining):
             loss = self._train_step(batch)
             self.metrics["loss"].append(loss)
             self.step += 1
+            self.epoch_time["seconds"] += time.perf_counter() - t
+            self.epoch_time["examples"] += self.args.batch_size
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
-        seconds = time.perf_counter() - t0
-        if self.step % steps_per_epoch == 0:
-            self.end_epoch(epoch, len(remaining) * self.args.batch_size, seconds, bar)
+            self.log_scalars(loss=loss, learning_rate=self.learning_rate())
+            if self.step % steps_per_epoch == 0:
+                self.end_epoch(epoch, bar)
+            elif self.args.save_every and self.step % self.args.save_every == 0:
+                self.save()
+            if self.stop_requested():
+                return
+            t = time.perf_counter()
 
-    def end_epoch(self, epoch, examples, seconds, bar):
+    def end_epoch(self, epoch, bar):
+        seconds, examples = self.epoch_time["seconds"], self.epoch_time["examples"]  # over resumed sessions too
+        self.epoch_time = {"seconds": 0.0, "examples": 0}
         record = {"epoch": epoch, "step": self.step, "train_accuracy": self.accuracy("train"),
                   "test_accuracy": self.accuracy("test"), "seconds": seconds,
                   "examples_per_second": examples / seconds if seconds > 0 else None}
+        self.log_scalars(**{"accuracy/train": record["train_accuracy"], "accuracy/test": record["test_accuracy"],
+                            "examples_per_second": record["examples_per_second"]})
         self.metrics["epochs"].append(record)
         bar.write(f"epoch {epoch}: train acc {record['train_accuracy']:.4f}, "
                   f"test acc {record['test_accuracy']:.4f}, {record['examples_per_second']:.0f} examples/s")
@@ -237,14 +609,58 @@ class Trainer:
     def accuracy(self, split):
         return self.task.accuracy(self.model, self.data[f"x_{split}"], self.data[f"y_{split}"])
 
-    def finish(self, seconds):
+    def learning_rate(self):
+        lr = self.optimizer.learning_rate
+        return float(lr(self.step)) if callable(lr) else float(lr)
+
+    def end_session(self, stopped_by):
         m = self.metrics
         m["final_step"] = self.step
-        m["final_train_accuracy"], m["final_test_accuracy"] = self.accuracy("train"), self.accuracy("test")
-        m["run_seconds"] = seconds
+        m["sessions"].append({"first_step": self.first_step, "last_step": self.step,
+                              "seconds": time.perf_counter() - self._started, "stopped_by": stopped_by})
+        m["run_seconds"] = self.elapsed()
         speeds = [e["examples_per_second"] for e in m["epochs"] if e["examples_per_second"]]
         m["examples_per_second"] = float(np.mean(speeds)) if speeds else None
+
+    def finish(self):
+        self.metrics.pop("stopped_by", None)
+        self.metrics["final_train_accuracy"] = self.accuracy("train")
+        self.metrics["final_test_accuracy"] = self.accuracy("test")
+        self.end_session(None)
         self.save()
+
+    def interrupted(self):
+        """After a stop signal: saves (if this session trained), writes --out, exits with 128 + the signal.
+
+        No evaluation: a batch scheduler waits only a few seconds after SIGTERM.
+        """
+        name = self.stop.name
+        self.metrics["stopped_by"] = name
+        for key in ("final_train_accuracy", "final_test_accuracy"):
+            self.metrics.pop(key, None)
+        self.end_session(name)
+        if self.step > self.first_step:
+            self.save()
+        if self.args.out and is_chief():
+            write_outputs(self.metrics, self.args.out)
+        saved = f"saved {self.checkpoint_path()}; continue with --resume" if self.args.checkpoint_dir else \
+            "no --checkpoint-dir, nothing saved"
+        print(f"{PROG}: stopped by {name} after step {self.step}; {saved}", file=sys.stderr)
+        raise SystemExit(128 + self.stop.signum)
+
+    # -- TensorBoard --------------------------------------------------------------
+    def open_writer(self):
+        if self.args.logdir and is_chief():
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step drops events a killed session logged after the checkpoint it resumes from
+            self.writer = SummaryWriter(self.args.logdir, purge_step=self.step or None)
+
+    def log_scalars(self, **scalars):
+        if self.writer is None:
+            return
+        for tag, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(tag, value, self.step)
 
 
 def is_chief():
@@ -257,35 +673,49 @@ def progress_bar(total, initial, disable):
     return tqdm(total=total, initial=initial, unit="step", disable=disable, dynamic_ncols=True)
 
 
+def plot_metrics(metrics):
+    """A matplotlib Figure (Agg canvas, no pyplot): loss per step (left), train/test accuracy per epoch (right)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    loss_ax, acc_ax = fig.subplots(1, 2)
+    loss_ax.plot(range(1, len(metrics["loss"]) + 1), metrics["loss"], lw=1)
+    loss_ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+    epochs = [e["epoch"] for e in metrics["epochs"]]
+    for split in ("train", "test"):
+        acc_ax.plot(epochs, [e[f"{split}_accuracy"] for e in metrics["epochs"]], marker="o", label=split)
+    acc_ax.set(xlabel="epoch", ylabel="accuracy", title="accuracy per epoch")
+    acc_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    acc_ax.legend(loc="lower right")
+    fig.suptitle(f"{metrics['task']} ({metrics['strategy']}, {metrics['num_replicas']} replicas)")
+    fig.tight_layout()
+    return fig
+
+
 def write_outputs(metrics, out):
-    """Writes out/metrics.json and out/loss.png."""
+    """Writes out/metrics.json and out/loss.png; returns the plotted Figure."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(len(metrics["loss"])), metrics["loss"], lw=1)
-    ax.set(xlabel="step", ylabel="loss", yscale="log",
-           title=f"{metrics['task']} ({metrics['strategy']}, {metrics['num_replicas']} replicas)")
-    fig.tight_layout()
+    fig = plot_metrics(metrics)
     fig.savefig(os.path.join(out, "loss.png"), dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None):
-    """Runs the job; returns the metrics dict."""
+    """Runs the job; returns the metrics dict (after SIGINT/SIGTERM: saves, then exits with 130/143)."""
     args = parse_args(argv)
+    load_libraries()
     try:
         task = tasks.get_task(args.task)
     except NotImplementedError as e:
         raise SystemExit(f"train.py: {e}") from None
-    for key, value in task.DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    resume = check_checkpoint(args, task) is not None
     trainer = Trainer(args, task)
-    if args.resume:
+    if resume:
         trainer.restore()
     metrics = trainer.run()
     if args.out and is_chief():

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from dtape import ops
+from dtape.backprop import profile_range
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.ops.array_ops import copy_to_device, to_device
 from dtape.tensor import convert_to_tensor, normalize_device
@@ -58,10 +59,16 @@ def reduce_values(reduce_op, values, device=None):
 
     Raises:
       ValueError: for an empty sequence or mismatched shapes.
+
+    Shows in torch.profiler traces as the range "dtape.all_reduce".
     """
     if not values:
         raise ValueError("reduce_values: no values to reduce")
-    values = [convert_to_tensor(v) for v in values]
+    with profile_range("dtape.all_reduce"):  # every collective's reduction: a named range
+        return _reduce_values(reduce_op, [convert_to_tensor(v) for v in values], device)
+
+
+def _reduce_values(reduce_op, values, device):
     shapes = {tuple(v.shape) for v in values}
     if len(shapes) > 1:
         raise ValueError(f"cannot reduce values of different shapes across replicas: {sorted(shapes)}; "
@@ -106,9 +113,10 @@ def broadcast(value, devices):
     """One Tensor per device, each a distinct object: an identity on the value's own device, a copy elsewhere."""
     value = convert_to_tensor(value)
     out = []
-    for d in devices:
-        d = normalize_device(d)
-        out.append(ops.identity(value) if value.device == d else copy_to_device(value, d))
+    with profile_range("dtape.broadcast"):
+        for d in devices:
+            d = normalize_device(d)
+            out.append(ops.identity(value) if value.device == d else copy_to_device(value, d))
     return tuple(out)
 
 

@@ -269,6 +269,42 @@ class StrategyExtended:
     def worker_devices(self):
         return self._devices
 
+    def check_mirrored(self):
+        """Verifies that every component of every live MirroredVariable of this strategy is identical.
+
+        Compares each replica's component with replica 0's, bit for bit (NaNs
+        in the same places count as equal), on replica 0's device. Call it
+        between steps, in the cross-replica context.
+
+        Returns:
+          The number of MirroredVariables checked.
+
+        Raises:
+          ValueError: naming the first variable (in creation order) and the
+            first replica whose component differs, with the largest difference.
+        """
+        import torch  # local: keeps this addition to one method
+
+        from dtape.distribute.values import MirroredVariable, live_variables
+        checked = 0
+        for var in live_variables(self._strategy):
+            if not isinstance(var, MirroredVariable):
+                continue
+            first = var.values[0].torch()
+            for i, comp in enumerate(var.values[1:], start=1):
+                other = comp.torch().to(first.device)
+                same = (first == other) | (torch.isnan(first) & torch.isnan(other)) if first.is_floating_point() \
+                    else first == other
+                if not bool(same.all()):
+                    diff = (first.double() - other.double()).abs().nan_to_num(float("inf")).max().item()
+                    raise ValueError(f"MirroredVariable {var.name!r}: replica {i}'s component on "
+                                     f"{comp.device} differs from replica 0's on {var.values[0].device} "
+                                     f"(max |difference| {diff:g}, {int((~same).sum())} of {same.numel()} "
+                                     "elements); a write bypassed the strategy (assign a component directly, "
+                                     "or a replica-local update without aggregation)")
+            checked += 1
+        return checked
+
     def value_container(self, value):
         """The distributed container of a component variable, else `value`."""
         return value_container(value)

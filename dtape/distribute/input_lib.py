@@ -51,6 +51,19 @@ class DistributedDataset:
         self._strategy = strategy
         self._dataset = dataset
 
+    def __len__(self):
+        """The number of global batches: `len(dataset)` (each is split, not dropped).
+
+        Raises:
+          TypeError: the dataset has no len() (e.g. a generator), as `len()` of it would.
+        """
+        try:
+            return len(self._dataset)
+        except TypeError:
+            raise TypeError(f"len() of a distributed dataset needs a dataset with len(); "
+                            f"{type(self._dataset).__name__} has none (a generator? pass a list or a "
+                            "torch DataLoader)") from None
+
     def __iter__(self):
         devices = self._strategy.extended.worker_devices
         for batch in self._dataset:

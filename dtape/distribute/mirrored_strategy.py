@@ -2,6 +2,8 @@
 
 Source: tf.distribute.MirroredStrategy.
 """
+import weakref
+
 import torch
 
 from dtape import _config
@@ -37,8 +39,11 @@ class MirroredStrategy(Strategy):
     Args:
       devices: device names, e.g. ["cuda:0", "cuda:1"], or ["cpu:0", "cpu:1"]
         for replicas simulated as threads on the CPU. Default: every GPU, else one CPU.
-      timeout: seconds a step may wait on a replica before TimeoutError
-        (default DTAPE_DISTRIBUTE_TIMEOUT, 300).
+      timeout: seconds a step may wait on a replica, or a merge_fn may run,
+        before TimeoutError (default DTAPE_DISTRIBUTE_TIMEOUT, 300). Finite
+        and > 0: NaN, zero, negative and infinity raise ValueError (every
+        wait has a timeout; use a large number, e.g. 86400, for slow steps).
+        merge_fn runs on the caller's thread and is timed when it returns.
       seed: int in [0, 2**63 - 1] seeding the replicas' random generators:
         replica i draws (dtape.random, nn.dropout, layers.Dropout) from its
         own torch.Generator on its device, seeded from (seed, i), made once
@@ -51,6 +56,15 @@ class MirroredStrategy(Strategy):
     generator (`dtape.random.generator_scope`) and the caller's thread-local
     torch state at `run` time (autocast, grad mode, inference mode).
 
+    Lifecycle: the replica threads start at the first `run`. `close()` (or
+    leaving `with MirroredStrategy(...) as strategy:`) stops them, and so
+    does garbage collection of the strategy; after `close()`, `run` raises
+    RuntimeError (variables, `scope()` and `reduce` keep working). The `with`
+    block manages the threads only: it does not enter `scope()`. A replica
+    stuck past the timeout is abandoned (its open tapes stop recording) and
+    a fresh thread serves the next step. Ctrl-C during `run` raises
+    StepAborted in the replicas and KeyboardInterrupt in the caller.
+
     Example:
       >>> strategy = dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
       >>> with strategy.scope():
@@ -61,8 +75,11 @@ class MirroredStrategy(Strategy):
     def __init__(self, devices=None, timeout=None, seed=None):
         devices = _validate_devices(devices)
         super().__init__(StrategyExtended(self, devices))
-        self._timeout = float(timeout or _config.DISTRIBUTE_TIMEOUT_S)
-        self._threads = None
+        self._timeout = _config.DISTRIBUTE_TIMEOUT_S if timeout is None else \
+            _config.validate_timeout(timeout, "MirroredStrategy(timeout=...)")
+        self._pool = None
+        self._stop_pool = None  # weakref.finalize: stops the threads when self is collected
+        self._closed = False
         self._generators = replica_scope.ReplicaGenerators(devices, replica_scope.check_seed(seed))
 
     # -- random state (TF: tf.random.Generator split per replica) ---------------
@@ -129,9 +146,34 @@ class MirroredStrategy(Strategy):
         return cls(self, components, kwargs.get("aggregation"))
 
     def _replica_threads(self):
-        if self._threads is None:
-            self._threads = [mirrored_run.ReplicaThread(i, d) for i, d in enumerate(self.extended.worker_devices)]
-        return self._threads
+        """The replica threads (a ReplicaPool), started on first use."""
+        if self._closed:
+            raise RuntimeError("this MirroredStrategy was closed; create a new strategy to run more steps")
+        if self._pool is None:
+            self._pool = mirrored_run.ReplicaPool(self.extended.worker_devices)
+            self._stop_pool = weakref.finalize(self, self._pool.stop)  # the pool never references self
+        return self._pool
+
+    def close(self):
+        """Stops the replica threads; idempotent. Later `run` calls raise RuntimeError.
+
+        Waits up to the timeout for the threads to exit (they are idle
+        between steps). Do not call it while `run` is in progress.
+        """
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            self._stop_pool()
+            pool.join(self._timeout)
+
+    def __enter__(self):
+        if self._closed:
+            raise RuntimeError("this MirroredStrategy was closed; create a new one")
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     def run(self, fn, args=(), kwargs=None):
         """Runs `fn(*args, **kwargs)` on every replica, each on its own thread and device.
@@ -144,19 +186,19 @@ class MirroredStrategy(Strategy):
 
         Raises:
           The original exception of a failing replica (its type kept, a note
-          naming the replica added); TimeoutError if a replica neither
-          finishes nor reaches merge_call within the timeout.
+          naming the replica and device added; if other replicas were still
+          running when the timeout expired, a TimeoutError as its
+          `__context__`); TimeoutError if a replica neither finishes nor
+          reaches merge_call within the timeout, or a merge_fn runs longer;
+          RuntimeError after `close()`. On KeyboardInterrupt the step is
+          aborted on every replica and the strategy stays usable.
         """
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run was called inside a replica context; call it from the "
                                "cross-replica context (outside strategy.run)")
+        pool = self._replica_threads()
         with self.scope():
-            try:
-                results = mirrored_run.run_on_replicas(self, self._replica_threads(), fn, args, kwargs or {},
-                                                       self._timeout)
-            except TimeoutError:
-                self._threads = None  # stuck threads are abandoned; fresh ones serve the next step
-                raise
+            results = mirrored_run.run_on_replicas(self, pool, fn, args, kwargs or {}, self._timeout)
         return _group_results(results)
 
 

@@ -4,6 +4,10 @@ Source: tensorflow/python/distribute/values.py. Seed 2: in a replica context
 a watched distributed variable is its container; in the cross-replica
 context it is every component.
 """
+import itertools
+import threading
+import weakref
+
 import torch
 
 from dtape import nest
@@ -41,13 +45,36 @@ class Mirrored(DistributedValues):
 
 def _local_index(container):
     """Component index for `container` on this thread, or None in a cross-replica view."""
-    idx = context.update_index()
-    if idx is not None:
-        return idx
-    rctx = context.get_replica_context()
-    if rctx is not None and rctx.strategy is container._distribute_strategy:
-        return rctx.replica_id_in_sync_group
+    mode = context.current_mode()  # one lookup: every read of a distributed variable comes here
+    if mode.update_index is not None:
+        return mode.update_index
+    rctx = mode.replica_context
+    if rctx is not None and rctx._strategy is container._distribute_strategy:
+        return rctx._replica_id
     return None
+
+
+# Process-wide: strategy -> {creation number: live distributed variable} (weak on both sides), for
+# `extended.check_mirrored()`; mutated under _live_lock.
+_live = weakref.WeakKeyDictionary()
+_live_lock = threading.Lock()
+_live_counter = itertools.count()
+
+
+def live_variables(strategy):
+    """The distributed variables of `strategy` still alive, in creation order."""
+    with _live_lock:
+        table = _live.get(strategy)
+        items = sorted(table.items()) if table is not None else []
+    return [v for _, v in items]
+
+
+def _register(strategy, variable):
+    with _live_lock:
+        table = _live.get(strategy)
+        if table is None:
+            table = _live[strategy] = weakref.WeakValueDictionary()
+        table[next(_live_counter)] = variable
 
 
 class DistributedVariable(DistributedValues):
@@ -59,6 +86,7 @@ class DistributedVariable(DistributedValues):
         self._aggregation = aggregation
         for c in components:
             c._distributed_container = self
+        _register(strategy, self)
 
     # identity ---------------------------------------------------------------
     def _component(self):

@@ -169,6 +169,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
 
 # Tensor's value protocol (defined in dtape/tensor.py) that variables forward after a read.
 _VALUE_DUNDERS = ("__float__", "__int__", "__index__", "__bool__", "__len__", "__iter__")
+# Tensor's protocol written on `self.torch()` (no recorded read): variables get the same functions.
+_SHARED_DUNDERS = ("__format__", "__array_ufunc__", "__dlpack__", "__dlpack_device__")
 
 
 def install_operators(ops):
@@ -190,7 +192,7 @@ def install_operators(ops):
     table["__getitem__"] = lambda self, key: ops.getitem(self, key)
     for name, fn in table.items():
         setattr(Tensor, name, fn)
-    Tensor._operator_names = tuple(table) + _VALUE_DUNDERS
+    Tensor._operator_names = tuple(table) + _VALUE_DUNDERS + _SHARED_DUNDERS
     Tensor.__getattr__ = _torch_attribute
 
 
@@ -199,7 +201,9 @@ def install_variable_operators(cls):
 
     Each operator reads the variable (a recorded read that notifies the
     tapes) and applies Tensor's own operator, so Tensor and variables share
-    one table. `cls._dtape_variable` marks the class for `tensor.is_variable`.
+    one table; the `_SHARED_DUNDERS` (f-string format, numpy ufuncs, DLPack)
+    are Tensor's own functions, which use only `.torch()` and so record no
+    read. `cls._dtape_variable` marks the class for `tensor.is_variable`.
     """
     for name in Tensor._operator_names:
         setattr(cls, name, _delegate(name))
@@ -209,6 +213,8 @@ def install_variable_operators(cls):
 
 def _delegate(name):
     tensor_method = getattr(Tensor, name)
+    if name in _SHARED_DUNDERS:
+        return tensor_method
 
     def method(self, *args):
         return tensor_method(self._dtape_read(), *args)

@@ -9,7 +9,7 @@ import torch
 
 from dtape.ops import _samples as S
 from dtape.ops._registry import TORCH_TABLE, defop
-from dtape.tensor import Tensor, _to_torch, default_device, is_variable
+from dtape.tensor import Tensor, _to_torch, as_dtype, default_device, is_variable
 
 _brange = builtins.range  # `range` below is tf.range
 
@@ -175,12 +175,12 @@ TORCH_TABLE[torch.where] = _torch_where
 @defop(samples=lambda rng: [((S.randn(rng, 3),), {"dtype": torch.float32})])
 def cast(x, dtype):
     """x converted to torch `dtype`; float-to-float casts pass the gradient back. Source: tf.cast."""
-    return x.to(dtype)
+    return x.to(as_dtype(dtype))
 
 
 @cast.grad
 def _(dy, ans, x, dtype):
-    if not (x.dtype.is_floating_point and dtype.is_floating_point):
+    if not (x.dtype.is_floating_point and ans.dtype.is_floating_point):
         return None
     return cast.any(dy, x.dtype)
 
@@ -204,7 +204,7 @@ def stop_gradient(input):  # noqa: A002
 
 def _creation_dtype(dtype):
     from dtape.tensor import DEFAULT_FLOAT_DTYPE
-    return DEFAULT_FLOAT_DTYPE if dtype is None else dtype
+    return DEFAULT_FLOAT_DTYPE if dtype is None else as_dtype(dtype)
 
 
 def zeros(shape, dtype=None, device=None):
@@ -228,13 +228,13 @@ def _to_list(shape):
 def zeros_like(input, dtype=None):  # noqa: A002
     """Zeros with input's shape, dtype (unless given) and device. Source: tf.zeros_like."""
     t = _like(input)
-    return Tensor(torch.zeros_like(t, dtype=dtype or t.dtype))
+    return Tensor(torch.zeros_like(t, dtype=as_dtype(dtype) or t.dtype))
 
 
 def ones_like(input, dtype=None):  # noqa: A002
     """Ones with input's shape, dtype (unless given) and device. Source: tf.ones_like."""
     t = _like(input)
-    return Tensor(torch.ones_like(t, dtype=dtype or t.dtype))
+    return Tensor(torch.ones_like(t, dtype=as_dtype(dtype) or t.dtype))
 
 
 def _like(x):
@@ -436,7 +436,9 @@ def gather(params, indices, axis=None, batch_dims=0):
 
 
 @gather.grad
-def _(dy, ans, params, indices, axis=None, batch_dims=0):
+def _(dy, ans, params, indices, axis=None, batch_dims=0, needs=(True, False)):
+    if not needs[0]:  # params unreachable from a source (integer indices never take a gradient)
+        return None, None
     return _gather_grad.any(dy, indices, shape=tuple(params.shape), axis=axis, batch_dims=batch_dims), None
 
 
@@ -500,7 +502,9 @@ def gather_nd(params, indices, batch_dims=0):
 
 
 @gather_nd.grad
-def _(dy, ans, params, indices, batch_dims=0):
+def _(dy, ans, params, indices, batch_dims=0, needs=(True, False)):
+    if not needs[0]:
+        return None, None
     return _gather_nd_grad.any(dy, indices, shape=tuple(params.shape), batch_dims=batch_dims), None
 
 
@@ -536,6 +540,7 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
 
     Source: tf.one_hot.
     """
+    dtype = as_dtype(dtype)
     valid = torch.logical_and(indices >= 0, indices < depth)
     hot = torch.nn.functional.one_hot(torch.where(valid, indices, 0).long(), depth).bool()
     hot = torch.logical_and(hot, valid.unsqueeze(-1))
@@ -586,7 +591,7 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     vals = [v.torch().item() if isinstance(v, Tensor) else v for v in (start, limit, delta)]
     if dtype is None:
         dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
-    return Tensor(torch.arange(*vals, dtype=dtype, device=default_device()))
+    return Tensor(torch.arange(*vals, dtype=as_dtype(dtype), device=default_device()))
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})])

@@ -318,6 +318,7 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
 
     Raises:
       ValueError: for inputs of rank < 2.
+      TypeError: for inputs of two dtypes (the message says which cast fixes it).
     """
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: inputs must have rank >= 2, got shapes {tuple(a.shape)} and "
@@ -326,7 +327,21 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
         a = a.transpose(-1, -2)
     if transpose_b:
         b = b.transpose(-1, -2)
-    return torch.matmul(a, b)
+    try:
+        return torch.matmul(a, b)
+    except RuntimeError:
+        if a.dtype != b.dtype:  # checked only on failure: the fast path stays one torch call
+            raise TypeError(_mixed_dtype_message(a.dtype, b.dtype)) from None
+        raise
+
+
+def _mixed_dtype_message(da, db):
+    """matmul's error for two dtypes: names both and the cast that fixes it (to the floating one)."""
+    if db.is_floating_point and not da.is_floating_point:
+        fix = f"dtape.cast(a, {db})"
+    else:
+        fix = f"dtape.cast(b, {da})" + (f" (or dtape.cast(a, {db}))" if da.is_floating_point else "")
+    return f"matmul: a is {da} and b is {db}; both need one dtype: cast one with {fix}"
 
 
 @matmul.grad
@@ -357,6 +372,15 @@ def _matmul_torch(x, y, *, out=None):
         return matmul(x, y)
     from dtape.ops._dispatch import call_fallback
     return call_fallback(torch.matmul, (x, y), {})
+
+
+def _bmm_torch(x, y, *, out=None):
+    """torch.bmm on dtape tensors: [b, n, m] @ [b, m, p] as `matmul` (gradients skip unneeded inputs)."""
+    if out is not None:
+        raise TypeError("torch.bmm(out=...) is not supported on dtape tensors")
+    if x.ndim != 3 or y.ndim != 3:
+        raise ValueError(f"torch.bmm: inputs must be 3-D, got shapes {tuple(x.shape)} and {tuple(y.shape)}")
+    return matmul(x, y)
 
 
 def _einsum_samples(rng):
@@ -397,11 +421,12 @@ def _einsum(inputs, equation):
 
 
 @_einsum.grad
-def _(dy, ans, operands, equation):
+def _(dy, ans, operands, equation, needs=None):
     if "..." in equation or "->" not in equation or any(len(set(s)) != len(s) for s in equation.split("->")[0].split(",")):
         raise NotImplementedError(f"einsum gradient for {equation!r}: use an explicit '->' output, "
                                   "no ellipsis and no repeated index within one operand")
-    return tuple(_einsum_operand_grad(dy, operands, i, equation) for i in range(len(operands)))
+    return tuple(_einsum_operand_grad(dy, operands, i, equation) if needs is None or needs[i] else None
+                 for i in range(len(operands)))
 
 
 def einsum(equation, *inputs):
@@ -634,9 +659,93 @@ def _register_torch_adapters():
     from dtape.ops._registry import TORCH_TABLE
     TORCH_TABLE[torch.matmul] = _matmul_torch
     TORCH_TABLE[torch.Tensor.__matmul__] = _matmul_torch
+    TORCH_TABLE[torch.Tensor.matmul] = _matmul_torch
+    for fn in (torch.bmm, torch.Tensor.bmm):  # batch matmul: matmul's rule, which skips unneeded inputs
+        TORCH_TABLE[fn] = _bmm_torch
     TORCH_TABLE[torch.sum] = _torch_reduce(torch.sum, reduce_sum)
     TORCH_TABLE[torch.mean] = _torch_reduce(torch.mean, reduce_mean)
     TORCH_TABLE[torch.einsum] = lambda eq, *ops: einsum(eq, *(ops[0] if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops))
 
 
 _register_torch_adapters()
+
+
+# -- norm clipping (composites of the ops above: differentiable, recorded) ----
+def _convert(t):
+    from dtape.tensor import convert_to_tensor, is_variable
+    return t._dtape_read() if is_variable(t) else convert_to_tensor(t)
+
+
+def clip_by_norm(t, clip_norm, axes=None):
+    """`t * clip_norm / max(l2norm(t), clip_norm)`: rescales t so its L2 norm (over `axes`) is at most clip_norm.
+
+    Args:
+      t: floating tensor, any shape.
+      clip_norm: positive scalar.
+      axes: None (the whole tensor) or axes to compute the norm over.
+
+    Returns:
+      A Tensor of t's shape, dtype and device. A zero t gets a zero (not NaN)
+      gradient, as TF's safe-norm formulation.
+
+    Source: tf.clip_by_norm.
+    """
+    from dtape.ops import array_ops
+    t = _convert(t)
+    l2sum = reduce_sum(t * t, axis=axes, keepdims=True)
+    pred = array_ops.cast(greater(l2sum, 0.0), t.dtype)
+    l2norm = sqrt(l2sum + (1.0 - pred)) * pred  # sqrt(1) where l2sum == 0: no inf in the backward
+    clip = float(clip_norm)
+    return t * clip / maximum(l2norm, clip)
+
+
+def global_norm(t_list):
+    """`sqrt(sum of sum(t ** 2) over t_list)` (None entries skipped), in float32 at least.
+
+    Returns:
+      A scalar Tensor (float32, or float64 if a tensor is float64) on the first tensor's device.
+
+    Raises:
+      ValueError: t_list holds no tensor.
+
+    Source: tf.linalg.global_norm.
+    """
+    from dtape.ops import array_ops
+    ts = [_convert(t) for t in t_list if t is not None]
+    if not ts:
+        raise ValueError("global_norm: t_list holds no tensor (every entry is None)")
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+    device = ts[0].device
+    sums = [array_ops.to_device(reduce_sum(square(array_ops.cast(t, dtype))), device) for t in ts]
+    return sqrt(add_n(sums) if len(sums) > 1 else sums[0])
+
+
+def clip_by_global_norm(t_list, clip_norm, use_norm=None):
+    """Scales every tensor by `clip_norm / max(global_norm, clip_norm)`; returns (clipped list, global_norm).
+
+    Args:
+      t_list: list of tensors (None entries stay None).
+      clip_norm: positive scalar.
+      use_norm: the global norm to use, if already computed.
+
+    Returns:
+      (list of Tensors with the inputs' shapes and dtypes, scalar global norm).
+      A non-finite global norm gives NaN tensors (as TF), so a bad step is
+      never silently applied.
+
+    Source: tf.clip_by_global_norm.
+    """
+    from dtape.ops import array_ops
+    if isinstance(t_list, (str, bytes)) or not hasattr(t_list, "__iter__"):
+        raise TypeError(f"clip_by_global_norm: t_list must be a list of tensors, got {type(t_list).__name__}")
+    t_list = list(t_list)
+    norm = global_norm(t_list) if use_norm is None else _convert(use_norm)
+    clip = float(clip_norm)
+    scale = clip * minimum(1.0 / norm, 1.0 / clip)
+    scale = scale + (norm - norm)  # NaN when the norm is inf or NaN (TF)
+    out = [None if t is None else _convert(t) * array_ops.to_device(array_ops.cast(scale, _convert(t).dtype),
+                                                                    _convert(t).device) for t in t_list]
+    return out, norm
+
+
+__all__ += ["clip_by_norm", "global_norm", "clip_by_global_norm"]

@@ -360,22 +360,72 @@ def conv2d(input, filters, strides, padding, data_format="NHWC", dilations=None)
 
 
 @conv2d.grad
-def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=None):  # noqa: A002
+def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=None,  # noqa: A002
+      needs=(True, True)):
+    """Image and filter gradients, each only when `needs` asks for it (the first layer's image needs none).
+
+    On the raw walk (torch tensors) torch's own backward kernel computes them
+    (`aten.convolution_backward` with an output mask); when a tape records
+    the walk, composite ops (a transposed convolution, a convolution over the
+    batch) that are themselves differentiable give them.
+    """
     x, w, s, d, pads = _conv_layout(input, filters, strides, padding, data_format, dilations)
     g = torch.permute(dy, (0, 3, 1, 2)) if data_format == "NHWC" else dy
-    xp = F.pad(x, pads)
-    hp, wp = xp.shape[2], xp.shape[3]
-    kh, kw = w.shape[2], w.shape[3]
-    out_pad = [n - ((o - 1) * st + (k - 1) * dl + 1) for n, o, st, k, dl in
-               zip((hp, wp), g.shape[2:], s, (kh, kw), d)]
-    gx = F.conv_transpose2d(g, w, stride=s, dilation=d, output_padding=tuple(out_pad))
-    gx = gx[:, :, pads[2]:hp - pads[3], pads[0]:wp - pads[1]]
-    if x.shape[0] == 0:  # empty batch: torch's conv over a zero-size "channel" dim loses `out`
-        gw = torch.zeros_like(filters)
+    if type(g) is torch.Tensor:
+        gx, gw = _conv_grads_kernel(g, x, w, s, d, pads, needs)
     else:
-        gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
-        gw = torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
-    return (torch.permute(gx, (0, 2, 3, 1)) if data_format == "NHWC" else gx), gw
+        gx = _conv_grad_input(g, x, w, s, d, pads) if needs[0] else None
+        gw = _conv_grad_filter(g, x, w, s, d, pads, filters) if needs[1] else None
+    if gx is not None and data_format == "NHWC":
+        gx = torch.permute(gx, (0, 2, 3, 1))
+    return gx, gw
+
+
+def _conv_grads_kernel(g, x, w, s, d, pads, needs):
+    """(image grad NCHW, filter grad [kh, kw, in, out]) from torch's backward kernel; None where not needed."""
+    if x.shape[0] == 0:  # empty batch: no work, zero gradients of the right shapes
+        return (torch.zeros_like(x) if needs[0] else None), \
+            (torch.zeros(_filter_shape(w), dtype=w.dtype, device=w.device) if needs[1] else None)
+    if x.dtype != g.dtype or w.dtype != g.dtype:  # autocast ran the forward in g's dtype: do the same
+        x, w = x.to(g.dtype), w.to(g.dtype)
+    symmetric = pads[0] == pads[1] and pads[2] == pads[3]
+    xp = x if symmetric else F.pad(x, pads)
+    conv_pad = (pads[2], pads[0]) if symmetric else (0, 0)
+    gx, gw, _ = _convolution_backward(g, xp, w, s, conv_pad, d, needs)
+    if gx is not None and not symmetric:
+        gx = gx[:, :, pads[2]:xp.shape[2] - pads[3], pads[0]:xp.shape[3] - pads[1]]
+    if gw is not None:
+        gw = torch.permute(gw, (2, 3, 1, 0))  # OIHW -> [kh, kw, in, out]
+    return gx, gw
+
+
+def _convolution_backward(g, x, w, stride, padding, dilation, needs):
+    """torch's convolution backward kernel on torch tensors: (grad input, grad weight, None)."""
+    return torch.ops.aten.convolution_backward(g, x, w, None, list(stride), list(padding), list(dilation),
+                                               False, [0, 0], 1, [bool(needs[0]), bool(needs[1]), False])
+
+
+def _filter_shape(w):
+    return (w.shape[2], w.shape[3], w.shape[1], w.shape[0])
+
+
+def _conv_grad_input(g, x, w, s, d, pads):
+    """Differentiable image gradient (NCHW): a transposed convolution, cropped to the unpadded image."""
+    hp, wp = x.shape[2] + pads[2] + pads[3], x.shape[3] + pads[0] + pads[1]
+    out_pad = [n - ((o - 1) * st + (k - 1) * dl + 1) for n, o, st, k, dl in
+               zip((hp, wp), g.shape[2:], s, w.shape[2:], d)]
+    gx = F.conv_transpose2d(g, w, stride=s, dilation=d, output_padding=tuple(out_pad))
+    return gx[:, :, pads[2]:hp - pads[3], pads[0]:wp - pads[1]]
+
+
+def _conv_grad_filter(g, x, w, s, d, pads, filters):
+    """Differentiable filter gradient [kh, kw, in, out]: a convolution over the batch dimension."""
+    if x.shape[0] == 0:  # empty batch: torch's conv over a zero-size "channel" dim loses `out`
+        return torch.zeros_like(filters)
+    xp = F.pad(x, pads)
+    kh, kw = w.shape[2], w.shape[3]
+    gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
+    return torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
 
 
 # -- bias, moments, embeddings ------------------------------------------------

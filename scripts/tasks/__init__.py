@@ -1,7 +1,11 @@
 """Training tasks for scripts/train.py: each module exposes the same small interface.
 
 A task module has:
-  DEFAULTS: dict of default command-line values (epochs, batch_size, lr, optimizer, dropout).
+  DEFAULTS: dict of default command-line values (epochs, batch_size, lr, optimizer, dropout),
+    kept in this file's DEFAULTS[name] so that train.py checks its arguments without
+    importing a task (or torch).
+  model_config(dropout) -> dict of the model's architecture settings (plain data), stored in
+    checkpoints so that --resume refuses a checkpoint of another model, naming the setting.
   load_data(seed) -> dict with numpy arrays "x_train", "y_train", "x_test", "y_test".
   build_model(seed, dropout=0.0) -> a dtape.Module, callable on a batch of inputs as
     model(x, training=False) (variables created now; `dropout` is the rate of its
@@ -12,6 +16,10 @@ A task module has:
 import importlib
 
 TASKS = ("digits", "charlm")
+DEFAULTS = {
+    "digits": {"epochs": 20, "batch_size": 64, "lr": 0.1, "optimizer": "sgd", "dropout": 0.0},
+    "charlm": {"epochs": 3, "batch_size": 32, "lr": 3e-3, "optimizer": "adam", "dropout": 0.0},
+}
 
 
 def get_task(name):

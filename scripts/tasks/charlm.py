@@ -16,7 +16,9 @@ import numpy as np
 import dtape
 from dtape import layers
 
-DEFAULTS = {"epochs": 3, "batch_size": 32, "lr": 3e-3, "optimizer": "adam", "dropout": 0.0}
+from . import DEFAULTS as _ALL_DEFAULTS
+
+DEFAULTS = _ALL_DEFAULTS["charlm"]
 CONTEXT = 64
 WIDTH, HEADS, DEPTH = 64, 4, 2
 MODULES = ("argparse.py", "textwrap.py", "string.py", "functools.py", "dataclasses.py", "typing.py",
@@ -100,6 +102,12 @@ class CharTransformer(dtape.Module):
         for block in self.blocks:
             h = block(h, training=training)
         return self.head(self.ln(h))
+
+
+def model_config(dropout=0.0):
+    """The architecture settings build_model uses (compared on --resume)."""
+    return {"context": CONTEXT, "width": WIDTH, "heads": HEADS, "depth": DEPTH, "vocab": len(VOCAB),
+            "dropout": float(dropout)}
 
 
 def build_model(seed, dropout=0.0):

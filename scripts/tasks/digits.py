@@ -6,9 +6,12 @@ No download: the data ships with scikit-learn. Features are scaled to [0, 1];
 the train/test split (80/20, stratified) is fixed by the seed.
 """
 import numpy as np
+
 import dtape
 
-DEFAULTS = {"epochs": 20, "batch_size": 64, "lr": 0.1, "optimizer": "sgd", "dropout": 0.0}
+from . import DEFAULTS as _ALL_DEFAULTS
+
+DEFAULTS = _ALL_DEFAULTS["digits"]
 HIDDEN = 128
 
 
@@ -22,6 +25,11 @@ def load_data(seed):
     x_train, x_test, y_train, y_test = train_test_split(
         x, y.astype(np.int64), test_size=0.2, random_state=seed, stratify=y)
     return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+
+
+def model_config(dropout=0.0):
+    """The architecture settings build_model uses (compared on --resume)."""
+    return {"layers": [64, HIDDEN, 10], "activation": "relu", "dropout": float(dropout)}
 
 
 def build_model(seed, dropout=0.0):

@@ -1,0 +1,253 @@
+"""Loss classes and functions with Keras formulas and `reduction`.
+
+A loss class is called as `loss(y_true, y_pred, sample_weight=None)`: the
+per-example losses (the function of the same name, averaged over the last
+axis where Keras does) are multiplied by `sample_weight` and reduced:
+  "sum_over_batch_size" (default): sum / number of per-example losses;
+  "sum": sum;  "none" (or None): the weighted per-example losses.
+Under a strategy use reduction="none" and `dtape.nn.compute_average_loss`
+(divides by the GLOBAL batch size, see its note on sum versus mean).
+Probabilities are clipped to [1e-7, 1 - 1e-7] before the log, as Keras.
+Source: tf.keras.losses.
+"""
+import torch
+
+from dtape import nn as _nn
+from dtape.ops import array_ops as _array
+from dtape.ops import math_ops as _math
+from dtape.tensor import convert_to_tensor, is_variable
+
+__all__ = ["Loss", "SparseCategoricalCrossentropy", "CategoricalCrossentropy", "BinaryCrossentropy",
+           "MeanSquaredError", "MeanAbsoluteError", "sparse_categorical_crossentropy", "categorical_crossentropy",
+           "binary_crossentropy", "mean_squared_error", "mean_absolute_error", "Reduction"]
+
+EPSILON = 1e-7
+
+
+class Reduction:
+    """The reductions a loss class accepts. Source: tf.keras.losses.Reduction (Keras 3 strings)."""
+
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+    AUTO = "sum_over_batch_size"
+    all = ("none", "sum", "sum_over_batch_size")
+
+
+def _tensor(x):
+    return x if is_variable(x) else convert_to_tensor(x)
+
+
+def _squeeze_or_expand(y_true, y_pred):
+    """Keras' squeeze_or_expand_to_same_rank: a trailing size-1 axis on one side is dropped."""
+    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
+        y_true = _array.squeeze(y_true, -1)
+    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
+        y_pred = _array.squeeze(y_pred, -1)
+    return y_true, y_pred
+
+
+def _float_pair(y_true, y_pred):
+    y_pred = _tensor(y_pred)
+    y_true = _array.cast(_tensor(y_true), y_pred.dtype)
+    return _squeeze_or_expand(y_true, y_pred)
+
+
+def _log_probs(y_pred, from_logits, axis):
+    if from_logits:
+        return _nn.log_softmax(y_pred, axis=axis)
+    probs = y_pred / _math.reduce_sum(y_pred, axis=axis, keepdims=True)
+    return _math.log(_math.clip_by_value(probs, EPSILON, 1.0 - EPSILON))
+
+
+def sparse_categorical_crossentropy(y_true, y_pred, from_logits=False, axis=-1):
+    """Per-example `-log p[y_true]`.
+
+    Args:
+      y_true: integer class ids [batch, ...] (a trailing axis of size 1 is dropped).
+      y_pred: [batch, ..., classes] probabilities (from_logits=False) or logits.
+      from_logits: whether y_pred are logits (softmax taken here).
+      axis: the class axis (-1).
+
+    Returns:
+      [batch, ...] of y_pred's dtype.
+
+    Source: tf.keras.losses.sparse_categorical_crossentropy.
+    """
+    y_pred = _tensor(y_pred)
+    y_true = _tensor(y_true)
+    if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
+        y_true = _array.squeeze(y_true, -1)
+    if y_true.dtype.is_floating_point:
+        y_true = _array.cast(y_true, torch.int64)
+    if from_logits and axis in (-1, y_pred.ndim - 1):
+        return _nn.sparse_softmax_cross_entropy_with_logits(labels=y_true, logits=y_pred)
+    log_p = _log_probs(y_pred, from_logits, axis)
+    one_hot = _array.one_hot(y_true, y_pred.shape[axis], dtype=y_pred.dtype)
+    return -_math.reduce_sum(one_hot * log_p, axis=axis)
+
+
+def categorical_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1):
+    """Per-example `-sum(y_true * log p)`, with `y_true * (1 - ls) + ls / classes` when label_smoothing > 0.
+
+    Shapes: y_true, y_pred [batch, ..., classes] -> [batch, ...].
+    Source: tf.keras.losses.categorical_crossentropy.
+    """
+    y_pred = _tensor(y_pred)
+    y_true = _array.cast(_tensor(y_true), y_pred.dtype)
+    if label_smoothing:
+        y_true = y_true * (1.0 - label_smoothing) + label_smoothing / y_pred.shape[axis]
+    return -_math.reduce_sum(y_true * _log_probs(y_pred, from_logits, axis), axis=axis)
+
+
+def binary_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1):
+    """Per-example mean over `axis` of `-(y log p + (1 - y) log(1 - p))`.
+
+    Labels are smoothed to `y * (1 - ls) + 0.5 * ls`. With from_logits the
+    stable `sigmoid_cross_entropy_with_logits` is used; otherwise p is
+    clipped to [1e-7, 1 - 1e-7].
+    Shapes: y_true, y_pred [batch, ..., d] -> [batch, ...].
+    Source: tf.keras.losses.binary_crossentropy.
+    """
+    y_true, y_pred = _float_pair(y_true, y_pred)
+    if label_smoothing:
+        y_true = y_true * (1.0 - label_smoothing) + 0.5 * label_smoothing
+    if from_logits:
+        bce = _nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=y_pred)
+    else:
+        p = _math.clip_by_value(y_pred, EPSILON, 1.0 - EPSILON)
+        bce = -(y_true * _math.log(p) + (1.0 - y_true) * _math.log(1.0 - p))
+    return _math.reduce_mean(bce, axis=axis)
+
+
+def mean_squared_error(y_true, y_pred):
+    """Per-example `mean(square(y_pred - y_true), axis=-1)`. Source: tf.keras.losses.mean_squared_error."""
+    y_true, y_pred = _float_pair(y_true, y_pred)
+    return _math.reduce_mean(_math.square(y_pred - y_true), axis=-1)
+
+
+def mean_absolute_error(y_true, y_pred):
+    """Per-example `mean(abs(y_pred - y_true), axis=-1)`. Source: tf.keras.losses.mean_absolute_error."""
+    y_true, y_pred = _float_pair(y_true, y_pred)
+    return _math.reduce_mean(_math.abs(y_pred - y_true), axis=-1)
+
+
+def _check_reduction(reduction):
+    if reduction is None:
+        return "none"
+    if reduction == "auto":
+        return "sum_over_batch_size"
+    if reduction not in Reduction.all:
+        raise ValueError(f"invalid loss reduction {reduction!r}; use one of {list(Reduction.all)}")
+    return reduction
+
+
+class Loss:
+    """Base class: `__call__(y_true, y_pred, sample_weight=None)` = reduce(call(y_true, y_pred) * sample_weight).
+
+    Args:
+      reduction: "sum_over_batch_size" (default), "sum", or "none"/None.
+      name: a name for messages.
+
+    Subclasses define `call(y_true, y_pred)` returning per-example losses.
+    Source: tf.keras.losses.Loss.
+    """
+
+    def __init__(self, reduction="sum_over_batch_size", name=None):
+        self.reduction = _check_reduction(reduction)
+        self.name = name or type(self).__name__
+
+    def call(self, y_true, y_pred):
+        raise NotImplementedError(f"{type(self).__name__} must define call(y_true, y_pred)")
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        losses = _tensor(self.call(y_true, y_pred))
+        if sample_weight is not None:
+            weight = _array.cast(_tensor(sample_weight), losses.dtype)
+            if weight.ndim == losses.ndim + 1 and weight.shape[-1] == 1:
+                weight = _array.squeeze(weight, -1)
+            while weight.ndim < losses.ndim:
+                weight = _array.expand_dims(weight, -1)
+            losses = losses * weight
+        if self.reduction == "none":
+            return losses
+        total = _math.reduce_sum(losses)
+        if self.reduction == "sum":
+            return total
+        return total / float(max(_numel(losses), 1))
+
+
+def _numel(t):
+    n = 1
+    for s in t.shape:
+        n *= int(s)
+    return n
+
+
+class SparseCategoricalCrossentropy(Loss):
+    """Cross-entropy with integer labels. Args: from_logits, reduction, name. See `sparse_categorical_crossentropy`.
+
+    Source: tf.keras.losses.SparseCategoricalCrossentropy.
+
+    Example:
+      >>> loss = dtape.losses.SparseCategoricalCrossentropy(from_logits=True)
+      >>> round(float(loss([0], [[0.0, 0.0]])), 4)
+      0.6931
+    """
+
+    def __init__(self, from_logits=False, reduction="sum_over_batch_size", name="sparse_categorical_crossentropy"):
+        super().__init__(reduction, name)
+        self.from_logits = bool(from_logits)
+
+    def call(self, y_true, y_pred):
+        return sparse_categorical_crossentropy(y_true, y_pred, from_logits=self.from_logits)
+
+
+class CategoricalCrossentropy(Loss):
+    """Cross-entropy with one-hot (or soft) labels. Args: from_logits, label_smoothing, reduction, name.
+
+    Source: tf.keras.losses.CategoricalCrossentropy.
+    """
+
+    def __init__(self, from_logits=False, label_smoothing=0.0, reduction="sum_over_batch_size",
+                 name="categorical_crossentropy"):
+        super().__init__(reduction, name)
+        self.from_logits, self.label_smoothing = bool(from_logits), float(label_smoothing)
+
+    def call(self, y_true, y_pred):
+        return categorical_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing)
+
+
+class BinaryCrossentropy(Loss):
+    """Binary cross-entropy. Args: from_logits, label_smoothing, reduction, name.
+
+    Source: tf.keras.losses.BinaryCrossentropy.
+    """
+
+    def __init__(self, from_logits=False, label_smoothing=0.0, reduction="sum_over_batch_size",
+                 name="binary_crossentropy"):
+        super().__init__(reduction, name)
+        self.from_logits, self.label_smoothing = bool(from_logits), float(label_smoothing)
+
+    def call(self, y_true, y_pred):
+        return binary_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing)
+
+
+class MeanSquaredError(Loss):
+    """Mean of squared errors over the last axis, per example. Source: tf.keras.losses.MeanSquaredError."""
+
+    def __init__(self, reduction="sum_over_batch_size", name="mean_squared_error"):
+        super().__init__(reduction, name)
+
+    def call(self, y_true, y_pred):
+        return mean_squared_error(y_true, y_pred)
+
+
+class MeanAbsoluteError(Loss):
+    """Mean of absolute errors over the last axis, per example. Source: tf.keras.losses.MeanAbsoluteError."""
+
+    def __init__(self, reduction="sum_over_batch_size", name="mean_absolute_error"):
+        super().__init__(reduction, name)
+
+    def call(self, y_true, y_pred):
+        return mean_absolute_error(y_true, y_pred)

@@ -1,0 +1,182 @@
+"""Mixed precision: dynamic loss scaling (`LossScaleOptimizer`) and `torch.autocast` with dtape.
+
+Autocast: run the forward pass under `torch.autocast` as in PyTorch; the
+tape records the ops autocast lowers (matmul, conv2d, ... in float16 or
+bfloat16), and `tape.gradient` (inside or outside the autocast block)
+returns every gradient in its source's dtype, so float32 variables get
+float32 gradients and the optimizer updates them in float32:
+
+    with dtape.GradientTape() as tape:
+        with torch.autocast("cuda", dtype=torch.float16):   # or ("cpu", dtype=torch.bfloat16)
+            logits = model(x)
+        loss = dtape.reduce_mean(loss_fn(y, dtape.cast(logits, torch.float32)))
+        scaled = opt.get_scaled_loss(loss)                   # float16 needs loss scaling
+    grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+Replica threads of `MirroredStrategy.run` inherit the caller's autocast
+state. bfloat16 has float32's range and normally needs no loss scaling;
+float16 does.
+Source: tf.keras.mixed_precision (LossScaleOptimizer), torch.autocast.
+"""
+import math
+
+import torch
+
+from dtape import distribute
+from dtape import tape as _tp
+from dtape.optimizers import Optimizer
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
+
+__all__ = ["LossScaleOptimizer"]
+
+
+class LossScaleOptimizer(Optimizer):
+    """Wraps an optimizer with (dynamic) loss scaling.
+
+    `get_scaled_loss(loss)` multiplies the loss by the scale;
+    `get_unscaled_gradients(grads)` divides the gradients by it; then
+    `apply_gradients` (after the cross-replica aggregation, so every replica
+    decides alike) checks that every gradient is finite:
+      * finite: the inner optimizer applies them (its clipping included);
+        with dynamic scaling, after `dynamic_growth_steps` finite steps in a
+        row the scale doubles (if the doubled scale is finite);
+      * not finite: the step is skipped (the variables and slots keep their
+        values; `iterations` still counts it, as TF), the scale halves
+        (never below 1) and the count of good steps restarts.
+
+    Args:
+      inner_optimizer: the Optimizer to wrap.
+      dynamic: adjust the scale (True) or keep `initial_scale` fixed.
+      initial_scale: starting scale (default 2**15 when dynamic).
+      dynamic_growth_steps: finite steps before the scale doubles (default 2000).
+
+    Create it inside `strategy.scope()` under a strategy: the scale and the
+    counter are variables mirrored like the model's (and saved by
+    `dtape.checkpoint` with the optimizer's `variables()`).
+
+    Raises:
+      TypeError: inner_optimizer is not a dtape Optimizer.
+      ValueError: a non-positive scale or growth step count; dynamic=False
+        without initial_scale.
+
+    Source: tf.keras.mixed_precision.LossScaleOptimizer (TF 2 API: the user
+    unscales with get_unscaled_gradients).
+    """
+
+    def __init__(self, inner_optimizer, dynamic=True, initial_scale=None, dynamic_growth_steps=None):
+        if not isinstance(inner_optimizer, Optimizer) or isinstance(inner_optimizer, LossScaleOptimizer):
+            raise TypeError(f"LossScaleOptimizer wraps a dtape optimizer (SGD, Adam, ...), got "
+                            f"{type(inner_optimizer).__name__}")
+        if not dynamic and initial_scale is None:
+            raise ValueError("initial_scale must be given when dynamic=False")
+        if dynamic_growth_steps is not None and not dynamic:
+            raise ValueError("dynamic_growth_steps applies only to dynamic=True")
+        scale = 2.0 ** 15 if initial_scale is None else float(initial_scale)
+        if not scale > 0 or not math.isfinite(scale):
+            raise ValueError(f"initial_scale must be a finite number > 0, got {initial_scale!r}")
+        growth = 2000 if dynamic_growth_steps is None else int(dynamic_growth_steps)
+        if growth < 1:
+            raise ValueError(f"dynamic_growth_steps must be >= 1, got {dynamic_growth_steps!r}")
+        self._inner = inner_optimizer
+        self.name = f"LossScaleOptimizer/{inner_optimizer.name}"
+        self.dynamic, self.initial_scale, self.dynamic_growth_steps = bool(dynamic), scale, growth
+        self._loss_scale = self._make_variable(scale, torch.float32, None, "loss_scale")
+        self._counter = self._make_variable(0, torch.int64, None, "dynamic_counter")
+
+    # -- delegation -------------------------------------------------------------
+    @property
+    def inner_optimizer(self):
+        return self._inner
+
+    @property
+    def iterations(self):
+        return self._inner.iterations
+
+    @property
+    def learning_rate(self):
+        return self._inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._inner.learning_rate = value
+
+    def build(self, var_list):
+        """The inner optimizer's slots (see Optimizer.build)."""
+        return self._inner.build(var_list)
+
+    def variables(self):
+        """The inner optimizer's variables, then the loss scale and the dynamic counter."""
+        return self._inner.variables() + [self._loss_scale, self._counter]
+
+    # -- scaling ----------------------------------------------------------------
+    @property
+    def loss_scale(self):
+        """The current loss scale as a float32 scalar Tensor."""
+        return Tensor(self._loss_scale.torch().clone())
+
+    @property
+    def dynamic_counter(self):
+        """Finite steps since the scale last changed (an int64 scalar Tensor)."""
+        return Tensor(self._counter.torch().clone())
+
+    def _scale_like(self, x):
+        return Tensor(self._loss_scale.torch().to(dtype=x.dtype, device=x.device))
+
+    def get_scaled_loss(self, loss):
+        """`loss * loss_scale` (a callable loss gives a callable). Same dtype and device as loss."""
+        if callable(loss):
+            return lambda: self.get_scaled_loss(loss())
+        loss = convert_to_tensor(loss) if not is_variable(loss) else loss._dtape_read()
+        return loss * self._scale_like(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """Each gradient times `1 / loss_scale` (None stays None); same dtypes and devices."""
+        out = []
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            g = convert_to_tensor(g)
+            recip = Tensor((1.0 / self._loss_scale.torch()).to(dtype=g.dtype, device=g.device))
+            out.append(g * recip)
+        return out
+
+    # -- the step -----------------------------------------------------------------
+    def _distributed_apply(self, strategy, pairs):
+        """Cross-replica, gradients aggregated: apply if all finite, then update the scale."""
+        finite = _all_finite([g for g, _ in pairs])
+        with _tp.stop_recording():
+            if finite:
+                self._inner._distributed_apply(strategy, pairs)
+            else:
+                self._inner.iterations.assign_add(1)
+            if self.dynamic:
+                self._update_scale(finite)
+        return self.iterations
+
+    def _update_scale(self, finite):
+        scale = float(self._loss_scale.numpy())
+        if not finite:
+            self._counter.assign(0)
+            self._loss_scale.assign(max(scale / 2.0, 1.0))
+            return
+        count = int(self._counter.numpy()) + 1
+        if count >= self.dynamic_growth_steps:
+            if math.isfinite(scale * 2.0):
+                self._loss_scale.assign(scale * 2.0)
+            self._counter.assign(0)
+        else:
+            self._counter.assign(count)
+
+
+def _all_finite(grads):
+    """One host decision for all replicas: every (first-copy of an aggregated) gradient is finite."""
+    checks = []
+    for g in grads:
+        if isinstance(g, distribute.DistributedValues):
+            g = g.values[0]
+        t = convert_to_tensor(g).torch()
+        if t.is_floating_point() or t.is_complex():
+            checks.append(torch.isfinite(t).all().to("cpu"))
+    return bool(torch.stack(checks).all()) if checks else True

@@ -1,0 +1,133 @@
+"""Loss classes (Keras formulas, reductions) and tf.nn.compute_average_loss / scale_regularization_loss."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtape
+from dtape import distribute as ds
+from dtape import losses
+
+RNG = np.random.default_rng(0)
+LOGITS = torch.tensor(RNG.normal(size=(6, 4)))
+LABELS = torch.tensor(RNG.integers(0, 4, 6))
+
+
+@pytest.fixture
+def strategy():
+    return ds.MirroredStrategy(["cpu:0", "cpu:1"], timeout=30)
+
+
+def _np(x):
+    return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
+
+
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_sparse_categorical_crossentropy_matches_torch_value_and_gradient(from_logits):
+    x = dtape.constant(LOGITS)
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        pred = x if from_logits else dtape.nn.softmax(x)
+        loss = losses.SparseCategoricalCrossentropy(from_logits=from_logits)(LABELS, pred)
+    grad = tape.gradient(loss, x)
+    ref_x = LOGITS.clone().requires_grad_()
+    ref = F.cross_entropy(ref_x, LABELS)
+    ref.backward()
+    np.testing.assert_allclose(float(loss), float(ref.detach()), rtol=1e-10)
+    np.testing.assert_allclose(grad.numpy(), ref_x.grad.numpy(), rtol=1e-8, atol=1e-12)
+
+
+def test_categorical_crossentropy_label_smoothing_matches_torch():
+    onehot = F.one_hot(LABELS, 4).double()
+    loss = losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.2)(onehot, LOGITS)
+    ref = F.cross_entropy(LOGITS, LABELS, label_smoothing=0.2)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-10)
+    probs = torch.softmax(LOGITS, -1)
+    np.testing.assert_allclose(float(losses.CategoricalCrossentropy()(onehot, probs)),
+                               float(F.cross_entropy(LOGITS, LABELS)), rtol=1e-10)
+
+
+def test_probabilities_are_clipped_to_epsilon_as_keras():
+    # p = 0 for the true class: Keras clips to 1e-7 instead of giving inf.
+    loss = losses.SparseCategoricalCrossentropy()([0], [[0.0, 1.0]])
+    np.testing.assert_allclose(float(loss), -np.log(1e-7), rtol=1e-5)
+
+
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_binary_crossentropy_matches_torch_mean_over_last_axis(from_logits):
+    y = torch.tensor(RNG.integers(0, 2, (5, 3))).double()
+    z = torch.tensor(RNG.normal(size=(5, 3)))
+    pred = z if from_logits else torch.sigmoid(z)
+    per_example = losses.BinaryCrossentropy(from_logits=from_logits, reduction="none")(y, pred)
+    ref = F.binary_cross_entropy_with_logits(z, y, reduction="none").mean(-1)
+    assert tuple(per_example.shape) == (5,)
+    np.testing.assert_allclose(per_example.numpy(), ref.numpy(), rtol=1e-6)
+
+
+def test_regression_losses_and_every_reduction():
+    yt = torch.tensor(RNG.normal(size=(4, 3)))
+    yp = torch.tensor(RNG.normal(size=(4, 3)))
+    w = torch.tensor([1.0, 0.0, 2.0, 0.5], dtype=torch.float64)
+    per = ((yp - yt) ** 2).mean(-1)
+    mse = losses.MeanSquaredError
+    np.testing.assert_allclose(_np(mse(reduction="none")(yt, yp)), per.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(float(mse()(yt, yp)), float(per.mean()), rtol=1e-12)
+    np.testing.assert_allclose(float(mse(reduction="sum")(yt, yp)), float(per.sum()), rtol=1e-12)
+    # sum_over_batch_size divides the weighted sum by the number of examples (not the weights' sum).
+    np.testing.assert_allclose(float(mse()(yt, yp, sample_weight=w)), float((per * w).sum() / 4), rtol=1e-12)
+    mae = losses.MeanAbsoluteError(reduction="none")(yt, yp)
+    np.testing.assert_allclose(mae.numpy(), (yp - yt).abs().mean(-1).numpy(), rtol=1e-12)
+
+
+def test_trailing_unit_axis_is_squeezed_as_keras():
+    yt = torch.tensor([[1.0], [2.0]])
+    np.testing.assert_allclose(_np(losses.MeanSquaredError(reduction="none")(yt, [[1.5], [2.0]])), [0.25, 0.0])
+    # Keras squeezes y_true's trailing 1 to match y_pred [2], then averages the last axis.
+    np.testing.assert_allclose(float(losses.MeanSquaredError(reduction="none")(yt, [1.5, 2.0])), 0.125)
+
+
+def test_bad_reduction_raises():
+    with pytest.raises(ValueError, match="sum_over_batch_size"):
+        losses.MeanSquaredError(reduction="mean_of_something")
+
+
+# -- compute_average_loss / scale_regularization_loss -----------------------------
+
+def test_compute_average_loss_divides_by_global_batch_size():
+    per_example = dtape.constant([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(float(dtape.nn.compute_average_loss(per_example, global_batch_size=6)), 1.0)
+    np.testing.assert_allclose(float(dtape.nn.compute_average_loss(per_example)), 2.0)
+    weighted = dtape.nn.compute_average_loss(per_example, global_batch_size=3, sample_weight=[1.0, 0.0, 2.0])
+    np.testing.assert_allclose(float(weighted), (1.0 + 6.0) / 3)
+
+
+@pytest.mark.parametrize("bad, match", [(0, "positive"), (2.5, "integer"), (-3, "positive")])
+def test_compute_average_loss_rejects_bad_batch_sizes(bad, match):
+    with pytest.raises(ValueError, match=match):
+        dtape.nn.compute_average_loss([1.0, 2.0], global_batch_size=bad)
+
+
+def test_compute_average_loss_rejects_scalar_loss():
+    with pytest.raises(ValueError, match="rank 1"):
+        dtape.nn.compute_average_loss(dtape.constant(1.0), global_batch_size=1)
+
+
+def test_under_strategy_replica_losses_sum_to_the_global_mean(strategy):
+    values = np.arange(6, dtype=np.float32)
+
+    def fn(x):
+        return dtape.nn.compute_average_loss(x)  # global batch = 3 per replica * 2 replicas
+
+    per_replica = ds.PerReplica((dtape.constant(values[:3]), dtape.constant(values[3:])))
+    total = strategy.reduce(ds.ReduceOp.SUM, strategy.run(fn, (per_replica,)))
+    np.testing.assert_allclose(float(total), values.mean(), rtol=1e-6)
+    reg = strategy.run(lambda: dtape.nn.scale_regularization_loss([dtape.constant(3.0), dtape.constant(1.0)]))
+    np.testing.assert_allclose([float(v) for v in strategy.experimental_local_results(reg)], [2.0, 2.0])
+
+
+def test_cross_replica_context_raises_as_tf(strategy):
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match="cross replica context"):
+            dtape.nn.compute_average_loss([1.0])
+        with pytest.raises(RuntimeError, match="cross replica context"):
+            dtape.nn.scale_regularization_loss(1.0)

@@ -1,0 +1,165 @@
+"""Gradient rules skip the input gradients no source needs (issue 7 point 6).
+
+Each test counts the expensive gradient computations (by wrapping the helper
+that does them) and checks the gradients against torch.autograd in float64.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtape
+from dtape.ops import array_ops, math_ops, nn_ops
+
+D = torch.float64
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def _cnn_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 6, 2, generator=g, dtype=D)
+    k1 = torch.randn(3, 3, 2, 3, generator=g, dtype=D)
+    k2 = torch.randn(2, 2, 3, 2, generator=g, dtype=D)
+    return x, k1, k2
+
+
+def _cnn_dtape(x, k1, k2):
+    h = dtape.tanh(dtape.nn.conv2d(x, k1, strides=1, padding="SAME"))        # first layer: image not needed
+    return dtape.reduce_sum(dtape.square(dtape.nn.conv2d(h, k2, strides=2, padding="SAME")))
+
+
+def _cnn_torch(x, k1, k2):
+    def conv(x, k, stride, pads):
+        y = F.conv2d(F.pad(x.permute(0, 3, 1, 2), pads), k.permute(3, 2, 0, 1), stride=stride)
+        return y.permute(0, 2, 3, 1)
+    h = torch.tanh(conv(x, k1, 1, (1, 1, 1, 1)))
+    return torch.sum(conv(h, k2, 2, (0, 0, 0, 0)) ** 2)  # 6x6, k=2, s=2: SAME needs no padding
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["raw", "recorded"])
+def test_conv2d_skips_the_first_layers_image_gradient(monkeypatch, recorded):
+    kernel_masks = _counting(monkeypatch, nn_ops, "_convolution_backward")
+    image_grads = _counting(monkeypatch, nn_ops, "_conv_grad_input")
+    x, k1, k2 = _cnn_data()
+    v1, v2 = dtape.Variable(k1), dtape.Variable(k2)
+    with dtape.GradientTape() as tape:
+        loss = _cnn_dtape(dtape.constant(x), v1, v2)
+    if recorded:  # another tape records the walk: the rules run on dtape tensors (composite ops)
+        with dtape.GradientTape() as outer:
+            outer.watch(dtape.constant(0.0))
+            grads = tape.gradient(loss, [v1, v2])
+        assert kernel_masks == [] and len(image_grads) == 1  # only the second layer's image gradient
+    else:
+        grads = tape.gradient(loss, [v1, v2])
+        masks = [args[-1] for args in kernel_masks]
+        assert [tuple(bool(n) for n in m) for m in masks] == [(True, True), (False, True)]
+        assert image_grads == []
+    t1, t2 = k1.clone().requires_grad_(), k2.clone().requires_grad_()
+    ref = torch.autograd.grad(_cnn_torch(x, t1, t2), [t1, t2])
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.torch(), r, rtol=1e-12, atol=1e-12)
+
+
+def test_conv2d_rule_with_the_kernel_is_differentiable_again():
+    """Second order: the rule run under an outer tape (composite ops) gives H v as torch's double backward."""
+    x, k1, k2 = _cnn_data()
+    v1 = dtape.Variable(k1)
+    direction = torch.linspace(-1.0, 1.0, k1.numel(), dtype=D).reshape(k1.shape)
+    with dtape.GradientTape() as outer:
+        with dtape.GradientTape() as inner:
+            loss = _cnn_dtape(dtape.constant(x), v1, dtape.constant(k2))
+        g = inner.gradient(loss, v1)
+        gv = dtape.reduce_sum(g * dtape.constant(direction))
+    hv = outer.gradient(gv, v1)
+    t1 = k1.clone().requires_grad_()
+    (tg,) = torch.autograd.grad(_cnn_torch(x, t1, k2), [t1], create_graph=True)
+    (ref,) = torch.autograd.grad(torch.sum(tg * direction), [t1])
+    torch.testing.assert_close(hv.torch(), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_einsum_computes_only_the_needed_operand_gradients(monkeypatch):
+    calls = _counting(monkeypatch, math_ops, "_einsum_operand_grad")
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 4, generator=g, dtype=D), torch.randn(4, 5, generator=g, dtype=D)
+    da, db = dtape.constant(a), dtape.constant(b)
+    with dtape.GradientTape() as tape:
+        tape.watch(db)
+        y = dtape.reduce_sum(dtape.tanh(dtape.einsum("ij,jk->ik", da, db)))
+    (gb,) = tape.gradient(y, [db])
+    assert [args[2] for args in calls] == [1]  # operand index 1 only
+    tb = b.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.tanh(torch.einsum("ij,jk->ik", a, tb)).sum(), [tb])
+    torch.testing.assert_close(gb.torch(), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_embedding_lookup_gradient_is_skipped_when_params_are_not_needed(monkeypatch):
+    calls = []
+    original = array_ops._gather_grad.any
+    monkeypatch.setattr(array_ops._gather_grad, "any", lambda *a, **k: calls.append(a) or original(*a, **k))
+    table = torch.arange(12, dtype=D).reshape(4, 3)
+    ids = dtape.constant(torch.tensor([[0, 2], [2, 3]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # watching and differentiating integer ids warns (they get None)
+        with dtape.GradientTape() as tape:
+            tape.watch(ids)
+            y = dtape.reduce_sum(dtape.nn.embedding_lookup(dtape.constant(table), ids))
+        assert tape.gradient(y, ids) is None
+    assert calls == []
+    # with the table as source the rule runs, repeated ids accumulate
+    v = dtape.Variable(table)
+    with dtape.GradientTape() as tape:
+        y = dtape.reduce_sum(dtape.nn.embedding_lookup(v, ids) * 2.0)
+    g = tape.gradient(y, v)
+    assert len(calls) == 1
+    tv = table.clone().requires_grad_()
+    (ref,) = torch.autograd.grad((F.embedding(ids.torch(), tv) * 2.0).sum(), [tv])
+    torch.testing.assert_close(g.torch(), ref, rtol=0, atol=0)
+
+
+def test_torch_bmm_is_matmul_and_skips_the_unwatched_batch(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 3, 4, generator=g, dtype=D), torch.randn(2, 4, 5, generator=g, dtype=D)
+    da, db = dtape.constant(a), dtape.constant(b)
+    with dtape.GradientTape() as tape:
+        tape.watch(db)
+        y = dtape.reduce_sum(torch.bmm(da, db) ** 2)
+    products = _counting(monkeypatch, torch, "matmul")
+    (gb,) = tape.gradient(y, [db])
+    assert len(products) == 1  # matmul's rule, b's gradient only (the autograd fallback calls no torch.matmul)
+    tb = b.clone().requires_grad_()
+    (ref,) = torch.autograd.grad((torch.bmm(a, tb) ** 2).sum(), [tb])
+    torch.testing.assert_close(gb.torch(), ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="3-D"):
+        torch.bmm(dtape.constant(a[0]), db)
+
+
+@pytest.mark.parametrize("walk_inside_autocast", [True, False])
+def test_conv2d_kernel_gradient_after_a_bfloat16_autocast_forward(walk_inside_autocast):
+    g = torch.Generator().manual_seed(3)
+    x, k = torch.randn(2, 5, 5, 3, generator=g), torch.randn(3, 3, 3, 4, generator=g)
+    dx, v = dtape.constant(x), dtape.Variable(k)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with dtape.GradientTape() as tape:
+            tape.watch(dx)
+            y = dtape.reduce_sum(dtape.square(dtape.nn.conv2d(dx, v, strides=1, padding="SAME")))
+        if walk_inside_autocast:
+            gx, gk = tape.gradient(y, [dx, v])
+    if not walk_inside_autocast:
+        gx, gk = tape.gradient(y, [dx, v])
+    tx, tk = x.clone().requires_grad_(), k.clone().requires_grad_()
+    ty = F.conv2d(F.pad(tx.permute(0, 3, 1, 2), (1, 1, 1, 1)), tk.permute(3, 2, 0, 1))
+    rx, rk = torch.autograd.grad((ty ** 2).sum(), [tx, tk])
+    assert gx.dtype == gk.dtype == torch.float32
+    torch.testing.assert_close(gx.torch(), rx, rtol=0.05, atol=0.5)  # bfloat16 forward and walk
+    torch.testing.assert_close(gk.torch(), rk, rtol=0.05, atol=0.5)
