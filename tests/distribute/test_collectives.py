@@ -25,7 +25,7 @@ def strategy():
         yield s
     finally:
         sys.setswitchinterval(old)
-        getattr(s, "close", lambda: None)()
+        s.close()
 
 
 def _rid():

@@ -14,6 +14,9 @@ TINY_MB = 1e-9  # every variable in a bucket of its own
 N_VARS = 6      # 3 Dense layers
 
 
+_made = []  # strategies made by the current test: closed after it (their replica threads stop)
+
+
 @pytest.fixture(autouse=True)
 def _interleave():
     old = sys.getswitchinterval()
@@ -22,10 +25,13 @@ def _interleave():
         yield
     finally:
         sys.setswitchinterval(old)
+        while _made:
+            _made.pop().close()
 
 
 def _strategy(n=2):
-    return MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5)
+    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5))
+    return _made[-1]
 
 
 def _model(strategy, dtype=torch.float32):

@@ -11,6 +11,9 @@ from dtape.distribute import GradientAccumulator, GradientSync, MirroredStrategy
 F64 = torch.float64
 
 
+_made = []  # strategies made by the current test: closed after it (their replica threads stop)
+
+
 @pytest.fixture(autouse=True)
 def _interleave():
     old = sys.getswitchinterval()
@@ -19,6 +22,8 @@ def _interleave():
         yield
     finally:
         sys.setswitchinterval(old)
+        while _made:
+            _made.pop().close()
 
 
 def _data(sizes, seed=0):
@@ -46,8 +51,9 @@ def _one_device(batches, lr=0.1):
     return [v.numpy() for v in model.trainable_variables], losses
 
 
-def _strategy():
-    return MirroredStrategy(["cpu:0", "cpu:1"], timeout=5)
+def _strategy(n=2):
+    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5))
+    return _made[-1]
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -77,7 +83,7 @@ def test_uneven_epoch_matches_one_device(sync):
 
 
 def test_global_batch_smaller_than_replicas_completes():
-    strategy = MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], timeout=5)
+    strategy = _strategy(3)
     batches = _data([2])
     with strategy.scope():
         model, opt = _model(), dtape.optimizers.SGD(0.1)
