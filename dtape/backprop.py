@@ -47,7 +47,7 @@ def profile_range(name):
 def _source_handles(source):
     """Concrete (id-bearing) objects a source stands for: one per component."""
     if is_variable(source):
-        return [v._handle() for v in _tp._resolve_watched(source)]
+        return [v._handle() for v in _tp.resolve_watched(source)]
     return [source]
 
 
