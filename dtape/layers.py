@@ -816,10 +816,15 @@ class BatchNormalization(Layer):
     SyncBatchNorm), so 2 replicas compute what one device computes on the
     whole batch, gradients included (every replica must call tape.gradient
     in step). With synchronized=False each replica uses its own batch. The
-    moving statistics are non-trainable variables with aggregation MEAN:
-    a replica-context update is averaged over replicas and written to every
-    component, so the mirrored copies stay identical (with synchronized=True
-    the replicas' updates are already identical).
+    moving statistics are non-trainable variables with aggregation MEAN,
+    updated with the same value on every replica so the mirrored copies stay
+    identical: the global batch's statistics (synchronized=True), or the
+    replicas' statistics weighted by their example counts (False; the
+    moving mean is then the global batch's mean).
+    An empty batch (API.md: a short or empty last batch on some replicas)
+    gives an empty output, zero gradients to gamma and beta, and no NaN; it
+    adds nothing to the moving statistics, which stay unchanged when the
+    whole (global) batch is empty.
 
     Args:
       axis: the feature axis (default -1, channels last).
