@@ -96,7 +96,7 @@ class Tape:
     """
 
     __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_records",
-                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "__weakref__")
+                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "_stands_for", "__weakref__")
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
@@ -108,6 +108,7 @@ class Tape:
         self._accessed = set()   # _id of variables whose reads were already resolved and watched
         self._explicit = set()   # _id of variables watched by `watch`: their reads follow to any thread
         self._owner = _thread_state.scope  # the creating thread's tape scope
+        self._stands_for = ()  # dtape.function's private tape: the caller's tapes it records for
 
     def _watch_ids(self, ids):
         with self._lock:
@@ -312,6 +313,24 @@ def variable_read(variable, out, op):
         state.paused = prev
 
 
+def stand_in(tape):
+    """Makes `tape` stand in for the tapes recording on this thread (`dtape.function`'s private tape).
+
+    While the caller's tapes are paused for the body, `tape` watches the
+    variables they watch explicitly (a non-trainable one, say, stays
+    connected) and pausing one of them (`GradientTape.stop_recording()` in
+    the body) pauses `tape` too.
+    """
+    outers = _recording_tapes()
+    tape._stands_for = outers
+    for outer in outers:
+        with outer._lock:
+            explicit = set(outer._explicit)
+        with tape._lock:
+            tape._explicit.update(explicit)
+            tape._watched.update(explicit)
+
+
 def current_lineage():
     """This thread's tape-scope lineage (for the replica threads of a `strategy.run` called here)."""
     return _thread_state.lineage
@@ -454,14 +473,18 @@ class stop_recording(ThreadLocalScope):
 
 
 class pause_tape(ThreadLocalScope):
-    """Pauses one tape on this thread only; other tapes and threads keep recording."""
+    """Pauses one tape on this thread only; other tapes and threads keep recording.
+
+    Tapes standing in for it (`dtape.function` bodies) pause with it.
+    """
 
     __slots__ = ()
     _state = _thread_state
     _attr = "paused"
 
     def _new(self, prev):
-        return prev + (self._value,)
+        tape = self._value
+        return prev + (tape,) + tuple(t for t in _tape_set if tape in t._stands_for)
 
 
 class _pause_all_but(ThreadLocalScope):
@@ -532,4 +555,4 @@ __all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_var
            "variable_accessed", "variable_read", "current_lineage", "lineage_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver", "resolve_watched", "capturing_reads", "PushedTapes", "track_pushed_tapes"]
+           "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

@@ -261,7 +261,8 @@ def dropout(x, rate, noise_shape=None, seed=None):
       x: floating tensor, any shape.
       rate: drop probability in [0, 1).
       noise_shape: shape broadcastable to x.shape (shared mask along size-1 dims).
-      seed: int, seeds a private generator (reproducible mask); default: the
+      seed: int, seeds a private generator: the same mask on every call (stateless,
+        like tf.random.stateless_*; TF 2 op seeds give a new mask per call); default: the
         current replica's generator (`dtape.random`), torch's default outside replicas.
 
     Returns:
