@@ -45,8 +45,12 @@ def profile_range(name):
 
 
 def _source_handles(source):
-    """Concrete (id-bearing) objects a source stands for: one per component."""
-    if is_variable(source):
+    """Concrete (id-bearing) objects a source stands for: one per component of a container.
+
+    A concrete variable (a plain Variable, or one component of a distributed
+    variable passed explicitly) stands for itself: its own gradient.
+    """
+    if is_variable(source) and source._handle() is not source:
         return [v._handle() for v in _tp.resolve_watched(source)]
     return [source]
 

@@ -365,3 +365,15 @@ def test_concurrent_cross_replica_writes_leave_components_identical(kind):
         for c in comps[1:]:
             np.testing.assert_array_equal(c, comps[0], err_msg=f"trial {trial}: components {comps}")
         var.assign_add(torch.ones(2))       # and a read-modify-write keeps them equal too
+
+
+def test_gradient_with_respect_to_components_is_each_components_own():
+    """Seed 2's total derivative is for the container; a component passed as a source gets its own
+    gradient (found while writing the docs: each component got the container's total)."""
+    with dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"], timeout=10) as strategy:
+        with strategy.scope():
+            v = dtape.Variable(1.0)
+        with dtape.GradientTape() as tape:
+            total = strategy.reduce("SUM", strategy.run(lambda: v * 3.0), axis=None)
+        by_component = tape.gradient(total, list(v.values) + [v])
+    assert [float(g) for g in by_component] == [3.0, 3.0, 6.0]
