@@ -18,15 +18,10 @@ _made = []  # strategies made by the current test: closed after it (their replic
 
 
 @pytest.fixture(autouse=True)
-def _interleave():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
-        while _made:
-            _made.pop().close()
+def _interleave(fast_switching):
+    yield
+    while _made:
+        _made.pop().close()
 
 
 def _strategy(n=2):

@@ -1,5 +1,4 @@
 """Uneven and short batches, weighted means, and gradient accumulation: same parameters as one device."""
-import sys
 
 import numpy as np
 import pytest
@@ -15,15 +14,10 @@ _made = []  # strategies made by the current test: closed after it (their replic
 
 
 @pytest.fixture(autouse=True)
-def _interleave():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
-        while _made:
-            _made.pop().close()
+def _interleave(fast_switching):
+    yield
+    while _made:
+        _made.pop().close()
 
 
 def _data(sizes, seed=0):
