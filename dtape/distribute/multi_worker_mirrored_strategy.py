@@ -30,6 +30,7 @@ import datetime
 import itertools
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -137,6 +138,28 @@ def _worker_device(device, local_rank):
     return torch.device("cpu")
 
 
+# Seconds workers wait for each other to start (imports, data loading differ per process); at
+# least this, or the collective timeout if larger. Collectives themselves use the timeout.
+JOIN_TIMEOUT_S = 300.0
+
+
+def _wait_for_peers(store, key, world_size, timeout):
+    """Waits until all `world_size` workers have reached this point (a counter in the store).
+
+    Raises:
+      TimeoutError: naming how many workers arrived within `timeout` seconds.
+    """
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while arrived < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of {world_size} workers started within {timeout:g} s; check that "
+                               "every rank was launched (torchrun --nnodes/--nproc-per-node) and can reach "
+                               "MASTER_ADDR:MASTER_PORT")
+        time.sleep(0.05)
+        arrived = store.add(key, 0)
+
+
 def _join_group(resolver, backend, timeout):
     """(store, group) of the process group: the existing one, or one made from torchrun's env."""
     # Ours fires first, with a better message; gloo's follows soon after, so a process that
@@ -155,6 +178,7 @@ def _join_group(resolver, backend, timeout):
         store, _, _ = next(dist.rendezvous("env://", rank=resolver.rank, world_size=resolver.world_size,
                                            timeout=datetime.timedelta(seconds=timeout)))
     # torchrun's store outlives a restart: a fresh prefix per round, or gloo would dial the dead round's peers
+    _wait_for_peers(store, f"dtape_join/{resolver.restart_count}", resolver.world_size, max(timeout, JOIN_TIMEOUT_S))
     dist.init_process_group(backend, store=dist.PrefixStore(f"dtape_pg/{resolver.restart_count}", store),
                             rank=resolver.rank, world_size=resolver.world_size, timeout=pg_timeout)
     atexit.register(_shutdown_group)
