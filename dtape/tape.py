@@ -22,6 +22,7 @@ an access of a variable resolves to is decided by a resolver that
 the cross-replica context). The core never imports `dtape.distribute`.
 """
 import threading
+import weakref
 
 import torch
 
@@ -78,26 +79,111 @@ def register_watched_variable_resolver(fn):
     _resolve_watched = fn
 
 
+class _Meta:
+    """Shape, dtype and device of a tensor a record does not keep (what unbroadcasting and zeros need)."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, t):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def dim(self):
+        return len(self.shape)
+
+    def __repr__(self):
+        return f"<saved metadata: shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}>"
+
+
+class _Ref(weakref.ref):
+    """Weak reference to a recorded output Tensor, carrying its id for the death callback."""
+
+    __slots__ = ("tid",)
+
+
+def _keep(x):
+    """What a record keeps of a saved input or output: the torch tensor, or a variable/scalar as is."""
+    return x._t if type(x) is Tensor else x
+
+
+def _meta(x):
+    """What a record keeps of an input or output its rule does not read: metadata (scalars as is)."""
+    if type(x) is _Meta or not hasattr(x, "shape"):
+        return x
+    return _Meta(x)
+
+
+def _save(op, inputs, outputs):
+    """(saved inputs, saved outputs) as `op.saves` declares ("all", "inputs", "output", "none")."""
+    saves = getattr(op, "saves", "all")
+    if saves == "all":
+        return tuple([_keep(x) for x in inputs]), tuple([_keep(o) for o in outputs])
+    if saves == "inputs":
+        return tuple([_keep(x) for x in inputs]), tuple([_meta(o) for o in outputs])
+    if saves == "output":
+        return tuple([_meta(x) for x in inputs]), tuple([_keep(o) for o in outputs])
+    return tuple([_meta(x) for x in inputs]), tuple([_meta(o) for o in outputs])
+
+
+def rebuild(x, tid):
+    """A saved torch tensor as the dtape.Tensor it was recorded from (same id: outer tapes know it)."""
+    if type(x) is not torch.Tensor or tid is None:
+        return x
+    t = Tensor.__new__(Tensor)
+    t._t, t._id = x, tid
+    return t
+
+
+_STRIDE = 7  # a record in the flat list: op, in_ids, out_ids, saved_in, saved_out, attrs, refs
+
+
 class Tape:
     """One gradient tape: watched ids, watched variables and the op records.
 
-    A record is a tuple `(op, in_ids, out_ids, inputs, outputs, attrs)` with
-    `op.backward(dys, outputs, inputs, attrs, raw)` giving input gradients.
+    Records live in one flat list (issue 7 point 5: no tuple per record), 7
+    slots each: op, input ids, output ids, saved inputs, saved outputs,
+    attrs, weak references to the output Tensors. What is saved of each
+    input and output is what the op's rule reads (`op.saves`, point 1);
+    the rest is kept as shape/dtype/device metadata (`_Meta`). Saved
+    tensors are torch tensors, so the user's dtape.Tensor objects can die.
+
+    Trace deletion (TF's TapeSetDeleteTrace, point 2): `_usage[id]` counts
+    the records that use a tensor id as input, plus one while a recorded
+    output Tensor is alive. Its weak reference's callback queues the id;
+    the queue is drained under the lock (on the next record or read of the
+    tape), and a record whose outputs all reached zero is dropped, with
+    its inputs' counts decremented in turn.
+
+    `op.backward(dys, outputs, inputs, attrs, raw)` gives input gradients.
     """
 
-    __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_records",
+    __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_ndead", "_usage",
+                 "_producer", "_pending", "_on_death",
                  "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "__weakref__")
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
         self._lock = threading.Lock()
-        self._records = []
+        self._pending = []  # _Refs of dead outputs, appended by the weakref callback (no lock: list.append)
+        self._on_death = self._pending.append  # bound to the list, not the tape: no reference cycle
+        self._clear_records()
         self._watched = set()
         self._watched_vars = {}  # id(var) -> var, insertion (first-watch) ordered
         self._accessed = set()   # _id of variables whose reads were already resolved and watched
         self._explicit = set()   # _id of variables watched by `watch`: their reads follow to any thread
         self._owner = _thread_state.scope  # the creating thread's tape scope
+
+    def _clear_records(self):
+        self._recs = []       # flat: _STRIDE slots per record, None-filled once deleted
+        self._nrec = 0        # live records
+        self._ndead = 0       # deleted records still in _recs
+        self._usage = {}      # tensor id -> uses (records using it as input, +1 while a recorded output lives)
+        self._producer = {}   # output id -> position in _recs of the record that produced it
+        del self._pending[:]
 
     def _watch_ids(self, ids):
         with self._lock:
@@ -125,15 +211,107 @@ class Tape:
         with self._lock:
             return tuple(self._watched_vars.values())
 
-    def records(self):
-        """A snapshot of the records, in recording order."""
+    # -- records -------------------------------------------------------------
+    def _append(self, op, in_ids, out_ids, saved_in, saved_out, attrs, outputs):
+        """Adds one record (caller holds the lock)."""
+        if self._pending:
+            self._drain()
+        pos = len(self._recs)
+        cb = self._on_death
+        if len(outputs) == 1:
+            refs = _Ref(outputs[0], cb)
+            refs.tid = out_ids[0]
+        else:
+            refs = []
+            for o, i in zip(outputs, out_ids):
+                r = _Ref(o, cb)
+                r.tid = i
+                refs.append(r)
+        self._recs += (op, in_ids, out_ids, saved_in, saved_out, attrs, refs)
+        usage, producer = self._usage, self._producer
+        for i in in_ids:
+            if i is not None:
+                usage[i] = usage.get(i, 0) + 1
+        for o in out_ids:
+            usage[o] = usage.get(o, 0) + 1
+            producer[o] = pos
+        self._watched.update(out_ids)
+        self._nrec += 1
+
+    def _drain(self):
+        """Deletes the traces of the outputs that died since the last drain (caller holds the lock)."""
+        pending = self._pending
+        while pending:
+            self._delete_trace(pending.pop().tid)
+        if self._ndead > 256 and self._ndead > self._nrec:
+            self._compact()
+
+    def _delete_trace(self, tid):
+        """One use of `tid` is gone; drops records nothing live can need (TF GradientTape::DeleteTrace)."""
+        usage, producer, recs, watched = self._usage, self._producer, self._recs, self._watched
+        stack = [tid]
+        while stack:
+            i = stack.pop()
+            n = usage.get(i)
+            if n is None:
+                continue
+            if n > 1:
+                usage[i] = n - 1
+                continue
+            del usage[i]
+            pos = producer.pop(i, None)
+            if pos is None:
+                continue
+            watched.discard(i)
+            out_ids = recs[pos + 2]
+            if any(o in usage for o in out_ids):
+                continue  # another output of the same op is still alive or used
+            stack.extend([j for j in recs[pos + 1] if j is not None])
+            recs[pos:pos + _STRIDE] = (None,) * _STRIDE
+            self._nrec -= 1
+            self._ndead += 1
+
+    def _compact(self):
+        old, self._recs, producer = self._recs, [], self._producer
+        for pos in range(0, len(old), _STRIDE):
+            if old[pos + 2] is not None:
+                new = len(self._recs)
+                for o in old[pos + 2]:
+                    if producer.get(o) == pos:
+                        producer[o] = new
+                self._recs += old[pos:pos + _STRIDE]
+        self._ndead = 0
+
+    @property
+    def _records(self):
+        """The live records as tuples (op, in_ids, out_ids, saved_in, saved_out, attrs), in order.
+
+        No lock taken: the caller holds `_lock` (or accepts a racy view).
+        """
+        recs = self._recs
+        return [tuple(recs[p:p + 6]) for p in range(0, len(recs), _STRIDE) if recs[p + 2] is not None]
+
+    def _live(self):
+        """`_records` after deleting the traces of dead outputs, under the lock."""
         with self._lock:
-            return list(self._records)
+            if self._pending:
+                self._drain()
+            return self._records
+
+    def records(self):
+        """A snapshot of the records, in recording order: tuples (op, in_ids, out_ids, inputs, outputs, attrs).
+
+        Saved tensors come back as dtape.Tensors with their recorded ids; what
+        the op's rule does not read comes back as shape/dtype/device metadata.
+        """
+        return [(op, in_ids, out_ids, tuple([rebuild(x, i) for x, i in zip(ins, in_ids)]),
+                 tuple([rebuild(o, i) for o, i in zip(outs, out_ids)]), attrs)
+                for op, in_ids, out_ids, ins, outs, attrs in self._live()]
 
     def reset(self):
         """Forgets all records and watches; the tape stays in the active set."""
         with self._lock:
-            self._records = []
+            self._clear_records()
             self._watched = set()
             self._watched_vars = {}
             self._accessed = set()
@@ -142,10 +320,29 @@ class Tape:
     def release(self):
         """Drops the records (a non-persistent tape after its gradient)."""
         with self._lock:
-            self._records = []
+            self._clear_records()
 
     def num_records(self):
-        return len(self._records)
+        """Number of records the tape holds (after deleting the traces of dead tensors)."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            return self._nrec
+
+    def nbytes(self):
+        """Bytes of tensor storage the records keep alive, each storage counted once.
+
+        Counts the torch tensors saved for gradient rules (a view counts its
+        whole storage, which it keeps alive); variables are not counted.
+        """
+        seen = {}
+        for rec in self._live():
+            for group in (rec[3], rec[4]):
+                for x in group:
+                    if type(x) is torch.Tensor:
+                        st = x.untyped_storage()
+                        seen[(x.device, st.data_ptr())] = st.nbytes()
+        return sum(seen.values())
 
 
 def push_new_tape(persistent=False, watch_accessed_variables=True):
@@ -356,7 +553,7 @@ def record(op, in_ids, inputs, outputs, attrs):
     state = _thread_state
     if state.stopped:
         return
-    rec = None
+    out_ids = None
     for tape in _tape_set:
         watched = tape._watched
         for i in in_ids:
@@ -366,16 +563,15 @@ def record(op, in_ids, inputs, outputs, attrs):
             continue
         if state.paused and tape in state.paused:
             continue
-        if rec is None:
+        if out_ids is None:
             out_ids = tuple([o._id for o in outputs])
-            rec = (op, in_ids, out_ids, inputs, outputs, attrs)
+            saved_in, saved_out = _save(op, inputs, outputs)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
             if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
                 continue
-            tape._records.append(rec)
-            tape._watched.update(out_ids)
+            tape._append(op, in_ids, out_ids, saved_in, saved_out, attrs, outputs)
 
 
 class _CallableBackward:
