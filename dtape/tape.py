@@ -82,10 +82,11 @@ def register_watched_variable_resolver(fn):
 class _Meta:
     """Shape, dtype and device of a tensor a record does not keep (what unbroadcasting and zeros need)."""
 
-    __slots__ = ("shape", "dtype", "device")
+    __slots__ = ("shape", "dtype", "device", "_id", "__weakref__")
 
-    def __init__(self, t):
+    def __init__(self, t, tid=None):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self._id = tid  # set only in `Tape.records()` views, which `record` may replay
 
     @property
     def ndim(self):
@@ -135,6 +136,11 @@ def rebuild(x, tid):
     t = Tensor.__new__(Tensor)
     t._t, t._id = x, tid
     return t
+
+
+def _view(x, tid):
+    """A saved entry for `Tape.records()`: a dtape.Tensor, or metadata carrying the recorded id."""
+    return _Meta(x, tid) if type(x) is _Meta else rebuild(x, tid)
 
 
 _STRIDE = 7  # a record in the flat list: op, in_ids, out_ids, saved_in, saved_out, attrs, refs
@@ -304,8 +310,8 @@ class Tape:
         Saved tensors come back as dtape.Tensors with their recorded ids; what
         the op's rule does not read comes back as shape/dtype/device metadata.
         """
-        return [(op, in_ids, out_ids, tuple([rebuild(x, i) for x, i in zip(ins, in_ids)]),
-                 tuple([rebuild(o, i) for o, i in zip(outs, out_ids)]), attrs)
+        return [(op, in_ids, out_ids, tuple([_view(x, i) for x, i in zip(ins, in_ids)]),
+                 tuple([_view(o, i) for o, i in zip(outs, out_ids)]), attrs)
                 for op, in_ids, out_ids, ins, outs, attrs in self._live()]
 
     def reset(self):
