@@ -105,28 +105,63 @@ class _Ref(weakref.ref):
     __slots__ = ("tid",)
 
 
+class _Rec(_Ref):
+    """One record: a weak reference to the op's first output that also holds the record.
+
+    One GC-tracked object per recorded op (issue 7 point 5): the op, input
+    and output ids, `saved` (what the rule reads of the inputs, then of the
+    outputs: torch tensors, or `_Meta` for the rest), attrs, and weak
+    references to further outputs. `op` is None once the record is deleted.
+    """
+
+    __slots__ = ("op", "in_ids", "out_ids", "saved", "attrs", "refs")
+
+
 def _keep(x):
     """What a record keeps of a saved input or output: the torch tensor, or a variable/scalar as is."""
     return x._t if type(x) is Tensor else x
 
 
+# Process-wide: one shared _Meta per (shape, dtype, device), so records of a
+# chain of same-shaped ops allocate none. Cleared when large; races only
+# create duplicates.
+_meta_cache = {}
+
+
 def _meta(x):
     """What a record keeps of an input or output its rule does not read: metadata (scalars as is)."""
-    if type(x) is _Meta or not hasattr(x, "shape"):
+    if type(x) is Tensor:
+        t = x._t
+        key = (t.shape, t.dtype, t.device)
+    elif type(x) is _Meta or not hasattr(x, "shape"):
         return x
-    return _Meta(x)
+    else:
+        key = (x.shape, x.dtype, x.device)
+    m = _meta_cache.get(key)
+    if m is None:
+        if len(_meta_cache) > 4096:
+            _meta_cache.clear()
+        m = _meta_cache[key] = _Meta(x)
+    return m
 
 
 def _save(op, inputs, outputs):
-    """(saved inputs, saved outputs) as `op.saves` declares ("all", "inputs", "output", "none")."""
+    """The saved inputs then outputs, as `op.saves` declares ("all", "inputs", "output", "none").
+
+    A rule that reads its inputs never reads `ans`, so a single output of
+    an "inputs" op is saved as None (multi-output ops keep metadata: the walk
+    makes zero gradients from it).
+    """
     saves = getattr(op, "saves", "all")
-    if saves == "all":
-        return tuple([_keep(x) for x in inputs]), tuple([_keep(o) for o in outputs])
     if saves == "inputs":
-        return tuple([_keep(x) for x in inputs]), tuple([_meta(o) for o in outputs])
+        if len(outputs) == 1:
+            return tuple([_keep(x) for x in inputs]) + (None,)
+        return tuple([_keep(x) for x in inputs] + [_meta(o) for o in outputs])
+    if saves == "all":
+        return tuple([_keep(x) for x in inputs] + [_keep(o) for o in outputs])
     if saves == "output":
-        return tuple([_meta(x) for x in inputs]), tuple([_keep(o) for o in outputs])
-    return tuple([_meta(x) for x in inputs]), tuple([_meta(o) for o in outputs])
+        return tuple([_meta(x) for x in inputs] + [_keep(o) for o in outputs])
+    return tuple([_meta(x) for x in inputs] + [_meta(o) for o in outputs])
 
 
 def rebuild(x, tid):
@@ -138,35 +173,42 @@ def rebuild(x, tid):
     return t
 
 
+class _Unsaved:
+    """Stands in `Tape.records()` for an output a record did not keep (its rule reads only inputs)."""
+
+    __slots__ = ("_id", "__weakref__")
+
+    def __init__(self, tid):
+        self._id = tid
+
+
 def _view(x, tid):
     """A saved entry for `Tape.records()`: a dtape.Tensor, or metadata carrying the recorded id."""
+    if x is None and tid is not None:
+        return _Unsaved(tid)
     return _Meta(x, tid) if type(x) is _Meta else rebuild(x, tid)
-
-
-_STRIDE = 7  # a record in the flat list: op, in_ids, out_ids, saved_in, saved_out, attrs, refs
 
 
 class Tape:
     """One gradient tape: watched ids, watched variables and the op records.
 
-    Records live in one flat list (issue 7 point 5: no tuple per record), 7
-    slots each: op, input ids, output ids, saved inputs, saved outputs,
-    attrs, weak references to the output Tensors. What is saved of each
-    input and output is what the op's rule reads (`op.saves`, point 1);
-    the rest is kept as shape/dtype/device metadata (`_Meta`). Saved
-    tensors are torch tensors, so the user's dtape.Tensor objects can die.
+    Records are `_Rec` objects in recording order, one per op (issue 7
+    point 5). What a record saves of each input and output is what the op's
+    rule reads (`op.saves`, point 1); the rest is kept as shape/dtype/device
+    metadata (`_Meta`). Saved tensors are torch tensors, so the user's
+    dtape.Tensor objects can die.
 
     Trace deletion (TF's TapeSetDeleteTrace, point 2): `_usage[id]` counts
     the records that use a tensor id as input, plus one while a recorded
-    output Tensor is alive. Its weak reference's callback queues the id;
-    the queue is drained under the lock (on the next record or read of the
-    tape), and a record whose outputs all reached zero is dropped, with
-    its inputs' counts decremented in turn.
+    output Tensor is alive. The record is a weak reference to its output
+    whose callback queues it; the queue is drained under the lock (on the
+    next record or read of the tape), and a record whose outputs all reached
+    zero is deleted, with its inputs' counts decremented in turn.
 
     `op.backward(dys, outputs, inputs, attrs, raw)` gives input gradients.
     """
 
-    __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_ndead", "_usage",
+    __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_usage",
                  "_producer", "_pending", "_on_death",
                  "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "__weakref__")
 
@@ -184,11 +226,10 @@ class Tape:
         self._owner = _thread_state.scope  # the creating thread's tape scope
 
     def _clear_records(self):
-        self._recs = []       # flat: _STRIDE slots per record, None-filled once deleted
+        self._recs = []       # _Rec per record, in recording order (deleted ones until compaction)
         self._nrec = 0        # live records
-        self._ndead = 0       # deleted records still in _recs
         self._usage = {}      # tensor id -> uses (records using it as input, +1 while a recorded output lives)
-        self._producer = {}   # output id -> position in _recs of the record that produced it
+        self._producer = {}   # output id -> the _Rec that produced it
         del self._pending[:]
 
     def _watch_ids(self, ids):
@@ -218,29 +259,29 @@ class Tape:
             return tuple(self._watched_vars.values())
 
     # -- records -------------------------------------------------------------
-    def _append(self, op, in_ids, out_ids, saved_in, saved_out, attrs, outputs):
+    def _append(self, op, in_ids, out_ids, saved, attrs, outputs):
         """Adds one record (caller holds the lock)."""
         if self._pending:
             self._drain()
-        pos = len(self._recs)
         cb = self._on_death
-        if len(outputs) == 1:
-            refs = _Ref(outputs[0], cb)
-            refs.tid = out_ids[0]
-        else:
+        rec = _Rec(outputs[0], cb)
+        rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.saved, rec.attrs = out_ids[0], op, in_ids, out_ids, saved, attrs
+        rec.refs = None
+        if len(outputs) > 1:
             refs = []
-            for o, i in zip(outputs, out_ids):
+            for o, i in zip(outputs[1:], out_ids[1:]):
                 r = _Ref(o, cb)
                 r.tid = i
                 refs.append(r)
-        self._recs += (op, in_ids, out_ids, saved_in, saved_out, attrs, refs)
+            rec.refs = refs
+        self._recs.append(rec)
         usage, producer = self._usage, self._producer
         for i in in_ids:
             if i is not None:
                 usage[i] = usage.get(i, 0) + 1
         for o in out_ids:
             usage[o] = usage.get(o, 0) + 1
-            producer[o] = pos
+            producer[o] = rec
         self._watched.update(out_ids)
         self._nrec += 1
 
@@ -249,12 +290,12 @@ class Tape:
         pending = self._pending
         while pending:
             self._delete_trace(pending.pop().tid)
-        if self._ndead > 256 and self._ndead > self._nrec:
-            self._compact()
+        if len(self._recs) > 256 and len(self._recs) > 2 * self._nrec:
+            self._recs = [r for r in self._recs if r.op is not None]
 
     def _delete_trace(self, tid):
-        """One use of `tid` is gone; drops records nothing live can need (TF GradientTape::DeleteTrace)."""
-        usage, producer, recs, watched = self._usage, self._producer, self._recs, self._watched
+        """One use of `tid` is gone; deletes records nothing live can need (TF GradientTape::DeleteTrace)."""
+        usage, producer, watched = self._usage, self._producer, self._watched
         stack = [tid]
         while stack:
             i = stack.pop()
@@ -265,28 +306,15 @@ class Tape:
                 usage[i] = n - 1
                 continue
             del usage[i]
-            pos = producer.pop(i, None)
-            if pos is None:
+            rec = producer.pop(i, None)
+            if rec is None:
                 continue
             watched.discard(i)
-            out_ids = recs[pos + 2]
-            if any(o in usage for o in out_ids):
+            if any(o in usage for o in rec.out_ids):
                 continue  # another output of the same op is still alive or used
-            stack.extend([j for j in recs[pos + 1] if j is not None])
-            recs[pos:pos + _STRIDE] = (None,) * _STRIDE
+            stack.extend([j for j in rec.in_ids if j is not None])
+            rec.op = rec.saved = rec.attrs = rec.refs = None
             self._nrec -= 1
-            self._ndead += 1
-
-    def _compact(self):
-        old, self._recs, producer = self._recs, [], self._producer
-        for pos in range(0, len(old), _STRIDE):
-            if old[pos + 2] is not None:
-                new = len(self._recs)
-                for o in old[pos + 2]:
-                    if producer.get(o) == pos:
-                        producer[o] = new
-                self._recs += old[pos:pos + _STRIDE]
-        self._ndead = 0
 
     @property
     def _records(self):
@@ -294,8 +322,12 @@ class Tape:
 
         No lock taken: the caller holds `_lock` (or accepts a racy view).
         """
-        recs = self._recs
-        return [tuple(recs[p:p + 6]) for p in range(0, len(recs), _STRIDE) if recs[p + 2] is not None]
+        out = []
+        for r in self._recs:
+            if r.op is not None:
+                n = len(r.in_ids)
+                out.append((r.op, r.in_ids, r.out_ids, r.saved[:n], r.saved[n:], r.attrs))
+        return out
 
     def _live(self):
         """`_records` after deleting the traces of dead outputs, under the lock."""
@@ -343,11 +375,10 @@ class Tape:
         """
         seen = {}
         for rec in self._live():
-            for group in (rec[3], rec[4]):
-                for x in group:
-                    if type(x) is torch.Tensor:
-                        st = x.untyped_storage()
-                        seen[(x.device, st.data_ptr())] = st.nbytes()
+            for x in rec[3] + rec[4]:
+                if type(x) is torch.Tensor:
+                    st = x.untyped_storage()
+                    seen[(x.device, st.data_ptr())] = st.nbytes()
         return sum(seen.values())
 
 
@@ -571,13 +602,13 @@ def record(op, in_ids, inputs, outputs, attrs):
             continue
         if out_ids is None:
             out_ids = tuple([o._id for o in outputs])
-            saved_in, saved_out = _save(op, inputs, outputs)
+            saved = _save(op, inputs, outputs)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
             if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
                 continue
-            tape._append(op, in_ids, out_ids, saved_in, saved_out, attrs, outputs)
+            tape._append(op, in_ids, out_ids, saved, attrs, outputs)
 
 
 class _CallableBackward:
