@@ -32,6 +32,8 @@ _replica_info.register(distribute.get_replica_context, distribute.in_cross_repli
                        distribute.has_strategy)
 from dtape import optimizers  # noqa: E402,F401
 from dtape import losses, metrics, regularizers, mixed_precision  # noqa: E402,F401
+# Keras 3 also names it keras.optimizers.LossScaleOptimizer; it lives above the optimizers layer.
+optimizers.LossScaleOptimizer = mixed_precision.LossScaleOptimizer
 __all__ += ["distribute", "optimizers", "losses", "metrics", "regularizers", "mixed_precision"]
 from dtape import backprop  # noqa: F401,E402
 from dtape.custom_gradient import custom_gradient  # noqa: F401,E402

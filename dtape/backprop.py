@@ -48,7 +48,7 @@ def profile_range(name):
 def _source_handles(source):
     """Concrete (id-bearing) objects a source stands for: one per component."""
     if is_variable(source):
-        return [v._handle() for v in _tp._resolve_watched(source)]
+        return [v._handle() for v in _tp.resolve_watched(source)]
     return [source]
 
 
@@ -180,7 +180,7 @@ def _walk_is_raw(records, target_ids, dys):
     only if a tape recording here watches one of their ids: a tape of
     another thread, or one watching unrelated tensors, leaves it raw.
     """
-    tapes = _tp._recording_tapes()
+    tapes = _tp.recording_tapes()
     if not tapes:
         return True
     watched = [t._watched for t in tapes]

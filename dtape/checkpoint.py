@@ -49,6 +49,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from dtape import distribute
 from dtape import tape as _tp
 from dtape.distribute import SyncOnReadVariable
 from dtape.tensor import Tensor, is_variable
@@ -121,10 +122,42 @@ def _assign_all(var, value):
     components = _components(var)
     if isinstance(var, SyncOnReadVariable) and var.aggregation == VariableAggregation.SUM:
         rest = (torch.zeros_like(value),) * (len(components) - 1)
+        if not _extended_of(var).should_checkpoint:   # another worker holds the primary: its sum is `value`
+            value = torch.zeros_like(value)
     else:
         rest = (value,) * (len(components) - 1)
     for component, part in zip(components, (value,) + rest):
         component.assign(part)
+
+
+def _extended_of(var):
+    """The StrategyExtended of a distributed variable's strategy (duck-typed), else the current one's."""
+    strategy = getattr(var, "distribute_strategy", None) or distribute.get_strategy()
+    return _ExtendedView(strategy.extended)
+
+
+class _ExtendedView:
+    """What checkpoint asks a strategy (TF: StrategyExtended.should_checkpoint): defaults for single-process ones."""
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    @property
+    def should_checkpoint(self):
+        return getattr(self._extended, "should_checkpoint", True)
+
+    def write(self, write):
+        """Runs `write()`: on the chief only, the others waiting at a barrier, if the strategy coordinates workers."""
+        chief_write = getattr(self._extended, "_chief_write", None)
+        return write() if chief_write is None else chief_write(write)
+
+
+def _writer(pairs):
+    """The strategy view that decides who writes: that of the first distributed variable, else the current one."""
+    for _, var in pairs:
+        if getattr(var, "distribute_strategy", None) is not None:
+            return _extended_of(var)
+    return _ExtendedView(distribute.get_strategy().extended)
 
 
 def _var_name(var, key):
@@ -256,14 +289,19 @@ def save(path, **objects):
       OSError: the file could not be written; an existing file is then left
         as it was.
 
-    Call it in the cross-replica context (outside `strategy.run`).
+    Call it in the cross-replica context (outside `strategy.run`). Under
+    MultiWorkerMirroredStrategy every worker calls it (as in TF): every
+    worker reads the values (a SyncOnReadVariable's read is a collective),
+    rank 0 writes, the others wait at a barrier until the file is complete
+    and raise OSError if rank 0 failed to write it. The strategy is that of
+    the first distributed variable saved, else the current one.
     Source: tf.train.Checkpoint.write.
 
     Example:
       >>> dtape.checkpoint.save("/tmp/ckpt", model=model, optimizer=opt, step=10)
     """
     path = os.fspath(path)
-    tensors, stored, data = {}, {}, {}
+    tensors, stored, data, every = {}, {}, {}, []
     for name, obj in objects.items():
         _check_name(name)
         pairs = _named_variables(name, obj)
@@ -271,9 +309,10 @@ def save(path, **objects):
             data[name] = _encode(obj, repr(name), tensors, set())
             continue
         stored[name] = [[key, _var_name(var, key)] for key, var in pairs]
+        every += pairs
         for key, var in pairs:
             tensors[key] = _saved_value(var)
-    _write_atomically(path, _serialize(tensors, stored, data))
+    _writer(every).write(lambda: _write_atomically(path, _serialize(tensors, stored, data)))
     return path
 
 
@@ -511,7 +550,9 @@ def restore(path, *, strict=True, **objects):
         shape or dtype differs; nothing is assigned then.
       TypeError: an object is plain data, not a variable/module/optimizer.
 
-    Call it in the cross-replica context (outside `strategy.run`).
+    Call it in the cross-replica context (outside `strategy.run`). Under
+    MultiWorkerMirroredStrategy every worker restores from the same file
+    (the folder must be visible to all of them).
     Source: tf.train.Checkpoint.restore.
     """
     tensors, stored, data = _load(path)

@@ -62,7 +62,7 @@ def _call(f, args, kwargs):
     _check_variables_arg(f, grad_fn, variables)
     inputs = tuple(_as_input(a) for a in flat_args) + tuple(v._handle() for v in variables)
     flat_out = [Tensor(convert_to_tensor(y).torch()) for y in nest.flatten(result)]
-    op = _CustomGradientOp(getattr(f, "__name__", "custom_gradient"), grad_fn, variables, len(flat_args))
+    op = CustomGradientOp(getattr(f, "__name__", "custom_gradient"), grad_fn, variables, len(flat_args))
     _tp.record(op, tuple([getattr(x, "_id", None) for x in inputs]), inputs, tuple(flat_out), None)
     return nest.pack_sequence_as(result, flat_out)
 
@@ -87,7 +87,7 @@ def _check_variables_arg(f, grad_fn, variables):
                         f"keyword argument 'variables', since the function uses variables: {names}")
 
 
-class _CustomGradientOp:
+class CustomGradientOp:
     """Record op of one custom-gradient call: `backward` calls the user's grad_fn."""
 
     __slots__ = ("name", "grad_fn", "variables", "n_args")

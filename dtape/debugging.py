@@ -19,7 +19,7 @@ import threading
 import torch
 
 from dtape import tape as _tp
-from dtape.custom_gradient import _CustomGradientOp
+from dtape.custom_gradient import CustomGradientOp
 from dtape.ops._dispatch import TorchFallback
 from dtape.ops._registry import REGISTRY, OpDef
 
@@ -129,7 +129,7 @@ def _forward_cells():
 
 def _backward_classes():
     """Record op classes whose `backward` gives input gradients to the walk."""
-    return (OpDef, TorchFallback, _tp._CallableBackward, _CustomGradientOp)
+    return (OpDef, TorchFallback, _tp.CallableBackward, CustomGradientOp)
 
 
 def _check(t, op_name, kind, index):

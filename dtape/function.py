@@ -22,6 +22,7 @@ No compilation: correctness never depends on `torch.compile`.
 """
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -29,7 +30,7 @@ from dtape import nest
 from dtape import random as _random
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
-from dtape.tensor import Tensor
+from dtape.tensor import Tensor, is_variable
 from dtape.variables import current_read_hook, read_hook_scope
 
 
@@ -73,6 +74,7 @@ class Function:
             return self.python_function(*args, **kwargs)
         tensors = _tensor_args(args, kwargs)
         inner = _tp.push_new_tape(persistent=True, watch_accessed_variables=True)
+        _tp.stand_in(inner)
         try:
             for t in tensors:
                 _tp.watch(inner, t)
@@ -80,9 +82,8 @@ class Function:
                 result = self.python_function(*args, **kwargs)
         finally:
             _tp.pop_tape(inner)  # kept only as the op's saved state
-        handles = _report(captured)
-        return _record_call(lambda targets: _FunctionOp(self._name(), inner, targets),
-                            tensors + handles, result)
+        inputs = _external_inputs(inner, tensors + _report(captured))
+        return _record_call(lambda targets: _FunctionOp(self._name(), inner, targets), inputs, result)
 
     def _name(self):
         return getattr(self.python_function, "__name__", "function")
@@ -125,6 +126,25 @@ def _walk(inner, targets, dys, inputs, raw):
     pairs = [(t, d) for t, d in zip(targets, dys) if _is_float(t)]
     grads = imperative_grad(inner, [t for t, _ in pairs], list(inputs), [d for _, d in pairs])
     return [g.torch() if raw and g is not None else g for g in grads]
+
+
+def _external_inputs(inner, inputs):
+    """`inputs`, then every Tensor or variable the body's records consume without producing it.
+
+    The latter are variables read on other threads inside the body (the
+    replicas of a `strategy.run` it calls) and explicitly watched ones; as
+    inputs of the one recorded op they connect the caller's tapes to them.
+    """
+    seen = {x._id for x in inputs}
+    out = list(inputs)
+    produced = set()
+    for _, in_ids, out_ids, ins, _, _ in inner.records():
+        for i, x in zip(in_ids, ins):
+            if i is not None and i not in produced and i not in seen and (isinstance(x, Tensor) or is_variable(x)):
+                seen.add(i)
+                out.append(x)
+        produced.update(out_ids)
+    return out
 
 
 def _tensor_args(args, kwargs):
@@ -198,7 +218,8 @@ class _Recompute(Function):
                 read_hook_scope(_snapshot_reads(read)):
             result = self.python_function(*args, **kwargs)
         handles = _report(captured)
-        forward = (args, kwargs, read, generator.device, rng_state)
+        rng_end = generator.get_state()
+        forward = (args, kwargs, read, generator.device, rng_state, rng_end, threading.get_ident())
         return _record_call(lambda targets: _RecomputeOp(self, forward),
                             _tensor_args(args, kwargs) + handles, result)
 
@@ -255,7 +276,13 @@ class _RecomputeOp:
         In a raw walk only `tape` records; otherwise the outer tapes record
         the re-run too, which connects the gradients for higher order.
         """
-        args, kwargs, read, device, rng_state = self.forward
+        args, kwargs, read, device, rng_state, rng_end, thread = self.forward
+        if threading.get_ident() != thread:
+            raise RuntimeError(
+                f"recompute_grad({self.name}): the block ran on another thread (e.g. a replica of strategy.run) "
+                "than the one taking its gradient; re-running it here would read other variable components. "
+                "Take the gradient on the thread that ran the block (open the tape inside the replica "
+                "function), or use dtape.function, which keeps the forward's records")
         generator = torch.Generator(device=device)  # private clone: the caller's generator is untouched
         generator.set_state(rng_state)
         for x in inputs:
@@ -263,6 +290,11 @@ class _RecomputeOp:
         with (_tp.record_only(tape) if raw else contextlib.nullcontext()), read_hook_scope(_replay_reads(read)), \
                 _random.generator_scope(generator):
             result = self.function.python_function(*args, **kwargs)
+        if not torch.equal(generator.get_state(), rng_end):
+            raise RuntimeError(
+                f"recompute_grad({self.name}): the re-run drew different random numbers than the forward "
+                "(e.g. a layer built lazily inside the block drew its initial weights in the forward only); "
+                "build the layers before the first call, or use dtape.function")
         return [y for y in nest.flatten(result) if isinstance(y, Tensor)]
 
 
@@ -282,8 +314,15 @@ def recompute_grad(fn):
       of the current device; dropout and `dtape.random` then draw the same
       numbers), on a private generator clone, so other threads are
       undisturbed. Draws from other generators (torch's global RNG called
-      directly, another device's) are not replayed, and side effects in the
-      body (assignments) happen again in the backward: keep `fn` free of them.
+      directly, another device's, a seeded `layers.Dropout`'s own stream) are
+      not replayed, and side effects in the body (assignments, lazy layer
+      builds) happen again in the backward: keep `fn` free of them.
+
+    Raises (in the backward):
+      RuntimeError: the gradient is taken on another thread than the one
+        that ran the block (e.g. a tape on the main thread around a block run
+        inside `strategy.run`), or the re-run drew a different amount from
+        the generator than the forward (e.g. a layer built inside the block).
 
     Source: tf.recompute_grad.
 

@@ -457,11 +457,4 @@ class Adagrad(Optimizer):
         _write(var, lambda w: w - lr * g / torch.sqrt(acc + self.epsilon))
 
 
-def __getattr__(name):  # Keras 3 name; defined in dtape.mixed_precision (which imports this module)
-    if name == "LossScaleOptimizer":
-        from dtape.mixed_precision import LossScaleOptimizer
-        return LossScaleOptimizer
-    raise AttributeError(f"module 'dtape.optimizers' has no attribute {name!r}")
-
-
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "schedules"]

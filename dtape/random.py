@@ -71,7 +71,9 @@ def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None, device=None):
       shape: output shape (ints).
       minval, maxval: Python numbers, the range.
       dtype: floating torch dtype (default float32).
-      seed: int for a private generator (reproducible), else the replica's generator.
+      seed: int: a private generator seeded with it, so every call with this seed
+        draws the same numbers (stateless, like tf.random.stateless_uniform; TF 2's
+        op seeds instead give a new draw per call). None: the replica's generator.
       device: default the current `dtape.device` scope's, else the CPU.
 
     Returns:
@@ -102,7 +104,7 @@ def categorical(logits, num_samples, dtype=torch.int64, seed=None):
       logits: [batch, num_classes] floating tensor.
       num_samples: samples per row.
       dtype: integer dtype of the result (default int64).
-      seed: int for a private generator, else the replica's generator.
+      seed: int: stateless, the same draw on every call (see `uniform`); None: the replica's generator.
 
     Returns:
       [batch, num_samples] Tensor of `dtype` on logits' device.

@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from dtape._local import ThreadLocalScope
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
 # (never mutated) under _set_lock. Readers take a snapshot without locking.
@@ -65,6 +65,16 @@ def _identity_resolver(variable):
 
 # Process-wide, set once at import of dtape.distribute (register_watched_variable_resolver).
 _resolve_watched = _identity_resolver
+
+
+def resolve_watched(variable):
+    """What watching `variable` watches: the registered resolver's answer (identity without one)."""
+    return _resolve_watched(variable)
+
+
+def capturing_reads():
+    """True while a `capture_variable_reads()` is active on this thread."""
+    return bool(_thread_state.captures)
 
 
 def register_watched_variable_resolver(fn):
@@ -133,8 +143,8 @@ def _meta(x):
     if type(x) is Tensor:
         t = x._t
         key = (t.shape, t.dtype, t.device)
-    elif type(x) is _Meta or not hasattr(x, "shape"):
-        return x
+    elif type(x) is _Meta or not hasattr(x, "shape") or is_variable(x):
+        return x  # a variable stays: the model keeps it alive anyway, and dtape.function reads it back
     else:
         key = (x.shape, x.dtype, x.device)
     m = _meta_cache.get(key)
@@ -210,7 +220,7 @@ class Tape:
 
     __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_usage",
                  "_producer", "_pending", "_on_death",
-                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "__weakref__")
+                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "_stands_for", "__weakref__")
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
@@ -224,6 +234,7 @@ class Tape:
         self._accessed = set()   # _id of variables whose reads were already resolved and watched
         self._explicit = set()   # _id of variables watched by `watch`: their reads follow to any thread
         self._owner = _thread_state.scope  # the creating thread's tape scope
+        self._stands_for = ()  # dtape.function's private tape: the caller's tapes it records for
 
     def _clear_records(self):
         self._recs = []       # _Rec per record, in recording order (deleted ones until compaction)
@@ -462,6 +473,11 @@ def _recording_tapes():
     return tapes
 
 
+def recording_tapes():
+    """Tapes that record on this thread now (empty when stopped or paused)."""
+    return _recording_tapes()
+
+
 def watch(tape, tensor):
     """Marks `tensor` (a dtape.Tensor) as watched by `tape`."""
     tape._watch_ids((tensor._id,))
@@ -536,32 +552,42 @@ def variable_read(variable, out, op):
         state.paused = prev
 
 
+def stand_in(tape):
+    """Makes `tape` stand in for the tapes recording on this thread (`dtape.function`'s private tape).
+
+    While the caller's tapes are paused for the body, `tape` watches the
+    variables they watch explicitly (a non-trainable one, say, stays
+    connected) and pausing one of them (`GradientTape.stop_recording()` in
+    the body) pauses `tape` too.
+    """
+    outers = _recording_tapes()
+    tape._stands_for = outers
+    for outer in outers:
+        with outer._lock:
+            explicit = set(outer._explicit)
+        with tape._lock:
+            tape._explicit.update(explicit)
+            tape._watched.update(explicit)
+
+
 def current_lineage():
     """This thread's tape-scope lineage (for the replica threads of a `strategy.run` called here)."""
     return _thread_state.lineage
 
 
-class lineage_scope:
+class lineage_scope(ThreadLocalScope):
     """Thread-local: this thread runs a job for a thread of lineage `parent` (`strategy.run`'s caller).
 
     Variable reads here notify the tapes owned by this thread or by any
     thread in `parent`; restores the previous lineage on exit.
     """
 
-    __slots__ = ("_parent", "_prev")
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "lineage"
 
-    def __init__(self, parent):
-        self._parent = parent
-
-    def __enter__(self):
-        state = _thread_state
-        self._prev = state.lineage
-        state.lineage = (state.scope,) + tuple(self._parent)
-        return self
-
-    def __exit__(self, *exc):
-        _thread_state.lineage = self._prev
-        return False
+    def _new(self, prev):
+        return (_thread_state.scope,) + tuple(self._value)
 
 
 def _ids(tensors):
@@ -611,7 +637,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             tape._append(op, in_ids, out_ids, saved, attrs, outputs)
 
 
-class _CallableBackward:
+class CallableBackward:
     """Adapts a seed-style `backward_function(*output_grads)` to a record op."""
 
     __slots__ = ("name", "fn")
@@ -649,7 +675,7 @@ def record_operation(op_type, output_tensors, input_tensors, backward_function):
     """
     if _tape_set:
         inputs = tuple(input_tensors)
-        record(_CallableBackward(op_type, backward_function), _ids(inputs), inputs,
+        record(CallableBackward(op_type, backward_function), _ids(inputs), inputs,
                tuple(output_tensors), None)
 
 
@@ -665,7 +691,7 @@ def could_possibly_record():
     return bool(_recording_tapes())
 
 
-class stop_recording:
+class stop_recording(ThreadLocalScope):
     """Pauses recording of every tape on this thread only (thread-local).
 
     Other threads keep recording into the same tapes. Nests and restores the
@@ -676,82 +702,95 @@ class stop_recording:
       ...     y = x * 2          # not recorded on any tape, on this thread
     """
 
-    __slots__ = ("_prev",)
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "stopped"
 
-    def __enter__(self):
-        self._prev = _thread_state.stopped
-        _thread_state.stopped = True
-        return self
-
-    def __exit__(self, *exc):
-        _thread_state.stopped = self._prev
-        return False
+    def __init__(self):
+        super().__init__(True)
 
 
-class pause_tape:
-    """Pauses one tape on this thread only; other tapes and threads keep recording."""
+class pause_tape(ThreadLocalScope):
+    """Pauses one tape on this thread only; other tapes and threads keep recording.
 
-    __slots__ = ("_tape", "_prev")
+    Tapes standing in for it (`dtape.function` bodies) pause with it.
+    """
 
-    def __init__(self, tape):
-        self._tape = tape
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "paused"
 
-    def __enter__(self):
-        self._prev = _thread_state.paused
-        _thread_state.paused = self._prev + (self._tape,)
-        return self
+    def _new(self, prev):
+        tape = self._value
+        return prev + (tape,) + tuple(t for t in _tape_set if tape in t._stands_for)
 
-    def __exit__(self, *exc):
-        _thread_state.paused = self._prev
-        return False
+
+class _pause_all_but(ThreadLocalScope):
+    """Thread-local: pauses every active tape but `tape` on this thread."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "paused"
+
+    def _new(self, prev):
+        return tuple(t for t in _tape_set if t is not self._value)
 
 
 class record_only:
     """Thread-local: on this thread, only `tape` records (the stop flag is lifted).
 
-    Used to re-run a body under a private tape whatever the caller's state
+    Used to record a body on a private tape whatever the caller's state
     (stopped, or other tapes active); restores the previous state on exit.
     """
 
-    __slots__ = ("_tape", "_prev")
+    __slots__ = ("_scopes",)
 
     def __init__(self, tape):
-        self._tape = tape
+        self._scopes = (_resume_recording(False), _pause_all_but(tape))
 
     def __enter__(self):
-        state = _thread_state
-        self._prev = (state.stopped, state.paused)
-        state.stopped = False
-        state.paused = tuple(t for t in _tape_set if t is not self._tape)
+        for scope in self._scopes:
+            scope.__enter__()
         return self
 
     def __exit__(self, *exc):
-        _thread_state.stopped, _thread_state.paused = self._prev
+        for scope in reversed(self._scopes):
+            scope.__exit__(*exc)
         return False
 
 
-class capture_variable_reads:
+class _resume_recording(ThreadLocalScope):
+    """Thread-local: sets the stop flag to the given value (False lifts an outer `stop_recording`)."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "stopped"
+
+
+class capture_variable_reads(ThreadLocalScope):
     """Collects, on this thread, every variable reported by `variable_accessed`.
 
     Used by `dtape.function` to find the variables its body reads; works
     under `stop_recording`. `as` gives a dict id -> variable, in first-read order.
     """
 
-    __slots__ = ("_prev", "_captured")
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "captures"
+
+    def __init__(self):
+        super().__init__({})
+
+    def _new(self, prev):
+        return prev + (self._value,)
 
     def __enter__(self):
-        self._prev = _thread_state.captures
-        self._captured = {}
-        _thread_state.captures = self._prev + (self._captured,)
-        return self._captured
-
-    def __exit__(self, *exc):
-        _thread_state.captures = self._prev
-        return False
+        super().__enter__()
+        return self._value
 
 
-__all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
+__all__ = ["Tape", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
            "variable_accessed", "variable_read", "current_lineage", "lineage_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver", "PushedTapes", "track_pushed_tapes"]
+           "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

@@ -18,7 +18,7 @@ from dtape._local import ThreadLocalScope
 # Process-wide source of tensor ids. `next()` on itertools.count is atomic
 # under the GIL; on free-threaded builds ids stay unique because count's
 # __next__ holds the object's critical section.
-_next_id = itertools.count(1).__next__
+next_id = itertools.count(1).__next__
 
 DEFAULT_FLOAT_DTYPE = getattr(torch, _config.DEFAULT_FLOAT_DTYPE)
 
@@ -46,7 +46,7 @@ class Tensor:
 
     def __init__(self, value):
         self._t = value
-        self._id = _next_id()
+        self._id = next_id()
 
     # -- attributes ---------------------------------------------------------
     @property
@@ -252,7 +252,7 @@ def _infer_dtype(value):
     return None
 
 
-def _to_torch(value, dtype=None, device=None):
+def to_torch(value, dtype=None, device=None):
     """A torch.Tensor from a scalar, nested list, numpy array or torch.Tensor."""
     if dtype is not None:
         dtype = as_dtype(dtype)
@@ -365,7 +365,7 @@ def constant(value, dtype=None, shape=None, device=None):
     """
     if isinstance(value, Tensor):
         value = value._t
-    t = _to_torch(value, dtype, device)
+    t = to_torch(value, dtype, device)
     if isinstance(value, torch.Tensor) and t.data_ptr() == value.data_ptr():
         t = t.clone()
     if shape is not None:
@@ -392,7 +392,7 @@ def convert_to_tensor(value, dtype=None, device=None):
         return value
     if is_variable(value):
         return convert_to_tensor(value._dtape_read(), dtype)
-    return Tensor(_to_torch(value, dtype, device))
+    return Tensor(to_torch(value, dtype, device))
 
 
 def is_differentiable_dtype(dtype):

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from dtape import tape as _tp
 from dtape.module import Module
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 from dtape.variables import Variable, VariableAggregation
 
 __all__ = ["TorchModule"]
@@ -251,7 +251,7 @@ def _buffer_values(buffers):
 
 
 def _as_input(x):
-    if isinstance(x, (Tensor, torch.Tensor)) or hasattr(x, "_dtape_read") or hasattr(x, "__array_interface__"):
+    if isinstance(x, (Tensor, torch.Tensor)) or is_variable(x) or hasattr(x, "__array_interface__"):
         return convert_to_tensor(x)
     return x
 

@@ -13,7 +13,7 @@ import torch
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import install_variable_operators
-from dtape.tensor import Tensor, _next_id, _to_torch, is_variable, numpy_repr
+from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr
 
 
 class VariableSynchronization(enum.Enum):
@@ -84,7 +84,7 @@ _creator_state = _CreatorState()
 _name_counter = itertools.count()  # process-wide, for default names
 
 
-class variable_creator_scope:
+class variable_creator_scope(ThreadLocalScope):
     """Thread-local scope that routes Variable creation through `creator`.
 
     `creator(next_creator, **kwargs)` returns a variable, usually by calling
@@ -92,17 +92,12 @@ class variable_creator_scope:
     Source: tf.variable_creator_scope.
     """
 
-    def __init__(self, creator):
-        self._creator = creator
+    __slots__ = ()
+    _state = _creator_state
+    _attr = "stack"
 
-    def __enter__(self):
-        self._prev = _creator_state.stack
-        _creator_state.stack = self._prev + (self._creator,)
-        return self
-
-    def __exit__(self, *exc):
-        _creator_state.stack = self._prev
-        return False
+    def _new(self, prev):
+        return prev + (self._value,)
 
 
 def current_creator_stack():
@@ -110,20 +105,12 @@ def current_creator_stack():
     return _creator_state.stack
 
 
-class set_creator_stack:
+class set_creator_stack(ThreadLocalScope):
     """Thread-local: replaces this thread's creator stack, restoring it on exit."""
 
-    def __init__(self, stack):
-        self._stack = stack
-
-    def __enter__(self):
-        self._prev = _creator_state.stack
-        _creator_state.stack = self._stack
-        return self
-
-    def __exit__(self, *exc):
-        _creator_state.stack = self._prev
-        return False
+    __slots__ = ()
+    _state = _creator_state
+    _attr = "stack"
 
 
 class _VariableMeta(type):
@@ -187,8 +174,8 @@ class Variable(metaclass=_VariableMeta):
         elif is_variable(initial_value):
             with _tp.stop_recording():
                 initial_value = initial_value._dtape_read().torch()
-        self._t = _to_torch(initial_value, dtype, device).clone()
-        self._id = _next_id()  # process-wide and never reused (also keys optimizer slots)
+        self._t = to_torch(initial_value, dtype, device).clone()
+        self._id = next_id()  # process-wide and never reused (also keys optimizer slots)
         self._lock = threading.Lock()  # serialises writes (read-modify-write of `_t`)
         self._trainable = bool(trainable)
         self._name = name or f"Variable_{next(_name_counter)}"
@@ -240,7 +227,7 @@ class Variable(metaclass=_VariableMeta):
         out = Tensor(t)
         if _tp._tape_set:  # one call: watches (once per tape) and records the read
             _tp.variable_read(self, out, _READ_OP)
-        elif self._trainable and _tp._thread_state.captures:
+        elif self._trainable and _tp.capturing_reads():
             _tp.variable_accessed(self)
         return out
 
@@ -262,7 +249,7 @@ class Variable(metaclass=_VariableMeta):
     def _coerce(self, value, what):
         if is_variable(value):
             value = value._dtape_read()
-        t = value.torch() if isinstance(value, Tensor) else _to_torch(value, self._t.dtype)
+        t = value.torch() if isinstance(value, Tensor) else to_torch(value, self._t.dtype)
         if t.shape != self._t.shape:
             try:
                 t = torch.broadcast_to(t, self._t.shape)

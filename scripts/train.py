@@ -337,17 +337,27 @@ def check_checkpoint(args, task):
 # -- strategy and optimizer --------------------------------------------------------
 
 def make_strategy(args):
-    """The strategy named by --strategy, on --devices."""
+    """The strategy named by --strategy, on --devices.
+
+    multi_worker: MultiWorkerMirroredStrategy from torchrun's environment
+    (one replica per process). A single-process strategy under torchrun with
+    WORLD_SIZE > 1 would train duplicate copies that overwrite each other's
+    files: it exits with a message pointing to multi_worker.
+    """
     devices = args.devices.split(",") if args.devices else None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.strategy != "multi_worker" and world > 1:
+        raise SystemExit(f"train.py: --strategy {args.strategy} runs in one process, but this is one of "
+                         f"WORLD_SIZE={world} processes (torchrun); every process would train its own copy and "
+                         "overwrite the others' checkpoints. Use --strategy multi_worker under torchrun.")
     if args.strategy == "one_device":
         return dtape.distribute.OneDeviceStrategy(devices[0] if devices else "cpu")
     if args.strategy == "mirrored":
         return dtape.distribute.MirroredStrategy(devices=devices or ["cpu:0", "cpu:1"], seed=args.seed)
-    factory = getattr(dtape.distribute, "MultiWorkerMirroredStrategy", None)
-    if factory is None:
-        raise SystemExit("train.py: --strategy multi_worker needs dtape.distribute.MultiWorkerMirroredStrategy, "
-                         "which this dtape build does not have yet; use one_device or mirrored")
-    return factory()
+    if devices and len(devices) > 1:
+        raise SystemExit("train.py: --strategy multi_worker runs one replica per process on one device; "
+                         f"got --devices {args.devices}. Launch one process per device with torchrun instead.")
+    return dtape.distribute.MultiWorkerMirroredStrategy(device=devices[0] if devices else None, seed=args.seed)
 
 
 def make_optimizer(config):
@@ -480,9 +490,11 @@ class Trainer:
         return checkpoint_path(self.args)
 
     def save(self):
-        if not self.args.checkpoint_dir or not is_chief():
+        """Every worker calls it (a collective under multi_worker); dtape.checkpoint writes on rank 0 only."""
+        if not self.args.checkpoint_dir:
             return
-        os.makedirs(self.args.checkpoint_dir, exist_ok=True)
+        if is_chief():
+            os.makedirs(self.args.checkpoint_dir, exist_ok=True)
         dtape.checkpoint.save(self.checkpoint_path(), model=self.model, optimizer=self.optimizer,
                               step=self.step, metrics=self.metrics_now(), config=self.config,
                               epoch_time=self.epoch_time, **self.rng_states())
@@ -602,8 +614,9 @@ class Trainer:
         self.log_scalars(**{"accuracy/train": record["train_accuracy"], "accuracy/test": record["test_accuracy"],
                             "examples_per_second": record["examples_per_second"]})
         self.metrics["epochs"].append(record)
-        bar.write(f"epoch {epoch}: train acc {record['train_accuracy']:.4f}, "
-                  f"test acc {record['test_accuracy']:.4f}, {record['examples_per_second']:.0f} examples/s")
+        if is_chief():
+            bar.write(f"epoch {epoch}: train acc {record['train_accuracy']:.4f}, "
+                      f"test acc {record['test_accuracy']:.4f}, {record['examples_per_second']:.0f} examples/s")
         self.save()
 
     def accuracy(self, split):
@@ -720,8 +733,9 @@ def main(argv=None):
     metrics = trainer.run()
     if args.out and is_chief():
         write_outputs(metrics, args.out)
-    print(f"final test accuracy {metrics['final_test_accuracy']:.4f} after {metrics['final_step']} steps "
-          f"({metrics['run_seconds']:.1f} s)")
+    if is_chief():
+        print(f"final test accuracy {metrics['final_test_accuracy']:.4f} after {metrics['final_step']} steps "
+              f"({metrics['run_seconds']:.1f} s)")
     return metrics
 
 

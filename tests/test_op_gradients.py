@@ -176,19 +176,19 @@ def _np(x):
     return x.numpy() if isinstance(x, torch.Tensor) else x
 
 
-def _axes(ndim, axis):
+def reduction_axes(ndim, axis):
     if axis is None:
         return tuple(range(ndim))
     return tuple(a % ndim for a in ((axis,) if isinstance(axis, int) else axis))
 
 
 def _reduce(np_fn):
-    return lambda x, axis=None, keepdims=False: np_fn(_np(x), axis=_axes(x.ndim, axis), keepdims=keepdims)
+    return lambda x, axis=None, keepdims=False: np_fn(_np(x), axis=reduction_axes(x.ndim, axis), keepdims=keepdims)
 
 
 def _logsumexp(x, axis=None, keepdims=False):
     a = _np(x)
-    ax = _axes(x.ndim, axis)
+    ax = reduction_axes(x.ndim, axis)
     return np.log(np.sum(np.exp(a), axis=ax, keepdims=keepdims))
 
 
@@ -260,7 +260,7 @@ def _squeeze(x, axis=None):
 
 
 def _moments(x, axes, keepdims=False):
-    ax = _axes(x.ndim, axes)
+    ax = reduction_axes(x.ndim, axes)
     return np.mean(_np(x), axis=ax, keepdims=keepdims), np.var(_np(x), axis=ax, keepdims=keepdims)
 
 

@@ -9,6 +9,9 @@ from dtape.distribute.context import (get_replica_context, get_strategy, has_str
 from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended  # noqa: F401
 from dtape.distribute.input_lib import InputContext  # noqa: F401
 from dtape.distribute.mirrored_strategy import MirroredStrategy  # noqa: F401
+from dtape.distribute.multi_worker_mirrored_strategy import (CommunicationOptions,  # noqa: F401
+                                                             MultiWorkerMirroredStrategy, TorchrunClusterResolver)
+from dtape.distribute.collective_ops import WorkerError  # noqa: F401
 from dtape.distribute.one_device_strategy import OneDeviceStrategy  # noqa: F401
 from dtape.distribute.reduce_util import ReduceOp  # noqa: F401
 from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica,  # noqa: F401
@@ -21,4 +24,5 @@ __all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_repl
            "ReduceOp", "VariableAggregation", "VariableSynchronization", "Strategy",
            "StrategyExtended", "ReplicaContext", "MirroredStrategy", "OneDeviceStrategy",
            "DistributedValues", "PerReplica", "Mirrored", "MirroredVariable", "SyncOnReadVariable",
-           "InputContext"]
+           "InputContext", "MultiWorkerMirroredStrategy", "CommunicationOptions", "TorchrunClusterResolver",
+           "WorkerError"]

@@ -16,8 +16,10 @@ Source: tensorflow/python/distribute/distribution_strategy_context.py.
 """
 import threading
 
+from dtape._local import ThreadLocalScope
 
-class _Mode:
+
+class Mode:
     __slots__ = ("strategy", "replica_context", "update_index")
 
     def __init__(self, strategy, replica_context, update_index=None):
@@ -27,14 +29,14 @@ class _Mode:
 
 
 class _ContextState(threading.local):
-    """Per-thread stack of _Mode (innermost last)."""
+    """Per-thread stack of Mode (innermost last)."""
 
     stack = ()
 
 
 _state = _ContextState()
 
-# Process-wide, set once by distribute_lib at import: () -> default _Mode.
+# Process-wide, set once by distribute_lib at import: () -> default Mode.
 _default_mode_factory = None
 
 
@@ -76,22 +78,22 @@ def update_index():
     return current_mode().update_index
 
 
-class enter_mode:
-    """Thread-local: pushes a mode on this thread's stack; pops it on exit."""
+class enter_mode(ThreadLocalScope):
+    """Thread-local: pushes a mode on this thread's stack; pops it on exit. `as` gives the mode."""
 
-    __slots__ = ("_mode", "_prev")
+    __slots__ = ()
+    _state = _state
+    _attr = "stack"
 
     def __init__(self, strategy, replica_context, update_index=None):
-        self._mode = _Mode(strategy, replica_context, update_index)
+        super().__init__(Mode(strategy, replica_context, update_index))
+
+    def _new(self, prev):
+        return prev + (self._value,)
 
     def __enter__(self):
-        self._prev = _state.stack
-        _state.stack = self._prev + (self._mode,)
-        return self._mode
-
-    def __exit__(self, *exc):
-        _state.stack = self._prev
-        return False
+        super().__enter__()
+        return self._value
 
 
 def current_stack():
@@ -99,17 +101,9 @@ def current_stack():
     return _state.stack
 
 
-class set_stack:
+class set_stack(ThreadLocalScope):
     """Thread-local: replaces this thread's stack, restoring it on exit."""
 
-    def __init__(self, stack):
-        self._stack = stack
-
-    def __enter__(self):
-        self._prev = _state.stack
-        _state.stack = self._stack
-        return self
-
-    def __exit__(self, *exc):
-        _state.stack = self._prev
-        return False
+    __slots__ = ()
+    _state = _state
+    _attr = "stack"

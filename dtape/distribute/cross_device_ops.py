@@ -17,7 +17,7 @@ from dtape.ops.array_ops import copy_to_device, to_device
 from dtape.tensor import convert_to_tensor, normalize_device
 
 
-def _on(value, device):
+def on_device(value, device):
     return to_device(convert_to_tensor(value), device)
 
 
@@ -69,7 +69,7 @@ def _reduce_values(reduce_op, values, device):
                          "every replica must produce the same shape")
     device = values[0].device if device is None else normalize_device(device)
     dtype = values[0].dtype
-    values = [widen(_on(v, device)) for v in values]
+    values = [widen(on_device(v, device)) for v in values]
     total = ops.add_n(values) if len(values) > 1 else ops.identity(values[0])
     if reduce_op == ReduceOp.MEAN:
         total = total / len(values)

@@ -13,7 +13,7 @@ from dtape.tensor import convert_to_tensor, normalize_device
 from dtape.variables import current_creator_stack, variable_creator_scope
 
 
-def _check_reduce_op(reduce_op):
+def check_reduce_op(reduce_op):
     if isinstance(reduce_op, str):
         reduce_op = ReduceOp[reduce_op.upper()]
     if not isinstance(reduce_op, ReduceOp):
@@ -74,7 +74,7 @@ class ReplicaContext:
         more than one replica raises ValueError (as TF). float16/bfloat16
         accumulate in float32.
         """
-        reduce_op = _check_reduce_op(reduce_op)
+        reduce_op = check_reduce_op(reduce_op)
         value = nest.map_structure(replica_operand, value)
         return self.merge_call(_merge_all_reduce, args=(reduce_op, value))
 
@@ -174,11 +174,11 @@ class StrategyExtended:
 
     def reduce_to(self, reduce_op, value, destinations=None):
         """Reduces a PerReplica value to a Mirrored value (one copy per device)."""
-        return self._reduce_to_mirrored(_check_reduce_op(reduce_op), value)
+        return self._reduce_to_mirrored(check_reduce_op(reduce_op), value)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs):
         """`reduce_to` for many (value, destination) pairs."""
-        reduce_op = _check_reduce_op(reduce_op)
+        reduce_op = check_reduce_op(reduce_op)
         return [self._reduce_to_mirrored(reduce_op, v) for v, _ in value_destination_pairs]
 
     def _destination(self, values):
@@ -251,7 +251,7 @@ class Strategy:
           ValueError: SUM of a non-distributed value over more than one
             replica (as TF), naming the fixes; values of different shapes.
         """
-        reduce_op = _check_reduce_op(reduce_op)
+        reduce_op = check_reduce_op(reduce_op)
         if axis is None:
             return self._extended._reduce(reduce_op, value)
         if not isinstance(value, DistributedValues):
@@ -270,7 +270,7 @@ class Strategy:
         """Concatenates the per-replica values along `axis` on the first device."""
         values = [convert_to_tensor(v) for v in (value.values if isinstance(value, DistributedValues) else (value,))]
         dev = self._extended._destination(values)
-        return ops.concat([cross_device_ops._on(v, dev) for v in values], axis=axis)
+        return ops.concat([cross_device_ops.on_device(v, dev) for v in values], axis=axis)
 
     def experimental_local_results(self, value):
         """The per-replica parts of `value` as a tuple (a 1-tuple for plain values)."""
@@ -362,7 +362,7 @@ class _DefaultStrategy(Strategy):
 
 _DEFAULT_STRATEGY = _DefaultStrategy()
 _DEFAULT_REPLICA = ReplicaContext(_DEFAULT_STRATEGY, 0)
-_DEFAULT_MODE = context._Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
+_DEFAULT_MODE = context.Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
 context.register_default_mode_factory(lambda: _DEFAULT_MODE)
 
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext"]

@@ -1,4 +1,11 @@
-"""Splitting global batches across replicas. Source: tensorflow/python/distribute/input_lib.py."""
+"""Splitting global batches across replicas and workers. Source: tensorflow/python/distribute/input_lib.py.
+
+A dataset is any iterable of global batches: tensors, numpy arrays, nests
+(lists, tuples, dicts) of them, or a `torch.utils.data.DataLoader` (its
+batches are such nests). Every replica of every worker gets its slice of
+each global batch along dim 0, sized by `split_sizes`, so the global batches
+a run sees do not depend on how many replicas or workers share them.
+"""
 import numpy as np
 import torch
 
@@ -41,13 +48,21 @@ def split_batch(batch, devices):
     return nest.pack_sequence_as(batch, out)
 
 
+def _check_iterable(dataset):
+    if not hasattr(dataset, "__iter__"):
+        raise TypeError(f"a dataset must be an iterable of batches (a list, a generator, a torch DataLoader, ...), "
+                        f"got {type(dataset).__name__}")
+
+
 class DistributedDataset:
     """Iterable of per-replica batches: each global batch of `dataset` split along dim 0.
 
-    `dataset` is any iterable of batches: tensors, numpy arrays or nests of them.
+    `dataset` is any iterable of batches: tensors, numpy arrays, nests of
+    them, or a torch DataLoader. `len()` is the dataset's, when it has one.
     """
 
     def __init__(self, strategy, dataset):
+        _check_iterable(dataset)
         self._strategy = strategy
         self._dataset = dataset
 
@@ -69,11 +84,73 @@ class DistributedDataset:
         for batch in self._dataset:
             yield split_batch(batch, devices)
 
+    def __len__(self):
+        return len(self._dataset)
+
+
+def slice_batch(batch, index, count, device):
+    """Part `index` of `count` of a global batch (a nest), each leaf's rows sliced as `split_sizes` says.
+
+    Args:
+      batch: a nest of tensors / numpy arrays with the same first dimension
+        (scalars are given whole to every part).
+      index, count: which part, of how many (a worker's rank and the world size).
+      device: where the slices go.
+
+    Returns:
+      The nest with dtape.Tensor leaves on `device`.
+
+    Raises:
+      ValueError: leaves with different first dimensions.
+    """
+    leaves = [_leaf_to_torch(x) for x in nest.flatten(batch)]
+    sizes = {int(t.shape[0]) for t in leaves if t.dim() > 0}
+    if len(sizes) > 1:
+        raise ValueError(f"every tensor of a batch needs the same first dimension, got {sorted(sizes)}")
+    parts = split_sizes(sizes.pop() if sizes else 0, count)
+    start = sum(parts[:index])
+    device = normalize_device(device)
+    out = [convert_to_tensor((t[start:start + parts[index]] if t.dim() > 0 else t).to(device)) for t in leaves]
+    return nest.pack_sequence_as(batch, out)
+
+
+class WorkerDataset:
+    """Iterable of one worker's batches: part `index` of `count` of each global batch of `dataset`, on `device`.
+
+    MultiWorkerMirroredStrategy's `experimental_distribute_dataset` (index =
+    rank, count = world size) and `distribute_datasets_from_function` (the
+    worker's own dataset whole: index 0 of 1). `len()` is the dataset's.
+    """
+
+    def __init__(self, dataset, index, count, device):
+        _check_iterable(dataset)
+        self._dataset, self._index, self._count, self._device = dataset, index, count, device
+
+    def __iter__(self):
+        for batch in self._dataset:
+            yield slice_batch(batch, self._index, self._count, self._device)
+
+    def __len__(self):
+        return len(self._dataset)
+
 
 class InputContext:
-    """What `dataset_fn` learns about its replica. Source: tf.distribute.InputContext."""
+    """What `dataset_fn` learns about its input pipeline. Source: tf.distribute.InputContext.
 
-    def __init__(self, num_input_pipelines, input_pipeline_id, num_replicas_in_sync):
+    Attributes:
+      num_input_pipelines: how many pipelines there are (MirroredStrategy:
+        one per replica; MultiWorkerMirroredStrategy: one per worker).
+      input_pipeline_id: this pipeline's index (the replica id / the rank).
+      num_replicas_in_sync: replicas sharing each global batch.
+
+    A dataset_fn shards its data with these (e.g. every
+    `num_input_pipelines`-th example from `input_pipeline_id`) and batches
+    with `get_per_replica_batch_size(global_batch_size)`.
+    """
+
+    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+        if not 0 <= input_pipeline_id < num_input_pipelines:
+            raise ValueError(f"input_pipeline_id {input_pipeline_id} is not in [0, {num_input_pipelines})")
         self.num_input_pipelines = num_input_pipelines
         self.input_pipeline_id = input_pipeline_id
         self.num_replicas_in_sync = num_replicas_in_sync

@@ -266,7 +266,7 @@ class SyncOnReadVariable(DistributedVariable):
         if isinstance(value, DistributedValues):
             parts = value.values
         elif self._aggregation == VariableAggregation.SUM:
-            parts = _split_sum(self._values[0]._coerce(value, method), len(self._values))
+            parts = split_sum(self._values[0]._coerce(value, method), len(self._values))
         else:
             parts = (value,) * len(self._values)
         for c, part in zip(self._values, parts):
@@ -274,7 +274,7 @@ class SyncOnReadVariable(DistributedVariable):
         return self
 
 
-def _split_sum(t, n):
+def split_sum(t, n):
     """n torch tensors whose sum is `t`: t / n each (integers: floor, remainder on the first)."""
     if t.is_floating_point() or t.is_complex():
         return (t / n,) * n

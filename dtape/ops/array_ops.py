@@ -9,7 +9,7 @@ import torch
 
 from dtape.ops import _samples as S
 from dtape.ops._registry import TORCH_TABLE, defop
-from dtape.tensor import Tensor, _to_torch, as_dtype, default_device, is_variable
+from dtape.tensor import Tensor, to_torch, as_dtype, default_device, is_variable
 
 _brange = builtins.range  # `range` below is tf.range
 
@@ -240,7 +240,7 @@ def ones_like(input, dtype=None):  # noqa: A002
 def _like(x):
     if isinstance(x, Tensor):
         return x.torch()
-    return x._dtape_read().torch() if is_variable(x) else _to_torch(x)
+    return x._dtape_read().torch() if is_variable(x) else to_torch(x)
 
 
 TORCH_TABLE[torch.zeros_like] = lambda x, dtype=None, **kw: zeros_like(x, dtype)

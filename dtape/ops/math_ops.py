@@ -457,7 +457,7 @@ def _(dy, ans, inputs):
 
 
 # -- reductions ---------------------------------------------------------------
-def _axes(ndim, axis):
+def reduction_axes(ndim, axis):
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
@@ -465,11 +465,11 @@ def _axes(ndim, axis):
 
 
 def _keep_shape(shape, axis):
-    axes = _axes(len(shape), axis)
+    axes = reduction_axes(len(shape), axis)
     return [1 if i in axes else s for i, s in enumerate(shape)]
 
 
-def _expand_back(g, x, axis, keepdims):
+def expand_back(g, x, axis, keepdims):
     """Reshapes a reduced gradient to broadcast against x."""
     if not keepdims:
         g = torch.reshape(g, _keep_shape(x.shape, axis))
@@ -479,36 +479,36 @@ def _expand_back(g, x, axis, keepdims):
 @defop(samples=S.reduction, saves="none")
 def reduce_sum(x, axis=None, keepdims=False):
     """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     return torch.sum(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
 @reduce_sum.grad
 def _(dy, ans, x, axis=None, keepdims=False):
-    return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape)
+    return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape)
 
 
 @defop(samples=S.reduction, saves="none")
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     return torch.mean(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
 @reduce_mean.grad
 def _(dy, ans, x, axis=None, keepdims=False):
     count = 1
-    for a in _axes(x.ndim, axis):
+    for a in reduction_axes(x.ndim, axis):
         count *= x.shape[a]
-    return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape) / count
+    return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape) / count
 
 
 def _minmax_grad(dy, ans, x, axis, keepdims):
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     if not axes:  # no axis reduced (axis=() or a scalar): the identity; torch.sum(dim=()) would sum all
         return dy
-    ans = _expand_back(ans, x, axis, keepdims)
-    dy = _expand_back(dy, x, axis, keepdims)
+    ans = expand_back(ans, x, axis, keepdims)
+    dy = expand_back(dy, x, axis, keepdims)
     ties = torch.eq(x, ans)
     count = torch.sum(torch.where(ties, 1.0, 0.0), dim=axes, keepdim=True)
     return torch.where(ties, dy / count, 0.0)
@@ -516,7 +516,7 @@ def _minmax_grad(dy, ans, x, axis, keepdims):
 
 def _extreme(fn, x, axis, keepdims, lowest):
     """torch.amax/amin over `axis`; an empty reduced dimension gives TF's identity (the lowest/highest value)."""
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     if not axes:
         return x.clone()
     if any(x.shape[a] == 0 for a in axes):
@@ -563,7 +563,7 @@ def _prod_samples(rng):
 @defop(samples=_prod_samples)
 def reduce_prod(x, axis=None, keepdims=False):
     """Product over `axis`; the gradient is exact with zeros in x. Source: tf.math.reduce_prod."""
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     out = x
     for a in reversed(axes):
         out = torch.prod(out, dim=a, keepdim=True)
@@ -572,7 +572,7 @@ def reduce_prod(x, axis=None, keepdims=False):
 
 @reduce_prod.grad
 def _(dy, ans, x, axis=None, keepdims=False):
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     rest = [i for i in range(x.ndim) if i not in axes]
     perm = rest + list(axes)
     xt = torch.permute(x, perm)
@@ -585,19 +585,19 @@ def _(dy, ans, x, axis=None, keepdims=False):
     right = torch.flip(torch.cumprod(torch.cat([ones, torch.flip(flat, [-1])[..., :-1]], dim=-1), dim=-1), [-1])
     others = torch.reshape(left * right, xt.shape)
     inverse = [perm.index(i) for i in range(x.ndim)]
-    return torch.broadcast_to(_expand_back(dy, x, axis, keepdims), x.shape) * torch.permute(others, inverse)
+    return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape) * torch.permute(others, inverse)
 
 
 @defop(samples=S.reduction)
 def reduce_logsumexp(x, axis=None, keepdims=False):
     """log(sum(exp(x))) over `axis`, computed stably. Source: tf.math.reduce_logsumexp."""
-    axes = _axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis)
     return torch.logsumexp(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
 @reduce_logsumexp.grad
 def _(dy, ans, x, axis=None, keepdims=False):
-    return _expand_back(dy, x, axis, keepdims) * torch.exp(x - _expand_back(ans, x, axis, keepdims))
+    return expand_back(dy, x, axis, keepdims) * torch.exp(x - expand_back(ans, x, axis, keepdims))
 
 
 # -- comparisons and logic (no gradient) --------------------------------------

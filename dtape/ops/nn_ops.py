@@ -13,7 +13,7 @@ from dtape import random as _random
 from dtape.ops import _samples as S
 from dtape.ops._registry import defop
 from dtape.ops.array_ops import gather, one_hot
-from dtape.ops.math_ops import _axes, _expand_back, multiply
+from dtape.ops.math_ops import reduction_axes, expand_back, multiply
 from dtape.tensor import Tensor, convert_to_tensor
 
 __all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
@@ -261,7 +261,8 @@ def dropout(x, rate, noise_shape=None, seed=None):
       x: floating tensor, any shape.
       rate: drop probability in [0, 1).
       noise_shape: shape broadcastable to x.shape (shared mask along size-1 dims).
-      seed: int, seeds a private generator (reproducible mask); default: the
+      seed: int, seeds a private generator: the same mask on every call (stateless,
+        like tf.random.stateless_*; TF 2 op seeds give a new mask per call); default: the
         current replica's generator (`dtape.random`), torch's default outside replicas.
 
     Returns:
@@ -478,7 +479,7 @@ def moments(x, axes, keepdims=False):
 
     Source: tf.nn.moments.
     """
-    dims = _axes(x.ndim, axes)
+    dims = reduction_axes(x.ndim, axes)
     if not dims:  # no axis: mean x, variance 0 (torch.mean(dim=()) would reduce every axis)
         return x.clone(), torch.zeros_like(x)
     mean = torch.mean(x, dim=dims, keepdim=True)
@@ -489,13 +490,13 @@ def moments(x, axes, keepdims=False):
 @moments.grad
 def _(dys, ans, x, axes, keepdims=False):
     dmean, dvar = dys
-    dims = _axes(x.ndim, axes)
+    dims = reduction_axes(x.ndim, axes)
     count = 1
     for a in dims:
         count *= x.shape[a]
-    mean = _expand_back(ans[0], x, axes, keepdims)
+    mean = expand_back(ans[0], x, axes, keepdims)
     centred = x - mean
-    return (_expand_back(dmean, x, axes, keepdims) + _expand_back(dvar, x, axes, keepdims) * 2 * centred) / count
+    return (expand_back(dmean, x, axes, keepdims) + expand_back(dvar, x, axes, keepdims) * 2 * centred) / count
 
 
 def embedding_lookup(params, ids, max_norm=None):

@@ -1,0 +1,397 @@
+"""Collectives across worker processes over torch.distributed, with timeouts and named failures.
+
+`MultiWorkerMirroredStrategy` makes one `Communicator` per process and
+installs it as the active one; the module functions (`all_reduce`,
+`all_gather`, `broadcast`, `barrier`) use it. They take and return plain
+torch tensors (the strategy wraps them), so a later layer can record them
+on the tape.
+
+Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
+
+* Every collective is launched asynchronously and waited for in short
+  slices; between slices the waiter polls the process group's store for a
+  published error and checks its deadline (the strategy's timeout).
+* A worker whose step fails calls `publish_error`: its exception (type,
+  message, rank, host, pid) goes to the store before it leaves, and it waits
+  (briefly, bounded) for its peers to acknowledge. A peer blocked in a
+  collective then raises the same exception type (builtin types; else
+  `WorkerError`) with a note naming the failing rank.
+* A peer that dies without publishing (SIGKILL, OOM kill) breaks its gloo
+  connections: the waiters' collective fails at once; they name the dead
+  rank by checking the pids every worker registered at start-up (ranks on
+  the same host), else report the transport's error.
+* A collective that does not finish in time raises `TimeoutError` naming the
+  ranks that never reached it (ranks record their position in the store
+  once a wait passes one second, so fast steps cost no store traffic).
+
+Process-wide state: `_active` (the communicator of the process's strategy),
+set by `set_active`; one process group per process, so one communicator.
+Source: TF's CollectiveAllReduce (cross_device_ops.py) and
+`CommunicationOptions(timeout_seconds)`; the store-published error follows
+torch elastic's error files, carried in the rendezvous store instead.
+"""
+import builtins
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+_POLL_MAX_S = 0.02          # longest slice a waiter sleeps between checks of the store
+_MARK_WAITING_AFTER_S = 1.0  # a wait longer than this records its position for timeout messages
+_ACK_WAIT_S = 3.0           # how long a failing worker waits for its peers to see its error
+
+# Process-wide: the communicator of this process's MultiWorkerMirroredStrategy
+# (None before one is made). Written once per strategy, read by every collective.
+_active = None
+
+
+class WorkerError(RuntimeError):
+    """A peer worker failed with an exception this process cannot rebuild with its type.
+
+    The message names the failing rank, its exception type and message.
+    """
+
+
+class PeerFailure(RuntimeError):
+    """Marker base of errors a worker raises because a *peer* failed (never republished as the cause)."""
+
+
+def set_active(communicator):
+    """Installs `communicator` as the process's (process-wide; the strategy calls it)."""
+    global _active
+    _active = communicator
+
+
+def active_or_none():
+    """The process's communicator, or None when no MultiWorkerMirroredStrategy was made."""
+    return _active
+
+
+def active():
+    """The process's communicator.
+
+    Raises:
+      RuntimeError: no MultiWorkerMirroredStrategy has been made in this process.
+    """
+    if _active is None:
+        raise RuntimeError("no collective group: create dtape.distribute.MultiWorkerMirroredStrategy() first "
+                           "(under torchrun) before calling dtape.distribute.collective_ops functions")
+    return _active
+
+
+def all_reduce(t, op="sum"):
+    """`active().all_reduce(t, op)`: the sum (or mean) of `t` over every worker. See Communicator.all_reduce."""
+    return active().all_reduce(t, op)
+
+
+def all_gather(t):
+    """`active().all_gather(t)`: every worker's `t` stacked, [world, *t.shape]."""
+    return active().all_gather(t)
+
+
+def broadcast(t, src=0):
+    """`active().broadcast(t, src)`: worker `src`'s `t` on every worker."""
+    return active().broadcast(t, src)
+
+
+def barrier():
+    """`active().barrier()`: returns once every worker has called it."""
+    return active().barrier()
+
+
+class Communicator:
+    """One worker's view of the group: rank, world size, store, timeout, and the collectives.
+
+    Args:
+      rank, world_size: this worker's rank and the number of workers.
+      store: the group's torch.distributed Store (errors and positions are
+        published under a prefix of it).
+      timeout: seconds any collective may take before TimeoutError.
+      device: torch.device collectives run on (CPU for gloo, cuda:i for NCCL).
+      prefix: store key prefix, identical on every worker, unique per
+        strategy and per torchrun restart (so stale errors are never read).
+      group: the torch.distributed process group (None: the default one).
+    """
+
+    def __init__(self, rank, world_size, store, timeout, device, prefix, group=None):
+        self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
+        self.device = torch.device(device)
+        self.group = group
+        self.store = dist.PrefixStore(prefix, store)
+        self._seq = 0            # collectives launched by this worker (same order on every worker)
+        self._failed = None      # the error this worker reported, once it has one
+        self._published = False  # whether this worker published the group's first error
+        self.store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+    # -- collectives ----------------------------------------------------------------
+    def all_reduce(self, t, op="sum"):
+        """The elementwise sum (op "sum") or mean ("mean") of `t` over every worker.
+
+        Args:
+          t: torch.Tensor of any shape; identical shape and dtype on every
+            worker; on `self.device` (moved there if not; the result comes
+            back on t's device). Not modified.
+          op: "sum" or "mean" (or a ReduceOp with that name).
+
+        Returns:
+          A new torch.Tensor, t's shape, dtype and device.
+
+        Raises:
+          The failing peer's exception (see the module docstring),
+          TimeoutError, ValueError for an unknown op.
+        """
+        op = str(getattr(op, "name", op)).lower()
+        if op not in ("sum", "mean"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
+        out = self._staged(t)
+        self._run("all_reduce", lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True))
+        if op == "mean":
+            out = out / self.world_size if out.is_floating_point() else torch.div(out, self.world_size,
+                                                                                  rounding_mode="floor")
+        return out.to(t.device)
+
+    def all_gather(self, t):
+        """Every worker's `t`, stacked in rank order: [world_size, *t.shape], on t's device.
+
+        `t` must have the same shape and dtype on every worker (see
+        `all_gather_uneven` for a first dimension that differs).
+        """
+        src = self._staged(t)
+        parts = [torch.empty_like(src) for _ in range(self.world_size)]
+        self._run("all_gather", lambda: dist.all_gather(parts, src, group=self.group, async_op=True))
+        return torch.stack(parts).to(t.device)
+
+    def all_gather_uneven(self, t):
+        """Every worker's `t` concatenated along dim 0 in rank order; dim 0 may differ per worker.
+
+        Args:
+          t: torch.Tensor with ndim >= 1; dims after the first, and the
+            dtype, identical on every worker.
+
+        Returns:
+          [sum of every worker's t.shape[0], *t.shape[1:]] on t's device.
+        """
+        sizes = self.all_gather(torch.tensor([t.shape[0]], dtype=torch.int64)).flatten().tolist()
+        longest = max(sizes)
+        padded = torch.zeros((longest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        padded[:t.shape[0]] = t
+        gathered = self.all_gather(padded)
+        return torch.cat([gathered[i, :n] for i, n in enumerate(sizes)])
+
+    def broadcast(self, t, src=0):
+        """Worker `src`'s `t` on every worker (a new tensor on t's device; t's shape/dtype on every worker)."""
+        out = self._staged(t)
+        self._run(f"broadcast from rank {src}",
+                  lambda: dist.broadcast(out, src, group=self.group, async_op=True))
+        return out.to(t.device)
+
+    def barrier(self):
+        """Returns once every worker has reached it (a one-element all-reduce: works on gloo and NCCL)."""
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def _staged(self, t):
+        """A private contiguous copy of `t` on the collective device (collectives work in place)."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"collectives take torch.Tensor values, got {type(t).__name__}")
+        return t.detach().to(self.device, copy=True).contiguous()
+
+    # -- waiting ----------------------------------------------------------------------
+    def _run(self, what, launch):
+        """Launches one collective and waits for it, failing fast and naming the failing rank."""
+        self._seq += 1
+        what = f"{what} #{self._seq}"
+        self._raise_if_failed(what)
+        try:
+            work = launch()
+        except RuntimeError as e:
+            self._fail_from_transport(what, e)
+        self._wait(work, what)
+
+    def _wait(self, work, what):
+        start = time.monotonic()
+        pause, marked = 0.001, False
+        while True:
+            try:
+                if self._wait_slice(work, pause):
+                    return
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower():
+                    self._fail_from_transport(what, e)
+            self._raise_if_peer_failed(what)
+            waited = time.monotonic() - start
+            if not marked and waited > _MARK_WAITING_AFTER_S:
+                self.store.set(f"at/{self.rank}", str(self._seq))
+                marked = True
+            if waited > self.timeout:
+                self._fail(TimeoutError(self._timeout_message(what)))
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def _wait_slice(self, work, pause):
+        """True once `work` is done (raising its error), after waiting at most about `pause` seconds."""
+        if self.device.type == "cuda":   # NCCL: a host wait with a timeout may abort the communicator; poll
+            if work.is_completed():
+                return work.wait()
+            time.sleep(pause)
+            return False
+        # gloo: whole milliseconds, as c10d reads a 0 ms timeout as "wait forever"
+        return work.wait(timeout=datetime.timedelta(milliseconds=max(1, round(pause * 1000))))
+
+    def _raise_if_failed(self, what):
+        if self._failed is not None:
+            raise RuntimeError(f"rank {self.rank}: cannot run {what}: this worker's group already failed "
+                               f"({self._failed}); restart the workers (e.g. torchrun --max-restarts)")
+        self._raise_if_peer_failed(what)
+
+    def _raise_if_peer_failed(self, what):
+        try:
+            published = self.store.get("error") if self.store.check(["error"]) else None
+        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+            self._fail(PeerFailure(f"rank {self.rank}: {what}: the group's store is unreachable ({e}); the process "
+                                   "hosting it (torchrun's agent, or rank 0 without torchrun) has probably died"))
+        if published is not None:
+            self._fail(peer_exception(json.loads(published), self.rank, what), ack=True)
+
+    def _fail_from_transport(self, what, cause):
+        """A collective failed in the transport: a peer died or closed its connection."""
+        self._raise_if_peer_failed(what)  # a peer that raised published before it exited
+        deadline = time.monotonic() + 1.0  # a killed process closes its sockets a moment before it is a zombie
+        dead = self._dead_local_ranks()
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.01)
+            dead = self._dead_local_ranks()
+        who = f"rank {', '.join(map(str, dead))} died (no exception published: killed, e.g. SIGKILL or " \
+              f"out of memory)" if dead else "a peer closed its connection (rank unknown)"
+        err = PeerFailure(f"rank {self.rank}: {what} failed because {who}; transport error: {cause}")
+        self._fail(err, ack=True)
+
+    def _local_peers(self):
+        """{rank: pid} of the other workers on this host (from what they registered at start-up)."""
+        host, peers = socket.gethostname(), {}
+        for r in range(self.world_size):
+            if r != self.rank and self.store.check([f"proc/{r}"]):
+                info = json.loads(self.store.get(f"proc/{r}"))
+                if info["host"] == host:
+                    peers[r] = info["pid"]
+        return peers
+
+    def _dead_local_ranks(self):
+        return [r for r, pid in self._local_peers().items() if not _process_alive(pid)]
+
+    def _timeout_message(self, what):
+        behind = [r for r in range(self.world_size) if r != self.rank and not self._reached(r)]
+        who = f"ranks {behind} never reached it" if behind else "every rank reached it but it did not finish"
+        return (f"rank {self.rank}: {what} did not finish within {self.timeout:g} s: {who}; raise "
+                "DTAPE_DISTRIBUTE_TIMEOUT or the strategy's timeout if the step is just slow")
+
+    def _reached(self, r):
+        key = f"at/{r}"
+        return self.store.check([key]) and int(self.store.get(key)) >= self._seq
+
+    def _fail(self, err, ack=False):
+        """Marks this worker failed, tells the store (acknowledging a peer's error), and raises `err`."""
+        self._failed = f"{type(err).__name__}: {err}"
+        note = getattr(err, "__notes__", [""])[0].split("\n")[0]
+        print(f"dtape: rank {self.rank}: step failed: {self._failed} {note}", file=sys.stderr, flush=True)
+        if ack:  # after printing: the failing worker leaves once acknowledged, and torchrun then stops us
+            self.store.add("acks", 1)
+        raise err
+
+    # -- publishing ---------------------------------------------------------------------
+    def publish_error(self, exc):
+        """Publishes `exc` as this worker's failure (unless it only reports a peer's) and waits for acks.
+
+        Call it on the failing worker before it leaves; peers blocked in a
+        collective then raise it (see the module docstring). The wait for
+        acknowledgements is bounded (a few seconds), so a peer busy
+        elsewhere never holds the failing worker back for long.
+        """
+        if isinstance(exc, (PeerFailure, TimeoutError)) or getattr(exc, "_dtape_from_peer", False):
+            return
+        if self._failed is not None:   # already reported (run, then sys.excepthook, see the same error)
+            return
+        self._failed = f"{type(exc).__name__}: {exc}"
+        payload = json.dumps(error_payload(exc, self.rank, self.world_size))
+        first = self.store.compare_set("error", "", payload).decode() == payload
+        self._published = first
+        if first:
+            deadline = time.monotonic() + min(_ACK_WAIT_S, self.timeout)
+            while self.store.add("acks", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+    def leave_after_failure(self):
+        """At exit after a failure: the worker whose error started it waits (a few seconds at most) until
+        every peer has reached its exit (its error printed), then leaves first, so torchrun names it as
+        the root cause; torchrun then stops the peers still tearing down. The others say they are leaving."""
+        try:
+            if not self._published:
+                self.store.add("left", 1)
+                return
+            deadline = time.monotonic() + min(_ACK_WAIT_S, self.timeout)
+            while self.store.add("left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except (RuntimeError, OSError):  # the store went with a dead worker: nothing left to coordinate
+            pass
+
+
+def _process_alive(pid):
+    """False when `pid` is gone or a zombie (killed and not yet reaped), on this host."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def error_payload(exc, rank, world_size):
+    """A JSON-able description of `exc` raised on worker `rank`."""
+    cls = type(exc)
+    tb = "".join(traceback.format_exception(exc)[-6:])
+    arg = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+    return {"rank": rank, "world_size": world_size, "module": cls.__module__, "type": cls.__qualname__,
+            "message": str(exc), "arg": arg, "host": socket.gethostname(), "pid": os.getpid(), "traceback": tb}
+
+
+def peer_exception(payload, rank, what):
+    """The exception a peer raises for a published failure: the original type where it can be rebuilt.
+
+    Builtin exception types (ValueError, ZeroDivisionError, ...) and types
+    from modules this process already imported, constructible from one
+    message, come back with their type; anything else is a WorkerError.
+    A note names the failing rank, its host and pid, and where this worker was.
+    """
+    cls = _exception_class(payload["module"], payload["type"])
+    message = payload["message"]
+    try:
+        err = cls(payload.get("arg", message)) if cls is not None else None   # KeyError's str() adds quotes
+    except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+        err = None
+    if err is None:
+        err = WorkerError(f"{payload['module']}.{payload['type']}: {message}")
+    err._dtape_from_peer = True
+    err.add_note(f"(raised on worker rank {payload['rank']} of {payload['world_size']}, host {payload['host']}, "
+                 f"pid {payload['pid']}; rank {rank} was waiting in {what})\n"
+                 f"rank {payload['rank']}'s traceback (last frames):\n{payload['traceback']}")
+    return err
+
+
+def _exception_class(module, qualname):
+    owner = builtins if module == "builtins" else sys.modules.get(module)
+    cls = owner
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls
+    return None
+
+
+__all__ = ["Communicator", "WorkerError", "PeerFailure", "all_reduce", "all_gather", "broadcast", "barrier",
+           "set_active", "active", "active_or_none", "error_payload", "peer_exception"]

@@ -1,0 +1,604 @@
+"""MultiWorkerMirroredStrategy: one replica per process, synchronised over torch.distributed.
+
+Under `torchrun` every process is one worker and one replica
+(`replica_id_in_sync_group` = its rank, `num_replicas_in_sync` = the world
+size), on `cuda:LOCAL_RANK` when that GPU exists, else on the CPU; gloo
+on the CPU and NCCL on CUDA (overridable). The API and tape semantics are
+MirroredStrategy's; what differs is where the other replicas are:
+
+* `run(fn)` calls fn inline, on the calling thread, in this worker's replica
+  context, device and random generator; it returns this worker's value (a
+  plain value, as TF does with one local replica), and `strategy.reduce`
+  of it reduces across every worker.
+* `ReplicaContext.merge_call(merge_fn)` runs merge_fn locally with this
+  worker's values (tensors arrive as one-element PerReplica values); every
+  reduction or gather inside it is a collective across the workers.
+* Variables created in `scope()` (or inside `run`) have one component, on
+  this worker's device, and start from rank 0's value (a broadcast), so they
+  start identical whatever each worker's seed.
+* `optimizer.apply_gradients` sums the gradients across the workers through
+  `extended.batch_reduce_to`: one all-reduce per dtype, not per variable.
+
+Failures: see `collective_ops` (an exception on one worker fails every
+worker's step within the timeout, naming the failing rank). After a failure
+the process group is unusable: restart the workers (torchrun --max-restarts).
+
+Source: tf.distribute.MultiWorkerMirroredStrategy (CollectiveAllReduceStrategy).
+"""
+import atexit
+import datetime
+import itertools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dtape import _config, nest
+from dtape import tape as _tp
+from dtape.distribute import collective_ops, context, cross_device_ops, input_lib, replica_scope
+from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended, check_reduce_op
+from dtape.distribute.reduce_util import ReduceOp
+from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica, SyncOnReadVariable,
+                                     split_sum, select_replica)
+from dtape.random import generator_scope
+from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.tensor import device as device_scope
+from dtape.variables import Variable, VariableAggregation, VariableSynchronization
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Process-wide count of strategies made here: part of the store prefix, so two
+# strategies in one process (tests) never read each other's keys. Same order on every worker.
+_instances = itertools.count()
+_excepthook_installed = False  # process-wide; sys.excepthook is chained once
+
+
+class TorchrunClusterResolver:
+    """Who this worker is, read from torchrun's environment (TF: cluster_resolver).
+
+    Attributes:
+      task_type: "worker" (TF's name for every member of the group).
+      task_id, rank: this worker's rank in [0, world_size).
+      world_size, num_workers: the number of workers.
+      local_rank: this worker's index on its machine (its GPU index).
+      master_addr, master_port: the rendezvous endpoint (None for an
+        existing or single-process group).
+      restart_count: torchrun's restart round (TORCHELASTIC_RESTART_COUNT).
+
+    Source: tf.distribute.cluster_resolver.TFConfigClusterResolver (task_type, task_id).
+    """
+
+    def __init__(self, rank, world_size, local_rank=0, master_addr=None, master_port=None, restart_count=0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.rank = self.task_id = int(rank)
+        self.world_size = self.num_workers = int(world_size)
+        self.local_rank = int(local_rank)
+        self.master_addr, self.master_port = master_addr, master_port
+        self.restart_count = int(restart_count)
+        self.task_type = "worker"
+
+    @classmethod
+    def from_environment(cls, environ=None):
+        """Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun).
+
+        With none of them set: a single worker (rank 0 of 1), as TF's
+        strategy without TF_CONFIG.
+
+        Raises:
+          ValueError: some but not all of them are set, or one is not an integer.
+        """
+        env = os.environ if environ is None else environ
+        present = [k for k in _TORCHRUN_VARS if k in env]
+        if not present:
+            return cls(0, 1)
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise ValueError(f"MultiWorkerMirroredStrategy: {present} are set but {missing} are not; "
+                             "launch the script with torchrun (which sets them all) or unset them")
+        try:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                       env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        except ValueError as e:
+            raise ValueError(f"MultiWorkerMirroredStrategy: bad torchrun environment: {e}") from None
+
+    def __repr__(self):
+        return f"TorchrunClusterResolver(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank})"
+
+
+class CommunicationOptions:
+    """How workers communicate. Source: tf.distribute.experimental.CommunicationOptions.
+
+    Args:
+      timeout_seconds: seconds a collective (or a peer's failure report) may
+        take before TimeoutError; None: DTAPE_DISTRIBUTE_TIMEOUT (300).
+      implementation: "gloo", "nccl", or None to choose from the device
+        (NCCL for CUDA, gloo for the CPU).
+
+    Raises:
+      ValueError: a non-positive timeout or an unknown implementation.
+    """
+
+    def __init__(self, timeout_seconds=None, implementation=None):
+        if timeout_seconds is not None and not float(timeout_seconds) > 0:
+            raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
+        impl = None if implementation is None else str(getattr(implementation, "name", implementation)).lower()
+        if impl not in (None, "gloo", "nccl", "auto"):
+            raise ValueError(f"implementation must be 'gloo', 'nccl' or None, got {implementation!r}")
+        self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
+        self.implementation = None if impl == "auto" else impl
+
+
+def _worker_device(device, local_rank):
+    if device is not None:
+        return normalize_device(device)
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device("cpu")
+
+
+def _join_group(resolver, backend, timeout):
+    """(store, group) of the process group: the existing one, or one made from torchrun's env."""
+    # Ours fires first, with a better message; gloo's follows soon after, so a process that
+    # exits after a timeout is not held at teardown by the collective that never finished.
+    pg_timeout = datetime.timedelta(seconds=timeout + 2)
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (resolver.rank, resolver.world_size):
+            raise ValueError(f"the existing process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                             f"but {resolver} was given")
+        return dist.distributed_c10d._get_default_store(), None
+    if resolver.world_size == 1 and resolver.master_addr is None:
+        store = dist.HashStore()
+    else:
+        os.environ.setdefault("MASTER_ADDR", str(resolver.master_addr))
+        os.environ.setdefault("MASTER_PORT", str(resolver.master_port))
+        store, _, _ = next(dist.rendezvous("env://", rank=resolver.rank, world_size=resolver.world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))
+    # torchrun's store outlives a restart: a fresh prefix per round, or gloo would dial the dead round's peers
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dtape_pg/{resolver.restart_count}", store),
+                            rank=resolver.rank, world_size=resolver.world_size, timeout=pg_timeout)
+    atexit.register(_shutdown_group)
+    return store, None
+
+
+def _shutdown_group():
+    """At exit after a clean run: waits for the peers, then destroys the group we made.
+
+    Left to interpreter teardown, gloo's threads can abort the process
+    ("terminate called without an active exception") after a clean run.
+    After a failure the group is left alone (destroying it would wait on the
+    collective that failed); see Communicator.leave_after_failure.
+    """
+    comm = collective_ops.active_or_none()
+    if comm is None or not dist.is_initialized():
+        return
+    if comm._failed is not None:
+        comm.leave_after_failure()
+        return
+    try:
+        comm.barrier()
+    except Exception:  # noqa: BLE001 - exiting anyway; the peers report their own failure
+        return
+    dist.destroy_process_group()
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism across processes: one replica per worker, over torch.distributed.
+
+    Args:
+      cluster_resolver: a TorchrunClusterResolver; default: from torchrun's
+        environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
+        none of them set: a single worker. If torch.distributed is already
+        initialised, its process group is used (its rank and size must match).
+      communication_options: CommunicationOptions (timeout, gloo/NCCL).
+      device: this worker's device; default cuda:LOCAL_RANK if it exists,
+        else the CPU.
+      seed: int seeding this worker's random generator (derived from (seed,
+        rank), as MirroredStrategy's replicas); None: drawn on rank 0 and
+        broadcast.
+
+    Every worker must make the strategy, create the same variables in the
+    same order, and call `run`, `reduce`, `gather`, checkpoint saves and
+    cross-replica reads of SyncOnReadVariables in the same order: each is
+    a collective.
+
+    Raises:
+      ValueError: a partial torchrun environment, bad options, or an existing
+        process group that disagrees with the resolver.
+
+    Example (run with `torchrun --nproc-per-node 2 script.py`):
+      >>> strategy = dtape.distribute.MultiWorkerMirroredStrategy()
+      >>> with strategy.scope():
+      ...     v = dtape.Variable(1.0)                     # identical on every worker
+      >>> loss = strategy.run(lambda: v * 2)            # this worker's value
+      >>> strategy.reduce("SUM", loss)                  # 2.0 * world size, on every worker
+    """
+
+    def __init__(self, cluster_resolver=None, communication_options=None, device=None, seed=None):
+        resolver = cluster_resolver or TorchrunClusterResolver.from_environment()
+        options = communication_options or CommunicationOptions()
+        dev = _worker_device(device, resolver.local_rank)
+        backend = options.implementation or ("nccl" if dev.type == "cuda" else "gloo")
+        self._timeout = options.timeout_seconds or _config.DISTRIBUTE_TIMEOUT_S
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        store, group = _join_group(resolver, backend, self._timeout)
+        super().__init__(_WorkerExtended(self, str(dev), resolver))
+        self._resolver, self._device, self._backend = resolver, dev, backend
+        comm_device = dev if backend == "nccl" else torch.device("cpu")
+        prefix = f"dtape/{resolver.restart_count}/{next(_instances)}/"
+        self._comm = collective_ops.Communicator(resolver.rank, resolver.world_size, store, self._timeout,
+                                                 comm_device, prefix, group)
+        collective_ops.set_active(self._comm)
+        _install_excepthook()
+        seed = self._shared_seed(seed)
+        self._generator = replica_scope.ReplicaGenerator(dev, resolver.rank)
+        self._generator.manual_seed(replica_scope.derive_seed(seed, resolver.rank))
+
+    def _shared_seed(self, seed):
+        if seed is not None:
+            return replica_scope.check_seed(seed)
+        drawn = torch.tensor([replica_scope.check_seed(None)], dtype=torch.int64)
+        return int(self._comm.broadcast(drawn, 0)[0])  # also the start-up barrier: every pid is registered
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self):
+        """The number of workers (one replica each)."""
+        return self._resolver.world_size
+
+    @property
+    def cluster_resolver(self):
+        """This worker's TorchrunClusterResolver (`.task_type`, `.task_id` = rank, `.num_workers`)."""
+        return self._resolver
+
+    @property
+    def communicator(self):
+        """The collective_ops.Communicator this strategy's reductions use."""
+        return self._comm
+
+    @property
+    def backend(self):
+        """"gloo" or "nccl"."""
+        return self._backend
+
+    # -- random state -----------------------------------------------------------------
+    def replica_generator(self, replica_id=None):
+        """This worker's torch.Generator (on its device; seeded from (seed, rank))."""
+        return self._generator
+
+    def get_rng_state(self):
+        """Every worker's generator state, in rank order (uint8 CPU tensors); a collective (call on every worker)."""
+        state = self._generator.get_state()
+        return list(self._comm.all_gather(state).unbind(0))
+
+    def set_rng_state(self, states):
+        """Restores this worker's generator from `get_rng_state()`'s list (its rank's entry).
+
+        Raises:
+          TypeError: not a list of uint8 tensors.
+          ValueError: a list saved with another number of workers.
+        """
+        if not isinstance(states, (list, tuple)) or not all(
+                isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in states):
+            raise TypeError("set_rng_state expects the list of uint8 tensors get_rng_state returned")
+        if len(states) != self.num_replicas_in_sync:
+            raise ValueError(f"set_rng_state got {len(states)} states for {self.num_replicas_in_sync} workers; "
+                             "restore states saved with the same number of workers")
+        self._generator.set_state(states[self._resolver.rank].detach().cpu())
+
+    # -- variables --------------------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        """One component on this worker's device, set to rank 0's value (a broadcast: every worker calls it)."""
+        init = kwargs["initial_value"]
+        if callable(init):
+            with _tp.stop_recording():
+                init = init()
+        name = kwargs.get("name") or "Variable"
+        component = next_creator(**dict(kwargs, initial_value=init, device=self._device,
+                                         name=f"{name}/replica_{self._resolver.rank}"))
+        with _tp.stop_recording():
+            component.assign(self._comm.broadcast(component.torch(), 0))
+        sync = kwargs.get("synchronization")
+        cls = _WorkerSyncOnReadVariable if sync == VariableSynchronization.ON_READ else _WorkerMirroredVariable
+        return cls(self, [component], kwargs.get("aggregation"))
+
+    # -- steps ------------------------------------------------------------------------
+    def run(self, fn, args=(), kwargs=None):
+        """Runs `fn(*args, **kwargs)` once, inline, as this worker's replica.
+
+        Legal in the cross-replica context (or outside any scope). PerReplica
+        arguments give their local value.
+
+        Returns:
+          fn's result: this worker's replica value (reduce it across workers
+          with `strategy.reduce`).
+
+        Raises:
+          fn's exception, with a note naming this rank, after publishing it so
+          that every peer's step fails too; a peer's exception (its type, a
+          note naming its rank) if a peer failed; TimeoutError.
+        """
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise RuntimeError("strategy.run was called inside a replica context; call it from the "
+                               "cross-replica context (outside strategy.run)")
+        rctx = _WorkerReplicaContext(self, self._resolver.rank)
+        args, kwargs = select_replica(0, args), select_replica(0, kwargs or {})
+        with self.scope(), self._replica_scope(), context.enter_mode(self, rctx):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                self._report(e)
+                raise
+
+    def _replica_scope(self):
+        return _ReplicaScope(self._device, self._generator)
+
+    def _report(self, e):
+        if not getattr(e, "_dtape_from_peer", False) and not isinstance(e, (collective_ops.PeerFailure,
+                                                                               TimeoutError)):
+            if not getattr(e, "_dtape_noted", False):
+                e.add_note(f"(raised on worker rank {self._resolver.rank} of {self._resolver.world_size})")
+                e._dtape_noted = True
+            self._comm.publish_error(e)
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduces this worker's value with every other worker's (a collective).
+
+        Args:
+          reduce_op: ReduceOp.SUM or ReduceOp.MEAN (or "SUM"/"MEAN").
+          value: what `run` returned (a tensor, number, or PerReplica), the
+            same shape on every worker (except along `axis`).
+          axis: None, or an axis (or axes) to reduce as well; MEAN over an
+            axis divides by the examples of every worker (uneven ok).
+
+        Returns:
+          A dtape.Tensor on this worker's device (float16/bfloat16
+          accumulated in float32), identical on every worker. Not recorded
+          on tapes.
+        """
+        reduce_op = check_reduce_op(reduce_op)
+        if axis is None:
+            return self._extended._reduce(reduce_op, value)
+        local = _local_tensor(value)
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        wide = _widen(local.torch())
+        part = wide.sum(dim=axes)
+        count = 1
+        for a in axes:
+            count *= local.shape[a]
+        buf = self._comm.all_reduce(torch.cat([part.flatten(), part.new_tensor([count])]))
+        total = buf[:-1].reshape(part.shape)
+        if reduce_op == ReduceOp.MEAN:
+            total = total / torch.clamp(buf[-1], min=1)
+        return Tensor(total.to(local.dtype))
+
+    def gather(self, value, axis):
+        """Every worker's value concatenated along `axis`, in rank order (sizes along `axis` may differ).
+
+        Returns:
+          A dtape.Tensor on this worker's device, identical on every worker.
+
+        Raises:
+          ValueError: a scalar value (nothing to concatenate along).
+        """
+        local = _local_tensor(value, concat_axis=axis)
+        if local.ndim == 0:
+            raise ValueError("gather needs values with at least one dimension; got a scalar")
+        moved = torch.movedim(local.torch(), axis, 0)
+        return Tensor(torch.movedim(self._comm.all_gather_uneven(moved), 0, axis))
+
+    def experimental_distribute_dataset(self, dataset):
+        """This worker's slice of every global batch of `dataset` (the split MirroredStrategy uses).
+
+        `dataset`: any iterable of global batches (tensors, numpy arrays, nests
+        of them, a torch DataLoader); every worker must iterate the same
+        global batches. Batch i gives worker r examples
+        [sum(sizes[:r]), sum(sizes[:r+1])) with sizes = input_lib.split_sizes(n, world).
+        """
+        return input_lib.WorkerDataset(dataset, self._resolver.rank, self.num_replicas_in_sync, self._device)
+
+    def distribute_datasets_from_function(self, dataset_fn):
+        """`dataset_fn(InputContext(world, rank, world))`: this worker's own dataset, batches on its device."""
+        n = self.num_replicas_in_sync
+        ctx = input_lib.InputContext(n, self._resolver.rank, n)
+        return input_lib.WorkerDataset(dataset_fn(ctx), 0, 1, self._device)
+
+
+class _ReplicaScope:
+    """Thread-local: this worker's device (dtape and CUDA) and random generator, as a replica thread enters."""
+
+    def __init__(self, device, generator):
+        self._device, self._generator = device, generator
+
+    def __enter__(self):
+        self._scopes = [device_scope(self._device), generator_scope(self._generator)]
+        if self._device.type == "cuda":
+            self._scopes.append(torch.cuda.device(self._device))
+        for s in self._scopes:
+            s.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for s in reversed(self._scopes):
+            s.__exit__(*exc)
+        return False
+
+
+class _WorkerReplicaContext(ReplicaContext):
+    """The replica context of one worker: merge_call runs locally, reductions are collectives."""
+
+    @property
+    def devices(self):
+        return tuple(self._strategy.extended.worker_devices)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Runs `merge_fn(strategy, *args, **kwargs)` on this worker, in the cross-replica context.
+
+        Tensors in the arguments arrive as one-element PerReplica values
+        (this worker's part); reductions and gathers of them inside merge_fn
+        are collectives, so every worker must make the same merge_call.
+        Returns this worker's part of the result.
+        """
+        args, kwargs = _as_worker_values(args), _as_worker_values(kwargs or {})
+        with context.enter_mode(self._strategy, None), _tp.stop_recording():
+            return select_replica(0, merge_fn(self._strategy, *args, **kwargs))
+
+
+def _as_worker_values(structure):
+    def wrap(x):
+        if isinstance(x, (Tensor, torch.Tensor)) and not isinstance(x, Variable):
+            return PerReplica((x,))
+        return x
+    return nest.map_structure(wrap, structure)
+
+
+class _WorkerExtended(StrategyExtended):
+    """Reductions across workers (collectives); the devices are this worker's one device."""
+
+    def __init__(self, strategy, device, resolver):
+        super().__init__(strategy, (device,))
+        self._resolver = resolver
+
+    @property
+    def should_checkpoint(self):
+        """True on the worker that writes checkpoints (rank 0). Source: TF StrategyExtended.should_checkpoint."""
+        return self._resolver.rank == 0
+
+    @property
+    def should_save_summary(self):
+        """True on the worker that writes summaries, metrics and plots (rank 0)."""
+        return self._resolver.rank == 0
+
+    def _chief_write(self, write):
+        """Runs `write()` on rank 0; every worker waits for it and raises if it failed (checkpoint hook)."""
+        error = None
+        if self.should_checkpoint:
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
+                error = e
+        status = self._strategy._comm.all_reduce(torch.tensor([0.0 if error is None else 1.0]))
+        if error is not None:
+            raise error
+        if status[0] > 0:
+            raise OSError("rank 0 failed to write the checkpoint; see rank 0's error")
+
+    def _reduce(self, reduce_op, value):
+        """This worker's value reduced with every worker's: a Tensor on this worker's device."""
+        local = _local_tensor(value)
+        n_local = len(value.values) if isinstance(value, DistributedValues) else 1
+        total = self._strategy._comm.all_reduce(_widen(local.torch()))
+        if reduce_op == ReduceOp.MEAN:
+            total = total / (n_local * self._strategy.num_replicas_in_sync)
+        return Tensor(total.to(local.dtype))
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs):
+        """Reduces many values with one all-reduce per accumulation dtype (flattened, concatenated).
+
+        Returns:
+          [Mirrored] in the input order (None for a None value).
+        """
+        reduce_op = check_reduce_op(reduce_op)
+        locals_ = [None if v is None else _local_tensor(v) for v, _ in value_destination_pairs]
+        out = [None] * len(locals_)
+        by_dtype = {}
+        for i, t in enumerate(locals_):
+            if t is not None:
+                by_dtype.setdefault(cross_device_ops.accumulation_dtype(t.dtype), []).append(i)
+        scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
+        for dtype, idx in by_dtype.items():
+            flat = torch.cat([locals_[i].torch().to(self._torch_devices[0], dtype).flatten() for i in idx])
+            flat = self._strategy._comm.all_reduce(flat)
+            if scale is not None:
+                flat = flat * scale
+            for i, part in zip(idx, flat.split([locals_[i].torch().numel() for i in idx])):
+                out[i] = Mirrored((Tensor(part.view(locals_[i].shape).to(locals_[i].dtype)),))
+        return out
+
+
+def _widen(t):
+    return t.to(cross_device_ops.accumulation_dtype(t.dtype))
+
+
+def _local_tensor(value, concat_axis=None):
+    """This worker's part of `value` as one Tensor (several local values: summed, or concatenated)."""
+    if isinstance(value, DistributedValues):
+        parts = [convert_to_tensor(v) for v in value.values]
+        if len(parts) == 1:
+            return parts[0]
+        if concat_axis is not None:
+            return Tensor(torch.cat([p.torch() for p in parts], dim=concat_axis))
+        return Tensor(torch.stack([p.torch() for p in parts]).sum(0))
+    return convert_to_tensor(value)
+
+
+class _WorkerMirroredVariable(MirroredVariable):
+    """A MirroredVariable with this worker's one component; replica-context writes reduce across workers."""
+
+    def _component(self):
+        return self._values[0]
+
+    def _write_from_replica(self, method, value):
+        if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+            strategy = self._distribute_strategy
+            value = Tensor(strategy._comm.broadcast(convert_to_tensor(value).torch(), 0))
+            with context.enter_mode(strategy, None):
+                return self._write_all(method, value)
+        return super()._write_from_replica(method, value)
+
+
+class _WorkerSyncOnReadVariable(SyncOnReadVariable):
+    """A SyncOnReadVariable with this worker's one component; cross-replica reads are collectives.
+
+    The logical value is the aggregate over the workers (SUM: the sum of
+    every worker's component; MEAN: their mean). A cross-replica
+    `assign(x)` with SUM writes x / world_size on every worker (integers:
+    the remainder on rank 0), so the read gives x.
+    """
+
+    def _component(self):
+        return self._values[0]
+
+    def _aggregate(self, comps):
+        if self._aggregation in (VariableAggregation.ONLY_FIRST_REPLICA, VariableAggregation.NONE):
+            return comps[0]
+        op = ReduceOp.MEAN if self._aggregation == VariableAggregation.MEAN else ReduceOp.SUM
+        return self._distribute_strategy.extended._reduce(op, convert_to_tensor(comps[0]))
+
+    def _write(self, method, value):
+        strategy = self._distribute_strategy
+        if context.get_replica_context() is not None and context.get_replica_context().strategy is strategy:
+            getattr(self._values[0], method)(value)
+            return self
+        if isinstance(value, DistributedValues):
+            part = value.values[0]
+        elif self._aggregation == VariableAggregation.SUM:
+            rank = strategy.cluster_resolver.rank
+            part = split_sum(self._values[0]._coerce(value, method), strategy.num_replicas_in_sync)[rank]
+        else:
+            part = value
+        getattr(self._values[0], method)(part)
+        return self
+
+
+def _install_excepthook():
+    """Chains sys.excepthook once: an uncaught exception on a worker is published before the process exits."""
+    global _excepthook_installed
+    if _excepthook_installed:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        try:
+            comm = collective_ops.active_or_none()
+            if comm is not None and isinstance(exc, Exception):
+                if not getattr(exc, "_dtape_from_peer", False):
+                    comm.publish_error(exc)
+        finally:
+            previous(exc_type, exc, tb)
+    sys.excepthook = hook
+    _excepthook_installed = True
+
+
+__all__ = ["MultiWorkerMirroredStrategy", "CommunicationOptions", "TorchrunClusterResolver"]

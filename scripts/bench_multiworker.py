@@ -1,0 +1,154 @@
+"""dtape's MultiWorkerMirroredStrategy against torch DistributedDataParallel, under torchrun (gloo).
+
+One MLP training step (784-1024-1024-10, SGD, global batch 256) with the
+same initial weights and the same global batches: each of W workers takes
+its slice of every global batch, dtape sums the per-worker gradients of a
+loss divided by the global batch size (TF semantics), DDP averages the
+gradients of per-worker mean losses; both give the one-device update. The
+first-step losses are checked equal. Times are medians of per-step wall
+times on rank 0 after warm-up, each step ending with a barrier.
+
+  python scripts/bench_multiworker.py [--steps 30] [--json PATH]
+
+runs `torchrun --standalone --nproc-per-node W` for W = 1 and 2, for dtape
+and for DDP, and prints dtape/DDP at 2 workers and 2 workers / 1 worker.
+Under the hood it re-runs itself with `--worker`.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = (784, 1024, 1024, 10)
+GLOBAL_BATCH = 256
+
+
+def _init(torch):
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for fan_in, fan_out in zip(SIZES[:-1], SIZES[1:]):
+        params += [torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5, torch.zeros(fan_out)]
+    data = torch.randn(4, GLOBAL_BATCH, SIZES[0], generator=g)
+    labels = torch.randint(0, SIZES[-1], (4, GLOBAL_BATCH), generator=g)
+    return params, data, labels
+
+
+def _slice(rank, world):
+    per = GLOBAL_BATCH // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _ddp_worker(steps, lr):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params, data, labels = _init(torch)
+    layers = []
+    for i in range(0, len(params), 2):
+        lin = torch.nn.Linear(SIZES[i // 2], SIZES[i // 2 + 1])
+        with torch.no_grad():
+            lin.weight.copy_(params[i].T)
+            lin.bias.copy_(params[i + 1])
+        layers += [lin, torch.nn.ReLU()]
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    part = _slice(rank, world)
+
+    def step(k):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(data[k % 4, part]), labels[k % 4, part])
+        loss.backward()
+        opt.step()
+        return loss.detach() / world
+    return _time(step, steps, dist, lambda v: dist.all_reduce(v) or v)
+
+
+def _dtape_worker(steps, lr):
+    import torch
+    import dtape
+    strategy = dtape.distribute.MultiWorkerMirroredStrategy()
+    rank, world = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+    params, data, labels = _init(torch)
+    with strategy.scope():
+        variables = [dtape.Variable(p) for p in params]
+        opt = dtape.optimizers.SGD(lr)
+    part = _slice(rank, world)
+
+    def replica_step(x, y):
+        with dtape.GradientTape() as tape:
+            h = x
+            for i in range(0, len(variables), 2):
+                h = dtape.matmul(h, variables[i]) + variables[i + 1]
+                if i + 2 < len(variables):
+                    h = dtape.nn.relu(h)
+            per_example = dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)
+            loss = dtape.reduce_sum(per_example) / GLOBAL_BATCH
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+        return loss
+
+    def step(k):
+        x, y = dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
+        return strategy.run(replica_step, args=(x, y))
+    import torch.distributed as dist
+    return _time(step, steps, dist,
+                 lambda v: strategy.reduce(dtape.distribute.ReduceOp.SUM, v, axis=None).torch())
+
+
+def _time(step, steps, dist, global_loss):
+    first = float(global_loss(step(0)))
+    times = []
+    for k in range(1, steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(k)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    warm = times[len(times) // 5:]
+    return {"first_loss": first, "step_s": statistics.median(warm)}
+
+
+def _launch(mode, world, steps):
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, "--worker", mode, "--steps", str(steps), "--out", out.name]
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=600)
+        return json.load(open(out.name))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--worker", choices=["dtape", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        result = (_dtape_worker if args.worker == "dtape" else _ddp_worker)(args.steps, 0.01)
+        if int(os.environ.get("RANK", "0")) == 0:
+            json.dump(result, open(args.out, "w"))
+        return
+    res = {f"{m}_{w}": _launch(m, w, args.steps) for w in (1, 2) for m in ("dtape", "ddp")}
+    for key, r in res.items():
+        print(f"{key:8s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:8.2f} ms")
+    assert abs(res["dtape_2"]["first_loss"] - res["ddp_2"]["first_loss"]) < 1e-5, "dtape and DDP disagree"
+    ratios = {"dtape/ddp at 2 workers": res["dtape_2"]["step_s"] / res["ddp_2"]["step_s"],
+              "dtape/ddp at 1 worker": res["dtape_1"]["step_s"] / res["ddp_1"]["step_s"],
+              "dtape 2 workers / 1 worker": res["dtape_2"]["step_s"] / res["dtape_1"]["step_s"],
+              "ddp 2 workers / 1 worker": res["ddp_2"]["step_s"] / res["ddp_1"]["step_s"]}
+    for k, v in ratios.items():
+        print(f"{k:28s} {v:.2f}x")
+    print(f"load average {os.getloadavg()}")
+    if args.json:
+        json.dump({"results": res, "ratios": ratios, "loadavg": os.getloadavg()}, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

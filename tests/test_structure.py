@@ -1,0 +1,66 @@
+"""One definition of each concept (ISSUE 5 point 10), checked on the source tree itself."""
+import ast
+import pathlib
+
+import dtape
+
+ROOT = pathlib.Path(dtape.__file__).parent
+# The one private read allowed across modules: the hot-path "is any tape active" check
+# (a module global replaced under a lock; a function call per op would cost more than the op check).
+ALLOWED_ATTRS = {"_tape_set"}
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def _is_private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_reaches(path, tree):
+    """`from dtape.x import _name` of a non-module name, and `alias._name` on an imported dtape module."""
+    aliases, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dtape"):
+            for a in node.names:
+                is_module = (ROOT.parent / (node.module + "." + a.name).replace(".", "/")).with_suffix(".py").exists()
+                if _is_private(a.name) and not is_module:
+                    found.append(f"{path.name}:{node.lineno} from {node.module} import {a.name}")
+                if is_module:
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.name.startswith("dtape") and a.asname})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and _is_private(node.attr) and node.attr not in ALLOWED_ATTRS:
+            found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    found = [f for path, tree in _modules() for f in _private_reaches(path, tree)]
+    assert not found, "cross-module private names (give them a public name):\n" + "\n".join(found)
+
+
+def test_every_thread_local_scope_uses_the_one_mechanism():
+    """A class that saves a previous value in __enter__ and restores it in __exit__ must be a
+    ThreadLocalScope (dtape/_local.py) instead of a hand-written copy."""
+    copies = []
+    for path, tree in _modules():
+        if path.name == "_local.py":
+            continue
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            src = ast.unparse(cls)
+            if "def __enter__" in src and "self._prev" in src:
+                copies.append(f"{path.name}: {cls.name}")
+    assert not copies, f"hand-written thread-local swaps: {copies}"
+
+
+def test_one_variable_test_and_one_operator_table():
+    srcs = {path.name: path.read_text() for path, _ in _modules()}
+    duck = [name for name, s in srcs.items() if 'hasattr(' in s and '"_dtape_read"' in s]
+    assert not duck, f"duck-typed variable checks (use dtape.tensor.is_variable): {duck}"
+    tables = [name for name, s in srcs.items() if "def _delegate(" in s]
+    assert tables == ["_dispatch.py"], f"operator tables outside ops/_dispatch.py: {tables}"
