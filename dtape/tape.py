@@ -193,10 +193,20 @@ class _Unsaved:
 
 
 def _view(x, tid):
-    """A saved entry for `Tape.records()`: a dtape.Tensor, or metadata carrying the recorded id."""
-    if x is None and tid is not None:
+    """A saved entry for `Tape.records()`: a dtape.Tensor with the recorded id.
+
+    An input or output kept only as metadata comes back as a zero tensor
+    of its shape, dtype and device that owns one element (an expanded
+    scalar): `dtape.function` re-records and connects such entries by id,
+    and the op's rule never reads their values.
+    """
+    if tid is None:
+        return x
+    if x is None:
         return _Unsaved(tid)
-    return _Meta(x, tid) if type(x) is _Meta else rebuild(x, tid)
+    if type(x) is _Meta:
+        x = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
+    return rebuild(x, tid)
 
 
 class Tape:
