@@ -149,7 +149,10 @@ def _walk(records, reach, grads, keep, raw):
         if not (raw and getattr(op, "raw_saved", False)):
             inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, out_ids)
         if getattr(op, "takes_needs", False):
-            in_grads = op.backward(dys, outputs, inputs, attrs, raw, tuple([i in reach for i in in_ids]))
+            needs = tuple([i in reach for i in in_ids])
+            if getattr(op, "saves", None) == "other_input":  # an input watched only after the op ran: its partner was not kept
+                needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
+            in_grads = op.backward(dys, outputs, inputs, attrs, raw, needs)
         else:
             in_grads = op.backward(dys, outputs, inputs, attrs, raw)
         for argnum, i in enumerate(in_ids):

@@ -155,14 +155,20 @@ def _meta(x):
     return m
 
 
-def _save(op, inputs, outputs):
+def _save(op, in_ids, inputs, outputs):
     """The saved inputs then outputs, as `op.saves` declares ("all", "inputs", "output", "none").
 
     A rule that reads its inputs never reads `ans`, so a single output of
     an "inputs" op is saved as None (multi-output ops keep metadata: the walk
-    makes zero gradients from it).
+    makes zero gradients from it). "other_input" (binary rules taking
+    `needs`, like matmul) keeps an input only if a tape watches the other
+    one, as torch saves `W` of `x @ W` only if `x` requires grad.
     """
     saves = getattr(op, "saves", "all")
+    if saves == "other_input":  # input k is read only for the other input's gradient
+        watched = [any(i in t._watched for t in _tape_set) for i in in_ids]
+        return (_keep(inputs[0]) if watched[1] else _meta(inputs[0]),
+                _keep(inputs[1]) if watched[0] else _meta(inputs[1]), None)
     if saves == "inputs":
         if len(outputs) == 1:
             return tuple([_keep(x) for x in inputs]) + (None,)
@@ -172,6 +178,11 @@ def _save(op, inputs, outputs):
     if saves == "output":
         return tuple([_meta(x) for x in inputs] + [_keep(o) for o in outputs])
     return tuple([_meta(x) for x in inputs] + [_meta(o) for o in outputs])
+
+
+def is_meta(x):
+    """True for a record entry kept only as shape/dtype/device metadata."""
+    return type(x) is _Meta
 
 
 def rebuild(x, tid):
@@ -638,7 +649,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             continue
         if out_ids is None:
             out_ids = tuple([o._id for o in outputs])
-            saved = _save(op, inputs, outputs)
+            saved = _save(op, in_ids, inputs, outputs)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.

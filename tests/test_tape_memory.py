@@ -177,3 +177,17 @@ def test_nested_tape_watching_the_walk_records_it_for_higher_order(persistent_in
     xt = x.torch().clone().requires_grad_()
     (gt,) = torch.autograd.grad((torch.tanh(xt) * xt).sum(), xt, create_graph=True)
     torch.testing.assert_close(gg.torch(), torch.autograd.grad(gt.sum(), xt)[0])
+
+
+def test_matmul_keeps_an_input_only_for_a_watched_partner():
+    x, w = _c(torch.randn(8, 16, generator=torch.Generator().manual_seed(0))), _c(torch.ones(16, 4))
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(w)  # x is data: its gradient is never needed, so w need not be kept (torch: x.requires_grad)
+        y = dtape.matmul(x, w)
+        assert t.nbytes() == x.torch().untyped_storage().nbytes()
+        t.watch(x)
+        z = dtape.matmul(x, w)  # both watched now: both kept
+        assert t.nbytes() == x.torch().untyped_storage().nbytes() + w.torch().untyped_storage().nbytes()
+    torch.testing.assert_close(t.gradient(y, w).torch(), x.torch().sum(0)[:, None].expand(16, 4))
+    torch.testing.assert_close(t.gradient(z, x).torch(), torch.full((8, 16), 4.0, dtype=D))
+    assert t.gradient(y, x) is None  # watched only after y's matmul ran (w was not kept for it)

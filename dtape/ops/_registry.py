@@ -23,7 +23,8 @@ TORCH_TABLE = {}       # torch callable -> handler taking torch's own arguments
 _SCALARS = (int, float, bool)
 # What a gradient rule reads, so what a record keeps alive (PyTorch's derivatives.yaml): "all" inputs
 # and outputs, only the "inputs", only the "output(s)", or "none" (shapes, dtypes and devices only).
-_SAVES = ("all", "inputs", "output", "none")
+# "other_input": a binary rule taking `needs` reads each input only for the other's gradient.
+_SAVES = ("all", "inputs", "output", "none", "other_input")
 
 
 class OpDef:

@@ -310,7 +310,7 @@ def _matmul_samples(rng):
             ((S.randn(rng, 2, 4, 3), S.randn(rng, 5, 4)), {"transpose_a": True, "transpose_b": True})]
 
 
-@defop(n_in=2, samples=_matmul_samples, saves="inputs")
+@defop(n_in=2, samples=_matmul_samples, saves="other_input")
 def matmul(a, b, transpose_a=False, transpose_b=False):
     """Matrix product of [..., m, k] and [..., k, n] (batch dims broadcast) -> [..., m, n].
 
