@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from dtape._local import ThreadLocalScope
-from dtape.tensor import Tensor, convert_to_tensor, is_variable
+from dtape.tensor import Tensor, convert_to_tensor
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
 # (never mutated) under _set_lock. Readers take a snapshot without locking.
@@ -143,7 +143,7 @@ def _meta(x):
     if type(x) is Tensor:
         t = x._t
         key = (t.shape, t.dtype, t.device)
-    elif type(x) is _Meta or not hasattr(x, "shape") or is_variable(x):
+    elif type(x) is _Meta or not hasattr(x, "shape") or getattr(x, "_dtape_variable", False):
         return x  # a variable stays: the model keeps it alive anyway, and dtape.function reads it back
     else:
         key = (x.shape, x.dtype, x.device)
@@ -165,13 +165,30 @@ def _save(op, in_ids, inputs, outputs):
     one, as torch saves `W` of `x @ W` only if `x` requires grad.
     """
     saves = getattr(op, "saves", "all")
-    if saves == "other_input":  # input k is read only for the other input's gradient
-        watched = [any(i in t._watched for t in _tape_set) for i in in_ids]
-        return (_keep(inputs[0]) if watched[1] else _meta(inputs[0]),
-                _keep(inputs[1]) if watched[0] else _meta(inputs[1]), None)
-    if saves == "inputs":
-        if len(outputs) == 1:
-            return tuple([_keep(x) for x in inputs]) + (None,)
+    if len(outputs) == 1 and len(inputs) <= 2:  # the common shapes, without comprehensions (point 5)
+        x = inputs[0]
+        kx = x._t if type(x) is Tensor else x
+        if len(inputs) == 1:
+            if saves == "output":
+                return (_meta(x), outputs[0]._t)
+            if saves == "inputs":
+                return (kx, None)
+            if saves == "none":
+                return (_meta(x), _meta(outputs[0]))
+        else:
+            y = inputs[1]
+            ky = y._t if type(y) is Tensor else y
+            if saves == "inputs":
+                return (kx, ky, None)
+            if saves == "none":
+                return (_meta(x), _meta(y), _meta(outputs[0]))
+            if saves == "other_input":  # input k is read only for the other input's gradient
+                wx = wy = False
+                for t in _tape_set:
+                    w = t._watched
+                    wx, wy = wx or in_ids[0] in w, wy or in_ids[1] in w
+                return (kx if wy else _meta(x), ky if wx else _meta(y), None)
+    if saves == "inputs" or saves == "other_input":
         return tuple([_keep(x) for x in inputs] + [_meta(o) for o in outputs])
     if saves == "all":
         return tuple([_keep(x) for x in inputs] + [_keep(o) for o in outputs])
@@ -291,62 +308,51 @@ class Tape:
             return tuple(self._watched_vars.values())
 
     # -- records -------------------------------------------------------------
-    def _append(self, op, in_ids, out_ids, saved, attrs, outputs):
-        """Adds one record (caller holds the lock)."""
-        if self._pending:
-            self._drain()
-        cb = self._on_death
-        rec = _Rec(outputs[0], cb)
-        rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.saved, rec.attrs = out_ids[0], op, in_ids, out_ids, saved, attrs
-        rec.refs = None
-        if len(outputs) > 1:
-            refs = []
-            for o, i in zip(outputs[1:], out_ids[1:]):
-                r = _Ref(o, cb)
-                r.tid = i
-                refs.append(r)
-            rec.refs = refs
-        self._recs.append(rec)
-        usage, producer = self._usage, self._producer
-        for i in in_ids:
-            if i is not None:
-                usage[i] = usage.get(i, 0) + 1
-        for o in out_ids:
-            usage[o] = usage.get(o, 0) + 1
-            producer[o] = rec
-        self._watched.update(out_ids)
-        self._nrec += 1
+    def _more_refs(self, outputs, out_ids):
+        """Weak references to the outputs after the first (whose reference is the record itself)."""
+        refs = []
+        for o, i in zip(outputs[1:], out_ids[1:]):
+            r = _Ref(o, self._on_death)
+            r.tid = i
+            refs.append(r)
+        return refs
 
     def _drain(self):
-        """Deletes the traces of the outputs that died since the last drain (caller holds the lock)."""
-        pending = self._pending
+        """Deletes the traces of the outputs that died since the last drain (caller holds the lock).
+
+        Each dead output drops one use of its id; an id with no use left
+        deletes the record that produced it once all that record's outputs
+        are unused, which drops one use of each of its inputs in turn (TF
+        GradientTape::DeleteTrace, iterative: chains can be 100,000 long).
+        """
+        usage, producer, watched, pending = self._usage, self._producer, self._watched, self._pending
+        stack = []
         while pending:
-            self._delete_trace(pending.pop().tid)
+            stack.append(pending.pop().tid)
+            while stack:
+                i = stack.pop()
+                n = usage.get(i)
+                if n is None:
+                    continue
+                if n > 1:
+                    usage[i] = n - 1
+                    continue
+                del usage[i]
+                rec = producer.pop(i, None)
+                if rec is None:
+                    continue
+                watched.discard(i)
+                for o in rec.out_ids:
+                    if o in usage:
+                        break  # another output of the same op is still alive or used
+                else:
+                    for j in rec.in_ids:
+                        if j is not None:
+                            stack.append(j)
+                    rec.op = rec.saved = rec.attrs = rec.refs = None
+                    self._nrec -= 1
         if len(self._recs) > 256 and len(self._recs) > 2 * self._nrec:
             self._recs = [r for r in self._recs if r.op is not None]
-
-    def _delete_trace(self, tid):
-        """One use of `tid` is gone; deletes records nothing live can need (TF GradientTape::DeleteTrace)."""
-        usage, producer, watched = self._usage, self._producer, self._watched
-        stack = [tid]
-        while stack:
-            i = stack.pop()
-            n = usage.get(i)
-            if n is None:
-                continue
-            if n > 1:
-                usage[i] = n - 1
-                continue
-            del usage[i]
-            rec = producer.pop(i, None)
-            if rec is None:
-                continue
-            watched.discard(i)
-            if any(o in usage for o in rec.out_ids):
-                continue  # another output of the same op is still alive or used
-            stack.extend([j for j in rec.in_ids if j is not None])
-            rec.op = rec.saved = rec.attrs = rec.refs = None
-            self._nrec -= 1
 
     @property
     def _records(self):
@@ -627,6 +633,11 @@ def should_record(tensors):
 def record(op, in_ids, inputs, outputs, attrs):
     """Records `op` on each tape recording on this thread that watches an input.
 
+    The record keeps what `op.saves` says the rule reads ("all" when the op
+    declares nothing) and shape/dtype/device metadata for the rest (issue 7
+    point 1), and is deleted once its outputs died and no later record needs
+    them (trace deletion, point 2).
+
     Args:
       op: object with `.name` and `.backward(dys, outputs, inputs, attrs, raw)`.
       in_ids: tuple of the inputs' ids (None for Python scalars).
@@ -648,14 +659,31 @@ def record(op, in_ids, inputs, outputs, attrs):
         if state.paused and tape in state.paused:
             continue
         if out_ids is None:
-            out_ids = tuple([o._id for o in outputs])
+            out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
             saved = _save(op, in_ids, inputs, outputs)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
             if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
                 continue
-            tape._append(op, in_ids, out_ids, saved, attrs, outputs)
+            if tape._pending:
+                tape._drain()
+            cb = tape._on_death  # the record is built inline: this is every recorded op's path
+            rec = _Rec(outputs[0], cb)
+            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.saved, rec.attrs, rec.refs = \
+                out_ids[0], op, in_ids, out_ids, saved, attrs, None
+            if len(outputs) > 1:
+                rec.refs = tape._more_refs(outputs, out_ids)
+            tape._recs.append(rec)
+            usage, producer = tape._usage, tape._producer
+            for i in in_ids:
+                if i is not None:
+                    usage[i] = usage.get(i, 0) + 1
+            for o in out_ids:
+                usage[o] = usage.get(o, 0) + 1
+                producer[o] = rec
+            tape._watched.update(out_ids)
+            tape._nrec += 1
 
 
 class CallableBackward:

@@ -305,7 +305,13 @@ def memory_case(device, sizes=(784, 1024, 1024, 10), batch=256):
             if i + 2 < len(dvars):
                 h = dtape.nn.relu(h)
         loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dtape.constant(labels), h))
-    d_bytes, d_records = tape.nbytes(), tape.num_records()
+    if hasattr(tape, "nbytes"):
+        d_bytes, d_records = tape.nbytes(), tape.num_records()
+    else:  # a dtape without GradientTape.nbytes (before issue 7): the records' inputs and outputs
+        recs = tape._tape.records()
+        d_bytes = _storage_bytes([x.torch() for r in recs for x in list(r[3]) + list(r[4])
+                                  if isinstance(x, dtape.Tensor)])
+        d_records = len(recs)
     tape.gradient(loss, dvars)
     saved = []
     tparams = [p.clone().requires_grad_() for p in init]
