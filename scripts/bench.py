@@ -334,14 +334,17 @@ def _rss_bytes():
 
 
 def rss_child(variant, steps=200):
-    """Runs `steps` MLP steps of one variant (dtape|torch)-(manual|layers); prints the RSS growth after 5 warm-up steps."""
+    """Runs `steps` MLP steps of one variant (dtape|torch)-(manual|layers); prints the RSS growth.
+
+    Measured from after the case's setup (which ran one step to check the
+    first-step loss) to after the steps: the step's working set, allocator
+    caching and any leak.
+    """
     lib, style = variant.split("-")
     device = torch.device("cpu")
     fd, ft = (mlp_case(device) if style == "manual" else mlp_layers_case(device))[:2]
     fn = fd if lib == "dtape" else ft
-    for _ in range(5):
-        fn()
-    start = _rss_bytes()
+    start = _rss_bytes()  # after the weights and data exist, before the first timed step
     for _ in range(steps):
         fn()
     print(f"RSS_GROWTH {_rss_bytes() - start}")
