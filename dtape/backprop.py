@@ -46,8 +46,12 @@ def profile_range(name):
 
 
 def _source_handles(source):
-    """Concrete (id-bearing) objects a source stands for: one per component."""
-    if is_variable(source):
+    """Concrete (id-bearing) objects a source stands for: one per component of a container.
+
+    A concrete variable (a plain Variable, or one component of a distributed
+    variable passed explicitly) stands for itself: its own gradient.
+    """
+    if is_variable(source) and source._handle() is not source:
         return [v._handle() for v in _tp.resolve_watched(source)]
     return [source]
 
@@ -122,7 +126,7 @@ def _widen_autocast_dy(dys, inputs, raw):
     return dys
 
 
-def _walk(records, reach, grads, keep, raw):
+def _walk(records, reach, grads, keep, raw, ready=None):
     """Reverse walk: calls each record's backward once its outputs' gradients are summed.
 
     `records` are pruned tape records `(op, in_ids, out_ids, saved_in,
@@ -130,9 +134,10 @@ def _walk(records, reach, grads, keep, raw):
     a source get gradients; ops whose rule takes `needs` skip computing the
     others (TF's skip_input_indices). On the raw walk a registered op gets
     the saved torch tensors as they are; other record ops, and every op on a
-    recorded walk, get dtape.Tensors with the recorded ids.
+    recorded walk, get dtape.Tensors with the recorded ids. `ready` (a
+    `_Readiness`) hears of each record once it is processed.
     """
-    for rec in records:
+    for rec in (records if ready is None else ready.iterate(records)):
         op, in_ids, out_ids, inputs, outputs, attrs = rec
         if len(out_ids) == 1:
             i = out_ids[0]
@@ -150,7 +155,7 @@ def _walk(records, reach, grads, keep, raw):
             inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, out_ids)
         if getattr(op, "takes_needs", False):
             needs = tuple([i in reach for i in in_ids])
-            if getattr(op, "saves", None) == "other_input":  # an input watched only after the op ran: its partner was not kept
+            if getattr(op, "saves", None) == "other_input":  # watched after the op ran: partner not kept
                 needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
             in_grads = op.backward(dys, outputs, inputs, attrs, raw, needs)
         else:
@@ -202,7 +207,48 @@ def _walk_is_raw(records, target_ids, dys):
     return True
 
 
-def imperative_grad(tape, targets, sources, output_gradients=None):
+class _Readiness:
+    """Calls `on_ready(position, grad)` as soon as a source's gradient is final.
+
+    A source's gradient is final once the walk has processed its last
+    consumer among the pruned records (sources with none: before the walk).
+    `grad` is the walk's value (torch.Tensor on the raw path, else a
+    dtape.Tensor) or None. The hook gradient all-reduce overlap uses.
+    """
+
+    __slots__ = ("_left", "_positions", "_grads", "_on_ready")
+
+    def __init__(self, records, source_ids, grads, on_ready):
+        self._positions = {}
+        for k, i in enumerate(source_ids):
+            self._positions.setdefault(i, []).append(k)
+        self._left = dict.fromkeys(self._positions, 0)
+        for rec in records:
+            for i in rec[1]:
+                if i in self._left:
+                    self._left[i] += 1
+        self._grads, self._on_ready = grads, on_ready
+        for i, n in list(self._left.items()):
+            if n == 0:
+                self._fire(i)
+
+    def iterate(self, records):
+        for rec in records:
+            yield rec
+            for i in rec[1]:  # the walk is done with rec: its inputs have one consumer less
+                n = self._left.get(i)
+                if n:
+                    self._left[i] = n - 1
+                    if n == 1:
+                        self._fire(i)
+
+    def _fire(self, i):
+        g = self._grads.get(i)
+        for k in self._positions[i]:
+            self._on_ready(k, g)
+
+
+def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None):
     """Gradients of the sum of `targets` w.r.t. `sources` from `tape`'s records.
 
     Args:
@@ -210,6 +256,8 @@ def imperative_grad(tape, targets, sources, output_gradients=None):
       targets: flat list of Tensors.
       sources: flat list of Tensors or concrete variables (with `_id`).
       output_gradients: flat list (None entries allowed) of Tensors matching targets.
+      on_ready: optional `f(source_position, grad)`, called once per source as
+        soon as its gradient is final, during the walk (see `_Readiness`).
 
     Returns:
       A list with a gradient (dtape.Tensor) or None per source.
@@ -227,7 +275,8 @@ def imperative_grad(tape, targets, sources, output_gradients=None):
             dy = dy._t if raw else dy
             prev = grads.get(t._id)
             grads[t._id] = dy if prev is None else prev + dy
-        _walk(records, reach, grads, set(source_ids), raw)
+        ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
+        _walk(records, reach, grads, set(source_ids), raw, ready)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 
@@ -238,6 +287,12 @@ class GradientTape:
     Args:
       persistent: allow more than one `gradient()`/`jacobian()` call.
       watch_accessed_variables: watch every trainable variable read while active.
+      gradient_sync: None, or a `dtape.distribute.GradientSync`: under a
+        strategy, `gradient()` starts all-reducing each bucket of gradients
+        as soon as the walk has finished it (it still returns the local
+        gradients; `apply_gradients` uses the reductions). Any object with
+        `start(sources) -> session or None`, the session having
+        `ready(index, grad)` and `finish(grads)`.
 
     Ops run on any thread are recorded while the tape is active, when an
     input is watched (the set of tapes is process-global). A tape entered
@@ -257,7 +312,11 @@ class GradientTape:
       6.0
     """
 
-    def __init__(self, persistent=False, watch_accessed_variables=True):
+    def __init__(self, persistent=False, watch_accessed_variables=True, gradient_sync=None):
+        if gradient_sync is not None and not callable(getattr(gradient_sync, "start", None)):
+            raise TypeError(f"gradient_sync must be a dtape.distribute.GradientSync (or None), got "
+                            f"{type(gradient_sync).__name__}")
+        self._gradient_sync = gradient_sync
         self._persistent = persistent
         self._watch_accessed_variables = watch_accessed_variables
         self._tape = None
@@ -386,7 +445,12 @@ class GradientTape:
             self._tape.release()
 
     def _gradients(self, targets, sources, dys, unconnected):
-        return tape_gradients(self._tape, targets, sources, dys, unconnected)
+        session = None if self._gradient_sync is None else self._gradient_sync.start(sources)
+        if session is None:
+            return tape_gradients(self._tape, targets, sources, dys, unconnected)
+        grads = tape_gradients(self._tape, targets, sources, dys, unconnected, on_ready=session.ready)
+        session.finish(grads)
+        return grads
 
     def jacobian(self, target, sources, unconnected_gradients=UnconnectedGradients.NONE):
         """Full Jacobian of `target` w.r.t. each source.
@@ -431,12 +495,13 @@ class GradientTape:
         return _jacobian(self, target, source, unconnected_gradients, batch=True)
 
 
-def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE):
+def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE, on_ready=None):
     """Gradients of flat `targets` w.r.t. flat `sources` (tensors or variables) from a raw tape.
 
     Integer/bool targets are dropped with a warning (with their output
     gradient); variable sources are expanded through the watch resolver and
-    the gradients of their components summed (seed 2).
+    the gradients of their components summed (seed 2). `on_ready(j, grad)`
+    hears during the walk of each source j that stands for one handle.
     """
     if dys is not None and len(dys) != len(targets):
         raise ValueError(f"output_gradients has {len(dys)} entries but target has {len(targets)}; "
@@ -446,13 +511,24 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     targets, dys = [t for t, _ in pairs], [d for _, d in pairs]
     expanded = [_source_handles(_check_source(s)) for s in sources]
     flat = [h for hs in expanded for h in hs]
-    raw = imperative_grad(tape, targets, flat, dys) if targets else [None] * len(flat)
+    hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
+    raw = imperative_grad(tape, targets, flat, dys, hook) if targets else [None] * len(flat)
     out, pos = [], 0
     for src, hs in zip(sources, expanded):
         parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
         pos += len(hs)
         out.append(_finish(src, parts, unconnected))
     return out
+
+
+def _single_handle_hook(expanded, on_ready):
+    """Maps walk positions to source indices, for sources with one handle (the others: none early)."""
+    owner = [j if len(hs) == 1 else None for j, hs in enumerate(expanded) for _ in hs]
+
+    def hook(k, g):
+        if owner[k] is not None:
+            on_ready(owner[k], g)
+    return hook
 
 
 def _check_source(s):

@@ -51,6 +51,7 @@ import torch
 
 from dtape import distribute
 from dtape import tape as _tp
+from dtape.module import is_unique_name_base
 from dtape.distribute import SyncOnReadVariable
 from dtape.tensor import Tensor, is_variable
 from dtape.variables import VariableAggregation
@@ -438,7 +439,9 @@ def _parse_header(path, raw):
             raise ValueError(f"a file of {len(raw)} bytes has no room for its header")
         metadata = json.loads(raw[8:8 + size])["__metadata__"]
         version = metadata["dtape.format"]
-    except (ValueError, TypeError, KeyError) as e:
+    except RecursionError:      # json's C decoder recurses per nesting level
+        raise _not_ours(path, "its JSON header is nested too deeply") from None
+    except Exception as e:      # any other parse failure: still this file's problem, never ours
         raise _not_ours(path, _why_not_ours(raw, e)) from None
     if version != _FORMAT:
         raise _not_ours(path, f"format {version!r}, expected {_FORMAT!r}")
@@ -523,11 +526,20 @@ def restore(path, *, strict=True, **objects):
 
     Each variable is matched by position within its object (`name/0`,
     `name/1`, ...) and checked against the stored one:
-      * names: the stored `.name` must equal the variable's, ignoring the
-        `_<n>` suffixes that default names get to be unique in a process
-        (`dense_1/kernel` matches `dense/kernel`, `Variable_7` matches
-        `Variable_3`); with `strict=False` names may differ (restore by
-        position);
+      * names: the stored `.name` must equal the variable's, except for
+        default names, whose numbers depend on what else the process
+        created. A '/'-separated name component is a default name when it
+        is `Variable_<n>` or a module name that `dtape.module.unique_name`
+        gives (`dense`, `dense_<n>`, for a base already used in this
+        process); every other component is user-chosen and must match
+        exactly (`w_1` never matches `w_2`). Default names match by the
+        rank of their number among those of the same base within the
+        object: saved `dense`, `dense_1` match `dense_2`, `dense_3` in that
+        order (a second instance of the same model), but not `dense_3`,
+        `dense_2` (reordered layers would get each other's weights), and
+        `Variable_7` matches `Variable_3` when each is the first unnamed
+        variable of its object. With `strict=False` names may differ
+        (restore by position);
       * shape and dtype must be equal (no cast; as TF's restore, which
         refuses a dtype mismatch), whatever `strict` is.
 
@@ -586,21 +598,48 @@ def _plan_restore(path, name, pairs, stored, tensors, data, strict):
     return plan
 
 
-_UNIQUE_SUFFIX = re.compile(r"_\d+$")
+_VARIABLE_DEFAULT = re.compile(r"Variable_\d+")
+_NUMBERED = re.compile(r"(.+)_(\d+)")
 
 
-def _base_name(name):
-    """`name` without the `_<n>` suffixes that make default names unique (per '/' component)."""
-    return "/".join(_UNIQUE_SUFFIX.sub("", part) for part in name.split("/"))
+def _auto_numbered(part):
+    """(base, n) when a name component looks like a default name (`Variable_<n>`, or a module's
+    `base` / `base_<n>` from `dtape.module.unique_name`), else None (a user-chosen name)."""
+    if _VARIABLE_DEFAULT.fullmatch(part):
+        return "Variable", int(part[len("Variable_"):])
+    if is_unique_name_base(part):
+        return part, 0
+    numbered = _NUMBERED.fullmatch(part)
+    if numbered and is_unique_name_base(numbered.group(1)):
+        return numbered.group(1), int(numbered.group(2))
+    return None
+
+
+def _canonical_names(names):
+    """`names` with each default-name component renumbered by the rank of its number among those of its
+    base in `names` (dense_2, dense_3 -> dense#0, dense#1); user-chosen components are kept as they are."""
+    split = [[(part, _auto_numbered(part)) for part in name.split("/")] for name in names]
+    numbers = {}
+    for parts in split:
+        for _, auto in parts:
+            if auto is not None:
+                numbers.setdefault(auto[0], set()).add(auto[1])
+    rank = {base: {n: i for i, n in enumerate(sorted(ns))} for base, ns in numbers.items()}
+    return ["/".join(part if auto is None else f"{auto[0]}#{rank[auto[0]][auto[1]]}" for part, auto in parts)
+            for parts in split]
 
 
 def _check_names(path, name, pairs, entries):
-    wrong = [f"{key}: checkpoint has {stored!r}, variable is {_var_name(var, key)!r}"
-             for (key, var), (_, stored) in zip(pairs, entries)
-             if _base_name(stored) != _base_name(_var_name(var, key))]
+    names = [_var_name(var, key) for key, var in pairs]
+    stored = [stored_name for _, stored_name in entries]
+    wrong = [f"{key}: checkpoint has {old!r}, variable is {new!r}"
+             for (key, _), old, new, old_c, new_c in zip(pairs, stored, names, _canonical_names(stored),
+                                                        _canonical_names(names))
+             if old_c != new_c]
     if wrong:
         raise ValueError(f"restore: variable names of {name!r} differ from checkpoint {path} (renamed or reordered "
-                         f"variables): " + "; ".join(wrong) + ". Pass strict=False to restore by position.")
+                         f"variables; default names are compared by their order within {name!r}): "
+                         + "; ".join(wrong) + ". Pass strict=False to restore by position.")
 
 
 def _checked_value(path, key, var, stored_name, value):

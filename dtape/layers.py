@@ -749,8 +749,23 @@ class Reshape(Layer):
 
 # -- batch normalization -------------------------------------------------------------
 
+def _local_moments(x, axes):
+    """Mean and (population) variance of x over `axes`, and the example count (a Python int).
+
+    An empty x (count 0) gets zeros, not NaN: its output is empty anyway, and
+    finite statistics keep its gradient contributions (to gamma, beta) zero.
+    """
+    count = math.prod(x.shape[a] for a in axes)
+    if count == 0:
+        zeros = Tensor(torch.zeros([x.shape[a] for a in range(x.ndim) if a not in axes], dtype=x.dtype,
+                                   device=x.device))
+        return zeros, zeros, 0
+    mean, var = _nn.moments(x, axes)
+    return mean, var, count
+
+
 def _sync_moments(x, axes, ctx):
-    """Mean and (population) variance of x over `axes` and over every replica's x (one all-reduce).
+    """Mean and (population) variance of x over `axes` and over every replica's x (one all-reduce), and the count.
 
     Keras 3's synchronized formula: sums of x and x^2 and the count are
     all-reduced (SUM), mean = sum / count, var = max(sum_sq / count - mean^2, 0).
@@ -758,8 +773,12 @@ def _sync_moments(x, axes, ctx):
     mean and var are all-reduced too (the transpose of the all-reduce), so
     summing the replicas' gradients equals one device on the whole batch.
     Every replica must then compute gradients (tape.gradient) in step.
+    A replica with an empty batch adds zeros; an empty global batch gives
+    mean = var = 0 (count 0), not NaN. The count is a Python int on one
+    replica, else the all-reduced scalar Tensor (identical on every replica).
     """
     replicas = 1 if ctx is None else ctx.num_replicas_in_sync
+    counted = []
 
     @custom_gradient
     def moments(x):
@@ -768,7 +787,8 @@ def _sync_moments(x, axes, ctx):
                 Tensor(torch.tensor(count, dtype=x.dtype, device=x.device))]
         if replicas > 1:
             sums = ctx.all_reduce("sum", sums)
-        total = sums[2]
+        counted.append(sums[2] if replicas > 1 else int(count))
+        total = _math.maximum(sums[2], 1.0)  # an empty global batch: zeros, not 0 / 0
         mean = sums[0] / total
         var = _math.maximum(sums[1] / total - mean * mean, 0.0)
 
@@ -777,7 +797,8 @@ def _sync_moments(x, axes, ctx):
                 dmean, dvar = ctx.all_reduce("sum", [dmean, dvar])
             return (dmean + 2.0 * dvar * (x - mean)) / total
         return (mean, var), grad
-    return moments(x)
+    mean, var = moments(x)
+    return mean, var, counted[0]
 
 
 class BatchNormalization(Layer):
@@ -795,10 +816,15 @@ class BatchNormalization(Layer):
     SyncBatchNorm), so 2 replicas compute what one device computes on the
     whole batch, gradients included (every replica must call tape.gradient
     in step). With synchronized=False each replica uses its own batch. The
-    moving statistics are non-trainable variables with aggregation MEAN:
-    a replica-context update is averaged over replicas and written to every
-    component, so the mirrored copies stay identical (with synchronized=True
-    the replicas' updates are already identical).
+    moving statistics are non-trainable variables with aggregation MEAN,
+    updated with the same value on every replica so the mirrored copies stay
+    identical: the global batch's statistics (synchronized=True), or the
+    replicas' statistics weighted by their example counts (False; the
+    moving mean is then the global batch's mean).
+    An empty batch (API.md: a short or empty last batch on some replicas)
+    gives an empty output, zero gradients to gamma and beta, and no NaN; it
+    adds nothing to the moving statistics, which stay unchanged when the
+    whole (global) batch is empty.
 
     Args:
       axis: the feature axis (default -1, channels last).
@@ -857,11 +883,12 @@ class BatchNormalization(Layer):
         axis = self._feature_axis(rank)
         axes = [a for a in range(rank) if a != axis]
         if training:
+            ctx = _replica_info.replica_context()
             if self.synchronized:
-                mean, var = _sync_moments(x, axes, _replica_info.replica_context())
+                mean, var, count = _sync_moments(x, axes, ctx)
             else:
-                mean, var = _nn.moments(x, axes)
-            self._update_moving(mean, var)
+                mean, var, count = _local_moments(x, axes)
+            self._update_moving(mean, var, count, ctx)
         else:
             mean, var = self.moving_mean, self.moving_variance
         shape = [1] * rank
@@ -872,11 +899,36 @@ class BatchNormalization(Layer):
         y = (x - _array.reshape(mean, shape)) * inv
         return y + _array.reshape(self.beta, shape) if self.center else y
 
-    def _update_moving(self, mean, var):
+    def _update_moving(self, mean, var, count, ctx):
+        """moving = momentum * moving + (1 - momentum) * stat, each replica weighted by its example count.
+
+        `count` is this replica's (synchronized=False) or the global batch's
+        (synchronized=True, stats already global) number of examples. Across
+        replicas, synchronized=False all-reduces (SUM) count * stat and count,
+        so the update uses the count-weighted mean of the replicas' statistics
+        (an empty replica adds nothing) and every replica writes the same value.
+        No examples in total: no update (skipped at once when the count is a
+        Python number, else the update keeps the old value, so every replica
+        still makes the same assign calls).
+        """
         with _tp.stop_recording():
+            dtype = self.moving_mean.dtype
+            mean, var = mean.torch().to(dtype), var.torch().to(dtype)
+            replicas = 1 if ctx is None else ctx.num_replicas_in_sync
+            count = count.torch() if isinstance(count, Tensor) else count
+            if not self.synchronized and replicas > 1:
+                n = torch.tensor(float(count), dtype=dtype, device=mean.device)
+                sums = ctx.all_reduce("sum", [Tensor(mean * n), Tensor(var * n), Tensor(n)])
+                count = sums[2].torch()
+                mean, var = (t.torch() / torch.clamp(count, min=1.0) for t in sums[:2])
+            if isinstance(count, (int, float)) and count == 0:
+                return
             m = self.momentum
             for moving, batch in ((self.moving_mean, mean), (self.moving_variance, var)):
-                new = moving.torch() * m + batch.torch().to(moving.dtype) * (1.0 - m)
+                old = moving.torch()
+                new = old * m + batch.to(old.device) * (1.0 - m)
+                if isinstance(count, torch.Tensor):
+                    new = torch.where(count.to(old.device) > 0, new, old)
                 moving.assign(Tensor(new))
 
 

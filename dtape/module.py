@@ -31,6 +31,12 @@ def unique_name(base):
     return base if n == 0 else f"{base}_{n}"
 
 
+def is_unique_name_base(base):
+    """True once `unique_name(base)` has run in this process: `base`, `base_1`, ... may be default names."""
+    with _name_lock:
+        return base in _name_counts
+
+
 def _children(value):
     """The values directly inside a container, in a stable order (insertion order for dicts)."""
     if isinstance(value, Module):

@@ -25,6 +25,7 @@ from dtape import optimizers_schedules as schedules
 from dtape import ops as _ops
 from dtape import tape as _tp
 from dtape.backprop import GradientTape
+from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation
@@ -114,11 +115,14 @@ class Optimizer:
             dtape.Tensors with the variable's shape, or None.
 
         In a replica context of a strategy the gradients are summed over
-        replicas (one merge_call) and every component gets the same update;
-        a variable whose gradient is None on some replicas only gets zeros
-        there (the replicas agree), and one that is None on every replica
-        is skipped with a warning. In the cross-replica context gradients
-        are applied as given (None skipped, with a warning).
+        replicas, flattened into buckets (one all-reduce per bucket, see
+        `dtape.distribute.GradientSync`; the reductions a synced tape
+        launched are used for the very tensors it returned), and every
+        component gets the same update (one merge_call); a variable whose
+        gradient is None on some replicas only gets zeros there (the
+        replicas agree), and one that is None on every replica is skipped
+        with a warning. In the cross-replica context gradients are applied
+        as given (None skipped, with a warning).
 
         Returns:
           The iterations variable.
@@ -129,6 +133,9 @@ class Optimizer:
         """
         pairs = [(g, v) for g, v in grads_and_vars]
         ctx = distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            reduced = distribute.gradient_sync.reduce_gradients(pairs)
+            return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
         if ctx is not None:
             return ctx.merge_call(self._merge_apply, args=(pairs,))
         return self._distributed_apply(distribute.get_strategy(), _drop_missing(pairs))
@@ -168,6 +175,17 @@ class Optimizer:
         if self.global_clipnorm is not None:
             return _ops.clip_by_global_norm(grads, self.global_clipnorm)[0]
         return [_ops.clip_by_value(g, -self.clipvalue, self.clipvalue) for g in grads]
+
+    def _merge_apply_reduced(self, strategy, pairs, given):
+        """merge_fn: the gradients are already summed (each replica holds an identical copy): applies.
+
+        `given` (the gradients as passed, grouped): one that is the same object
+        on every replica is not distributed, and summing it raises (as TF).
+        """
+        for g in given:
+            if g is not None and not isinstance(g, distribute.DistributedValues):
+                reduce_non_distributed_value(ReduceOp.SUM, g, strategy.num_replicas_in_sync)
+        return self._distributed_apply(strategy, _drop_missing(pairs))
 
     def _apply(self, strategy, pairs):
         for _, var in pairs:  # slots are made here, once, in the cross-replica context

@@ -699,11 +699,19 @@ def plot_metrics(metrics):
     loss_ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
     epochs = [e["epoch"] for e in metrics["epochs"]]
     for split in ("train", "test"):
-        acc_ax.plot(epochs, [e[f"{split}_accuracy"] for e in metrics["epochs"]], marker="o", label=split)
-    acc_ax.set(xlabel="epoch", ylabel="accuracy", title="accuracy per epoch")
+        if epochs:
+            acc_ax.plot(epochs, [e[f"{split}_accuracy"] for e in metrics["epochs"]], marker="o", label=split)
+        elif metrics.get(f"final_{split}_accuracy") is not None:  # a run shorter than one epoch
+            acc_ax.bar(split, metrics[f"final_{split}_accuracy"], label=split)
+    if epochs:
+        acc_ax.set(xlabel="epoch", title="accuracy per epoch")
+    else:
+        acc_ax.set(xlabel=f"after step {metrics.get('final_step')}", title="accuracy (no full epoch)", ylim=(0, 1))
+    acc_ax.set(ylabel="accuracy")
     acc_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     acc_ax.legend(loc="lower right")
-    fig.suptitle(f"{metrics['task']} ({metrics['strategy']}, {metrics['num_replicas']} replicas)")
+    n = metrics["num_replicas"]
+    fig.suptitle(f"{metrics['task']} ({metrics['strategy']}, {n} replica{'s' if n != 1 else ''})")
     fig.tight_layout()
     return fig
 

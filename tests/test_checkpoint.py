@@ -230,6 +230,11 @@ def _valid_bytes(path):
         return f.read()
 
 
+def _framed(header):
+    """A file of just `header` behind its 8-byte little-endian length (the safetensors framing)."""
+    return len(header).to_bytes(8, "little") + header
+
+
 def _header_end(raw):
     return 8 + int.from_bytes(raw[:8], "little")
 
@@ -250,8 +255,13 @@ def _header_end(raw):
     (_write(safetensors.torch.save({"x": torch.zeros(2)})), "not a dtape checkpoint"),
     (_write(safetensors.torch.save({"x": torch.zeros(2)}, metadata={"dtape.format": "dtape.checkpoint/9"})),
      "not a dtape checkpoint"),
+    (_write(_framed(b'{"__metadata__":{"dtape.format":"dtape.checkpoint/2"},"x":' + b"[" * 100_000
+                    + b"]" * 100_000 + b"}")), "nested too deeply"),
+    (_write(_framed(b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}")), "nested too deeply"),
+    (_write(_framed(b'{"__metadata__":"dtape.checkpoint/2"}')), "not a dtape checkpoint"),
 ], ids=["missing", "empty", "directory", "random", "zeros", "trunc1", "trunc8", "trunc40", "trunc_header",
-        "trunc_half", "trunc_last", "appended", "foreign_safetensors", "other_version"])
+        "trunc_half", "trunc_last", "appended", "foreign_safetensors", "other_version", "deep_header",
+        "deep_metadata", "metadata_not_a_dict"])
 def test_unreadable_files_raise_one_error_naming_the_file(tmp_path, make, words):
     path = str(tmp_path / "ckpt")
     make(path)
@@ -285,6 +295,48 @@ def test_restore_reordered_variables_is_an_error_unless_not_strict(tmp_path):
     assert a.numpy().tolist() == [0.0] and b.numpy().tolist() == [0.0]
     checkpoint.restore(path, strict=False, c=_Container(b, a))      # by position
     assert b.numpy().tolist() == [1.0] and a.numpy().tolist() == [2.0]
+
+
+class _Model(dtape.Module):
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = parts
+
+
+def test_strict_restore_refuses_reordered_default_named_layers(tmp_path):
+    """Default names (dense, dense_1, ...) match by the order of their numbers within the object."""
+    path = str(tmp_path / "ckpt")
+    saved = [layers.Dense(4, input_dim=4, seed=i) for i in range(2)]               # dense_a < dense_b
+    checkpoint.save(path, m=_Model(saved))
+    first, second = (layers.Dense(4, input_dim=4, seed=9) for _ in range(2))      # new, higher numbers
+    assert first.name != saved[0].name
+    before = [v.numpy().copy() for v in first.variables + second.variables]
+    with pytest.raises(ValueError, match=rf"m/0: checkpoint has '{saved[0].name}/kernel', variable is "
+                                         rf"'{second.name}/kernel'.*strict=False"):
+        checkpoint.restore(path, m=_Model([second, first]))
+    for v, b in zip(first.variables + second.variables, before):                  # nothing assigned
+        np.testing.assert_array_equal(v.numpy(), b)
+    checkpoint.restore(path, m=_Model([first, second]))                           # a second instance: same order
+    for old, new in zip(_Model(saved).variables, _Model([first, second]).variables):
+        np.testing.assert_array_equal(old.numpy(), new.numpy())
+
+
+def test_strict_restore_compares_user_chosen_names_exactly(tmp_path):
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(path, m=_Container(dtape.Variable(1.0, name="w_1"), dtape.Variable(2.0, name="w_2")),
+                    v=dtape.Variable(3.0, name="w_1"), u=_Container(dtape.Variable(4.0), dtape.Variable(5.0)))
+    a, b = dtape.Variable(0.0, name="w_2"), dtape.Variable(0.0, name="w_1")
+    with pytest.raises(ValueError, match=r"m/0: checkpoint has 'w_1', variable is 'w_2'; "
+                                         r"m/1: checkpoint has 'w_2', variable is 'w_1'"):
+        checkpoint.restore(path, m=_Container(a, b))
+    with pytest.raises(ValueError, match=r"v: checkpoint has 'w_1', variable is 'w_2'"):
+        checkpoint.restore(path, v=a)                                             # renamed, not reordered
+    assert float(a) == 0.0 and float(b) == 0.0
+    x, y = dtape.Variable(0.0), dtape.Variable(0.0)                               # Variable_<n>: by order
+    with pytest.raises(ValueError, match=rf"u/0: checkpoint has 'Variable_\d+', variable is '{y.name}'"):
+        checkpoint.restore(path, u=_Container(y, x))
+    checkpoint.restore(path, u=_Container(x, y))
+    assert (float(x), float(y)) == (4.0, 5.0)
 
 
 def test_restore_dtype_mismatch_raises_and_assigns_nothing(tmp_path):

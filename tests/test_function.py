@@ -1,7 +1,6 @@
 """dtape.function (records its body once) and dtape.recompute_grad (re-runs it): values,
 gradients, captured variables, forward-time semantics, higher order, replicas."""
 import contextlib
-import sys
 import threading
 
 import pytest
@@ -157,15 +156,6 @@ def _mirrored():
         getattr(strategy, "close", lambda: None)()
 
 
-@pytest.fixture
-def interleave():
-    """Forces frequent thread switches so races show on a GIL build."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 # -- (a) tapes opened inside the body -----------------------------------------
@@ -242,7 +232,7 @@ def _mirrored_train(wrap, observer, steps=3):
 
 
 @pytest.mark.parametrize("observer", [False, True], ids=["no_outer_tape", "outer_tape"])
-def test_function_train_step_under_mirrored_strategy_gives_exactly_the_eager_losses(observer, interleave):
+def test_function_train_step_under_mirrored_strategy_gives_exactly_the_eager_losses(observer, fast_switching):
     eager_losses, eager_w = _mirrored_train(lambda f: f, observer)
     fn_losses, fn_w = _mirrored_train(dtape.function, observer)
     assert fn_losses == eager_losses and sum(eager_losses[-1]) < sum(eager_losses[0])
@@ -367,7 +357,7 @@ def test_function_pauses_outer_tapes_on_the_calling_thread_only():
 
 # -- (f) replicas ---------------------------------------------------------------------
 @pytest.mark.parametrize("wrap", [dtape.function, dtape.recompute_grad], ids=["function", "recompute_grad"])
-def test_function_concurrent_replicas_each_get_their_own_gradient(wrap, interleave):
+def test_function_concurrent_replicas_each_get_their_own_gradient(wrap, fast_switching):
     with _mirrored() as strategy:
         with strategy.scope():
             v = dtape.Variable(torch.tensor(1.5, dtype=D))

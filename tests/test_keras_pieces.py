@@ -127,6 +127,82 @@ def test_synchronized_batch_norm_on_two_replicas_equals_one_device(strategy, syn
         assert max(diffs) > 1e-6
 
 
+def test_batch_norm_on_an_empty_batch_changes_nothing():
+    """API.md: an empty batch neither hangs nor biases the update: empty output, zero gradients, no NaN."""
+    for synchronized in (False, True):
+        bn = layers.BatchNormalization(synchronized=synchronized, momentum=0.5, dtype=torch.float64)
+        bn(RNG.normal(size=(4, 3)), training=True)
+        before = [v.numpy().copy() for v in bn.variables]
+        with dtape.GradientTape() as tape:
+            y = bn(np.zeros((0, 3)), training=True)
+            loss = dtape.reduce_sum(y * 2.0)
+        grads = tape.gradient(loss, bn.trainable_variables)
+        assert tuple(y.shape) == (0, 3)
+        for g in grads:
+            np.testing.assert_array_equal(g.numpy(), np.zeros(3))
+        for v, b in zip(bn.variables, before):
+            np.testing.assert_array_equal(v.numpy(), b)
+
+
+@pytest.mark.parametrize("synchronized", [True, False])
+def test_batch_norm_on_an_empty_global_batch_keeps_the_moving_statistics(strategy, synchronized):
+    with strategy.scope():
+        bn = layers.BatchNormalization(synchronized=synchronized, momentum=0.5, dtype=torch.float64)
+        bn.build((None, 3))
+    strategy.run(lambda: bn(dtape.constant(RNG.normal(size=(2, 3))), training=True))
+    before = [v.numpy().copy() for v in bn.variables]
+    out = strategy.run(lambda: bn(dtape.zeros((0, 3), dtype=torch.float64), training=True))
+    assert [tuple(t.shape) for t in strategy.experimental_local_results(out)] == [(0, 3), (0, 3)]
+    for v, b in zip(bn.variables, before):
+        for component in v.values:
+            np.testing.assert_array_equal(component.numpy(), b)
+
+
+def _bn_first_model(synchronized):
+    """BatchNormalization on the raw inputs, so its batch means do not depend on the training."""
+    return layers.Sequential([layers.BatchNormalization(synchronized=synchronized, momentum=0.5, dtype=torch.float64),
+                              layers.Dense(4, seed=2, dtype=torch.float64)])
+
+
+def _short_batch_step(model, opt, x, y, global_batch):
+    loss_fn = dtape.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    with dtape.GradientTape() as tape:
+        loss = dtape.nn.compute_average_loss(loss_fn(y, model(x, training=True)), global_batch_size=global_batch)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+@pytest.mark.parametrize("synchronized", [True, False])
+def test_batch_norm_short_last_batch_with_an_empty_replica(strategy, synchronized):
+    """33 examples in batches of 8: the last global batch of 1 leaves replica 1 empty.
+
+    synchronized=True equals one device; synchronized=False has no NaN, and its
+    moving mean (count-weighted over replicas) equals one device's, as the
+    layer sees the raw inputs.
+    """
+    x, y = RNG.normal(size=(33, 3)) * 2 + 1, RNG.integers(0, 4, 33)
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 33, 8)]
+    one, opt1 = _bn_first_model(True), dtape.optimizers.SGD(0.1)
+    one.build((None, 3))
+    for xb, yb in batches:
+        _short_batch_step(one, opt1, dtape.constant(xb), dtape.constant(yb), len(xb))
+    with strategy.scope():
+        two, opt2 = _bn_first_model(synchronized), dtape.optimizers.SGD(0.1)
+        two.build((None, 3))
+    sizes = iter(len(xb) for xb, _ in batches)
+    for xb, yb in strategy.experimental_distribute_dataset(batches):
+        strategy.run(_short_batch_step, (two, opt2, xb, yb, next(sizes)))
+    assert [tuple(t.shape) for t in strategy.experimental_local_results(xb)] == [(1, 3), (0, 3)]
+    for var in two.variables:
+        assert np.isfinite(var.numpy()).all(), var.name
+        np.testing.assert_array_equal(var.values[0].numpy(), var.values[1].numpy())
+    bn1, bn2 = one.layers[0], two.layers[0]
+    np.testing.assert_allclose(bn2.moving_mean.numpy(), bn1.moving_mean.numpy(), rtol=1e-5, atol=1e-5)
+    if synchronized:
+        for a, b in zip(one.variables, two.variables):
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5, err_msg=b.name)
+
+
 # -- building, summary, weights, losses -----------------------------------------------
 
 def test_input_shape_build_and_sequential_build_create_variables():

@@ -4,7 +4,6 @@ import copy
 import doctest
 import pathlib
 import re
-import sys
 import threading
 
 import numpy as np
@@ -157,14 +156,6 @@ def test_training_default_follows_module_mode_without_changing_it():
     assert module.training and module[1].training
 
 
-@pytest.fixture
-def fast_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def test_concurrent_calls_in_both_modes_do_not_interfere(fast_switching):

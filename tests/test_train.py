@@ -31,6 +31,8 @@ def test_train_short_run_writes_metrics_json_and_loss_png(train, tmp_path):
     assert saved["final_step"] == 5 and 0.0 <= saved["final_test_accuracy"] <= 1.0
     assert saved["loss"] == metrics["loss"]
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    acc_ax = train.plot_metrics(metrics).axes[1]  # no full epoch: the final accuracies as bars, not an empty plot
+    assert [p.get_height() for p in acc_ax.patches] == [saved["final_train_accuracy"], saved["final_test_accuracy"]]
 
 
 def test_train_epoch_end_records_accuracy_throughput_and_checkpoint(train, tmp_path):

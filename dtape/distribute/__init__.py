@@ -7,6 +7,8 @@ from dtape import tape as _tape
 from dtape.distribute.context import (get_replica_context, get_strategy, has_strategy,  # noqa: F401
                                       in_cross_replica_context)
 from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended  # noqa: F401
+from dtape.distribute import gradient_sync  # noqa: F401
+from dtape.distribute.gradient_sync import GradientAccumulator, GradientSync, compute_average_loss  # noqa: F401
 from dtape.distribute.input_lib import InputContext  # noqa: F401
 from dtape.distribute.mirrored_strategy import MirroredStrategy  # noqa: F401
 from dtape.distribute.multi_worker_mirrored_strategy import (CommunicationOptions,  # noqa: F401
@@ -24,5 +26,5 @@ __all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_repl
            "ReduceOp", "VariableAggregation", "VariableSynchronization", "Strategy",
            "StrategyExtended", "ReplicaContext", "MirroredStrategy", "OneDeviceStrategy",
            "DistributedValues", "PerReplica", "Mirrored", "MirroredVariable", "SyncOnReadVariable",
-           "InputContext", "MultiWorkerMirroredStrategy", "CommunicationOptions", "TorchrunClusterResolver",
-           "WorkerError"]
+           "InputContext", "GradientSync", "GradientAccumulator", "compute_average_loss",
+           "MultiWorkerMirroredStrategy", "CommunicationOptions", "TorchrunClusterResolver", "WorkerError"]

@@ -156,6 +156,22 @@ class Communicator:
                                                                                   rounding_mode="floor")
         return out.to(t.device)
 
+    def all_reduce_async(self, t):
+        """Launches the SUM of `t` over every worker; returns a pending result whose `wait()` gives it.
+
+        Launch order must match on every worker (as every collective);
+        `wait()` fails fast, naming the failing rank, as `all_reduce` does.
+        """
+        out = self._staged(t)
+        self._raise_if_failed("all_reduce")
+        self._seq += 1
+        what = f"all_reduce #{self._seq}"
+        try:
+            work = dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as e:
+            self._fail_from_transport(what, e)
+        return _Pending(self, work, out, t.device, what)
+
     def all_gather(self, t):
         """Every worker's `t`, stacked in rank order: [world_size, *t.shape], on t's device.
 
@@ -338,6 +354,20 @@ class Communicator:
                 time.sleep(0.01)
         except (RuntimeError, OSError):  # the store went with a dead worker: nothing left to coordinate
             pass
+
+
+class _Pending:
+    """One launched collective: `wait()` waits once (with the communicator's checks), then returns its tensor."""
+
+    def __init__(self, comm, work, out, device, what):
+        self._comm, self._work, self._out, self._device, self._what = comm, work, out, device, what
+        self._waited = False
+
+    def wait(self):
+        if not self._waited:
+            self._comm._wait(self._work, self._what)
+            self._waited = True
+        return self._out.to(self._device)
 
 
 def _process_alive(pid):

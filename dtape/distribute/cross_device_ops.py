@@ -6,8 +6,14 @@ destination device explicitly (`copy_to_device`) before it is summed; sums
 run in replica order on the destination device, so every replica receives
 bit-identical results; float16/bfloat16 values are summed in float32 and
 cast back, so a reduction overflows only when its result does.
+`ThreadCollectives` is MirroredStrategy's flat all-reduce among its replica
+threads (the engine behind `StrategyExtended._all_reduce_flat_async`):
+launches are matched by order, the last replica to arrive sums.
 Source: tensorflow/python/distribute/cross_device_ops.py.
 """
+import threading
+import weakref
+
 import torch
 
 from dtape import ops
@@ -114,5 +120,166 @@ def broadcast(value, devices):
     return tuple(out)
 
 
+# -- flat all-reduce among replica threads (MirroredStrategy's collective engine) ----------
+def fold_sum(tensors, device):
+    """Sum of torch tensors on `device`, in list order, widened (as `reduce_values` and add_n: bit-identical)."""
+    total = None
+    for t in tensors:
+        t = t.to(device)
+        t = t.to(accumulation_dtype(t.dtype))
+        total = t if total is None else total + t
+    return total
+
+
+class DoneHandle:
+    """A handle whose result is already there (one replica: nothing to wait for)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result):
+        self._result = list(result)
+
+    def done(self):
+        return True
+
+    def wait(self, timeout=None):
+        return self._result
+
+
+class _Slot:
+    """One collective in flight: every replica's contribution, then every replica's result."""
+
+    __slots__ = ("parts", "arrived", "reduce_op", "result", "error", "finished")
+
+    def __init__(self, n):
+        self.parts = [None] * n
+        self.arrived = 0
+        self.reduce_op = [None] * n
+        self.result = None
+        self.error = None
+        self.finished = False
+
+
+class ThreadCollectiveHandle:
+    """An all-reduce launched by one replica thread; `wait` gives this replica's results."""
+
+    __slots__ = ("_group", "_slot", "_replica")
+
+    def __init__(self, group, slot, replica_id):
+        self._group, self._slot, self._replica = group, slot, replica_id
+
+    def done(self):
+        return self._slot.finished
+
+    def wait(self, timeout=None):
+        """This replica's reduced tensors (a list like the launched one, on this replica's device).
+
+        Raises:
+          The collective's error (mismatched contributions: ValueError);
+          StepAborted if another replica failed; TimeoutError after `timeout`
+          (default: the strategy's timeout) seconds.
+        """
+        return self._group.wait(self._slot, self._replica, timeout)
+
+
+class ThreadCollectives:
+    """Flat all-reduce among the replica threads of one `MirroredStrategy.run` step.
+
+    Replica r's k-th launch is matched with every other replica's k-th
+    launch (as torch.distributed matches calls by order). The last replica
+    to arrive sums the contributions on the first device, in replica order,
+    widened (float16/bfloat16 in float32), so every replica gets bit-identical
+    values equal to `reduce_values`; the others do not block at launch. Waits
+    share the step coordinator's condition, so a replica that fails wakes
+    every waiter (StepAborted) instead of leaving it to time out.
+    """
+
+    def __init__(self, coordinator, devices):
+        self._coord = coordinator
+        self._cond = coordinator.cond
+        self._n = coordinator.n
+        self._devices = tuple(normalize_device(d) for d in devices)
+        self._seq = [0] * self._n
+        self._slots = {}
+
+    def launch(self, replica_id, reduce_op, tensors):
+        """Contributes `tensors` (torch tensors) as replica `replica_id`; returns a ThreadCollectiveHandle."""
+        with self._cond:
+            seq = self._seq[replica_id]
+            self._seq[replica_id] = seq + 1
+            slot = self._slots.get(seq)
+            if slot is None:
+                slot = self._slots[seq] = _Slot(self._n)
+            slot.parts[replica_id] = list(tensors)
+            slot.reduce_op[replica_id] = reduce_op
+            slot.arrived += 1
+            last = slot.arrived == self._n
+            if last:
+                del self._slots[seq]
+        if last:  # reduce outside the lock: other replicas keep launching and walking
+            try:
+                result, error = self._reduce(seq, slot), None
+            except Exception as e:  # noqa: BLE001 - handed to every waiting replica
+                result, error = None, e
+            with self._cond:
+                slot.result, slot.error, slot.finished = result, error, True
+                self._cond.notify_all()
+        return ThreadCollectiveHandle(self, slot, replica_id)
+
+    def _reduce(self, seq, slot):
+        _check_same_collective(seq, slot)
+        out = [[] for _ in range(self._n)]
+        for k in range(len(slot.parts[0])):
+            column = [slot.parts[r][k] for r in range(self._n)]
+            total = fold_sum(column, self._devices[0])
+            if slot.reduce_op[0] == ReduceOp.MEAN:
+                total = total / self._n
+            total = total.to(column[0].dtype)
+            for r in range(self._n):
+                dev = self._devices[r]
+                out[r].append(total if r == 0 and total.device == dev else total.to(dev, copy=True))
+        return out
+
+    def wait(self, slot, replica_id, timeout):
+        coord = self._coord
+        timeout = coord.timeout if timeout is None else timeout
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: slot.finished or coord.aborted or any(e is not None for e in coord.errors), timeout)
+            if slot.finished:
+                if slot.error is not None:
+                    raise slot.error
+                return slot.result[replica_id]
+        if ok:
+            from dtape.distribute.mirrored_run import StepAborted  # noqa: PLC0415 - mirrored_run imports this module
+            raise StepAborted(f"replica {replica_id}: step aborted while waiting for an all-reduce")
+        missing = [r for r in range(self._n) if slot.parts[r] is None]
+        raise TimeoutError(f"replica {replica_id} waited {timeout:g} s for an all-reduce that replicas {missing} "
+                           "never launched; every replica must make the same collective calls in the same "
+                           "order (the same tape.gradient sources and apply_gradients var_list)")
+
+
+def _check_same_collective(seq, slot):
+    sigs = [(op, tuple((t.numel(), t.dtype) for t in parts)) for op, parts in zip(slot.reduce_op, slot.parts)]
+    if any(s != sigs[0] for s in sigs[1:]):
+        described = "; ".join(f"replica {r}: {s[0].name} of {list(s[1])}" for r, s in enumerate(sigs))
+        raise ValueError(f"all-reduce #{seq} got different contributions from the replicas ({described}); "
+                         "every replica must make the same collective calls in the same order, with the same "
+                         "sizes (the same tape.gradient sources and apply_gradients var_list)")
+
+
+_groups = weakref.WeakKeyDictionary()   # step coordinator -> ThreadCollectives
+_groups_lock = threading.Lock()
+
+
+def thread_collectives(coordinator, devices):
+    """The ThreadCollectives of one `run` step (made on first use, dropped with the step)."""
+    with _groups_lock:
+        group = _groups.get(coordinator)
+        if group is None:
+            group = _groups[coordinator] = ThreadCollectives(coordinator, devices)
+        return group
+
+
 __all__ = ["reduce_values", "reduce_non_distributed_value", "broadcast", "copy_to_device", "widen", "narrow",
-           "accumulation_dtype"]
+           "accumulation_dtype", "fold_sum", "DoneHandle", "ThreadCollectives", "thread_collectives"]

@@ -3,13 +3,15 @@
 Source: tensorflow/python/distribute/distribute_lib.py. Public methods
 validate and normalise, then call private `_impl`s.
 """
+import torch
+
 from dtape import nest, ops
 from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops, input_lib
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, PerReplica,
                                      replica_operand, select_replica, value_container)
-from dtape.tensor import convert_to_tensor, normalize_device
+from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 from dtape.variables import current_creator_stack, variable_creator_scope
 
 
@@ -63,8 +65,8 @@ class ReplicaContext:
                 return select_replica(self._replica_id, merge_fn(self._strategy, *args, **kwargs))
         return self._coordinator.merge_call(self._replica_id, merge_fn, args, kwargs)
 
-    def all_reduce(self, reduce_op, value):
-        """Reduces `value` (a nest of tensors or numbers) across replicas.
+    def all_reduce(self, reduce_op, value, weight=None):
+        """Reduces `value` (a nest of tensors or numbers) across replicas; differentiable.
 
         Each replica gets its own result Tensor on its own device (so
         `experimental_local_results` of the step's result has one per
@@ -73,19 +75,72 @@ class ReplicaContext:
         replica function) is non-distributed: MEAN gives it back, SUM over
         more than one replica raises ValueError (as TF). float16/bfloat16
         accumulate in float32.
+
+        Args:
+          reduce_op: ReduceOp.SUM or ReduceOp.MEAN (or "SUM"/"MEAN").
+          value: a nest of Tensors, variables or numbers, same shapes on every replica.
+          weight: MEAN only: this replica's weight (e.g. its real example
+            count; a number or scalar tensor, >= 0). The result is
+            sum_r(w_r * v_r) / sum_r(w_r) (0 where every weight is 0), so
+            means over uneven batches weigh each example once.
+
+        Gradients (recorded on this replica's tapes): the transpose of a SUM
+        is a SUM of the cotangents over replicas, of a MEAN that sum / n
+        (jax.lax.psum/pmean's transposes). So the backward pass is itself a
+        collective: every replica must compute the gradient through it
+        (call `tape.gradient` on every replica, in the same order), inside
+        `strategy.run`; a tape on the main thread cannot differentiate
+        through a replica's all_reduce (use `strategy.reduce` there).
+
+        Raises:
+          ValueError: a bad reduce_op; `weight` with SUM; see above.
         """
         reduce_op = check_reduce_op(reduce_op)
         value = nest.map_structure(replica_operand, value)
-        return self.merge_call(_merge_all_reduce, args=(reduce_op, value))
+        if weight is not None:
+            if reduce_op != ReduceOp.MEAN:
+                raise ValueError("all_reduce(weight=...) weights a MEAN; use ReduceOp.MEAN, or multiply the "
+                                 "value by its weight yourself before a SUM")
+            return _weighted_mean(self, value, weight)
+        result = self.merge_call(_merge_all_reduce, args=(reduce_op, value))
+        n = self.num_replicas_in_sync
+        scale = None if reduce_op == ReduceOp.SUM else 1.0 / n
+        for x, y in zip(nest.flatten(value), nest.flatten(result)):
+            _record_collective(x, y, _AllReduceGrad(self._strategy, scale))
+        return result
 
     def all_gather(self, value, axis):
-        """Concatenates every replica's `value` along `axis`, in replica order.
+        """Concatenates every replica's `value` along `axis`, in replica order; differentiable.
 
-        Each replica gets its own result Tensor on its own device. A tensor
-        that is the same object on every replica contributes once per replica.
+        Args:
+          value: a nest of Tensors (or variables), same dtype and same shape
+            except along `axis` on every replica (sizes along `axis` may differ).
+          axis: the axis to concatenate along (negative counts from the end).
+
+        Returns:
+          The nest of gathered Tensors, each replica its own copy on its own
+          device. A tensor that is the same object on every replica
+          contributes once per replica.
+
+        The gradient is a reduce-scatter: replica r gets the sum over
+        replicas of the cotangent's slice that replica r contributed (every
+        replica must call `tape.gradient`, as for `all_reduce`).
         """
         value = nest.map_structure(replica_operand, value)
-        return self.merge_call(_merge_all_gather, args=(value, axis))
+        result, sizes = self.merge_call(_merge_all_gather, args=(value, axis))
+        for x, y, n in zip(nest.flatten(value), nest.flatten(result), sizes):
+            if n is None:  # this process holds one replica's value only: learn the others' sizes
+                n = self._all_sizes(int(convert_to_tensor(x).shape[axis]))
+            start = sum(n[:self._replica_id])
+            _record_collective(x, y, _AllGatherGrad(self._strategy, axis, start, n[self._replica_id]))
+        return result
+
+    def _all_sizes(self, size):
+        """Every replica's `size` (an int), by one SUM all-reduce of one-hot vectors."""
+        onehot = torch.zeros(self.num_replicas_in_sync, dtype=torch.float64, device=normalize_device(self.devices[0]))
+        onehot[self._replica_id] = size
+        (total,) = self._strategy.extended._all_reduce_flat(ReduceOp.SUM, [onehot])
+        return tuple(int(s) for s in total.tolist())
 
 
 def _merge_all_reduce(strategy, reduce_op, value):
@@ -95,12 +150,111 @@ def _merge_all_reduce(strategy, reduce_op, value):
 def _merge_all_gather(strategy, value, axis):
     n = strategy.num_replicas_in_sync
 
+    sizes = []  # per leaf: every replica's size along `axis` (for the reduce-scatter transpose)
+
     def gather(v):
         if not isinstance(v, DistributedValues):  # the same object on every replica
             v = PerReplica((v,) * n)
+        # every replica's size along `axis`, when this process holds every replica's value
+        sizes.append(tuple(int(convert_to_tensor(x).shape[axis]) for x in v.values) if len(v.values) == n else None)
         gathered = strategy.gather(v, axis)
         return Mirrored(cross_device_ops.broadcast(gathered, strategy.extended._destinations(gathered)))
-    return nest.map_structure(gather, value)
+    return nest.map_structure(gather, value), sizes
+
+
+def _weighted_mean(rctx, value, weight):
+    """sum_r(w_r v_r) / sum_r(w_r): two recorded SUMs (the weights are constants)."""
+    w = convert_to_tensor(weight)
+    if w.ndim:
+        raise ValueError(f"all_reduce weight must be a scalar (this replica's example count), got shape "
+                         f"{tuple(w.shape)}")
+    w = Tensor(w.torch().detach().to(torch.float64).clone())  # a fresh per-replica value, never watched
+    total_w = rctx.all_reduce(ReduceOp.SUM, w)
+
+    def weigh(v):
+        # where(): a zero-weight replica (an empty batch's NaN mean) adds 0, not NaN, and stays on
+        # the tape, so every replica's backward walk reaches the collective.
+        if v is None:
+            return None
+        wv = ops.to_device(ops.cast(w, v.dtype), v.device)
+        return ops.where(wv > 0, v, ops.zeros_like(v)) * wv
+    sums = rctx.all_reduce(ReduceOp.SUM, nest.map_structure(weigh, value))
+
+    def divide(s):
+        if s is None:
+            return None
+        den = ops.cast(total_w, s.dtype)
+        den = ops.to_device(den, s.device)
+        return s / ops.maximum(den, torch.finfo(s.dtype).tiny)
+    return nest.map_structure(divide, sums)
+
+
+# -- collectives on the tape ------------------------------------------------------------
+def _record_collective(x, y, grad):
+    """Records `y = collective(x)` on the tapes of this thread that watch `x`, with backward `grad`."""
+    if isinstance(x, Tensor) and isinstance(y, Tensor) and _tp.should_record((x,)):
+        _tp.record(grad, (x._id,), (x,), (y,), None)
+
+
+def replica_all_reduce_sum(strategy, x):
+    """The SUM over `strategy`'s replicas of `x` (a Tensor on this replica), recorded; its own transpose.
+
+    Runs on a replica thread of `strategy` (or its one inline replica);
+    every replica must call it, in the same order (it is a collective).
+    """
+    ext = _replica_extended(strategy, "the gradient of ReplicaContext.all_reduce/all_gather")
+    (total,) = ext._all_reduce_flat(ReduceOp.SUM, [x.torch().reshape(-1)])
+    y = Tensor(total.reshape(x.shape))
+    _record_collective(x, y, _AllReduceGrad(strategy, None))
+    return y
+
+
+def _replica_extended(strategy, what):
+    rctx = context.get_replica_context()
+    if rctx is None or rctx.strategy is not strategy:
+        raise RuntimeError(f"{what} is a collective across replicas and must run in a replica context of the "
+                           "same strategy: call tape.gradient inside strategy.run, on every replica (a tape on "
+                           "the main thread cannot differentiate through ReplicaContext.all_reduce/all_gather; "
+                           "reduce with strategy.reduce in the cross-replica context instead)")
+    return strategy.extended
+
+
+class _AllReduceGrad:
+    """Backward of an all-reduce: SUM of the cotangents over replicas (times `scale` for a MEAN)."""
+
+    __slots__ = ("strategy", "scale")
+    name = "AllReduce"
+
+    def __init__(self, strategy, scale):
+        self.strategy, self.scale = strategy, scale
+
+    def backward(self, dys, outputs, inputs, attrs, raw):
+        dy = dys[0]
+        g = replica_all_reduce_sum(self.strategy, Tensor(dy) if raw else dy)
+        if self.scale is not None:
+            g = g * self.scale
+        x = inputs[0]
+        if g.dtype != x.dtype:
+            g = ops.cast(g, x.dtype)
+        return [g.torch() if raw else g]
+
+
+class _AllGatherGrad:
+    """Backward of an all-gather: reduce-scatter (this replica's slice of the summed cotangent)."""
+
+    __slots__ = ("strategy", "axis", "start", "size")
+    name = "AllGather"
+
+    def __init__(self, strategy, axis, start, size):
+        self.strategy, self.axis, self.start, self.size = strategy, axis, start, size
+
+    def backward(self, dys, outputs, inputs, attrs, raw):
+        dy = dys[0]
+        total = replica_all_reduce_sum(self.strategy, Tensor(dy) if raw else dy)
+        index = [slice(None)] * total.ndim
+        index[self.axis] = slice(self.start, self.start + self.size)
+        g = total[tuple(index)]
+        return [g.torch() if raw else g]
 
 
 class StrategyExtended:
@@ -172,6 +326,48 @@ class StrategyExtended:
                 results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
         return Mirrored(results)
 
+    # -- the flat all-reduce interface (replica side) ------------------------------
+    # Gradient buckets, collectives on the tape and weighted means go through
+    # these two methods only, called on a replica's thread inside `run` by
+    # every replica in the same order. MirroredStrategy sums among its
+    # replica threads; a multi-process strategy overrides them with
+    # torch.distributed (dist.all_reduce(async_op=True) -> a handle).
+    def _all_reduce_flat_async(self, reduce_op, tensors):
+        """Launches an all-reduce of this replica's `tensors`; returns a handle at once.
+
+        Args:
+          reduce_op: ReduceOp.SUM or ReduceOp.MEAN (plain mean over replicas).
+          tensors: list of 1-D torch.Tensors on this replica's device (any
+            float dtypes; float16/bfloat16 accumulate in float32). Every
+            replica passes the same sizes and dtypes. Not modified; must not
+            be modified until the handle is waited on.
+
+        Returns:
+          A handle with `.wait(timeout=None) -> list of torch.Tensor` (the
+          reductions, same sizes/dtypes, on this replica's device,
+          bit-identical on every replica) and `.done() -> bool`. `wait`
+          raises the failing replica's error, or TimeoutError.
+
+        Raises:
+          RuntimeError: outside a replica context of this strategy.
+        """
+        rctx = context.get_replica_context()
+        if rctx is None or rctx.strategy is not self._strategy:
+            raise RuntimeError("an all-reduce across replicas must be launched inside strategy.run, "
+                               "on every replica")
+        coord = rctx._coordinator
+        if coord is not None:
+            group = cross_device_ops.thread_collectives(coord, self._devices)
+            return group.launch(rctx.replica_id_in_sync_group, reduce_op, tensors)
+        if self._strategy.num_replicas_in_sync != 1:
+            raise NotImplementedError(f"{type(self).__name__} must implement _all_reduce_flat_async "
+                                      "for more than one replica")
+        return cross_device_ops.DoneHandle(tensors)
+
+    def _all_reduce_flat(self, reduce_op, tensors):
+        """`_all_reduce_flat_async(reduce_op, tensors).wait()`: the reduced list, blocking."""
+        return self._all_reduce_flat_async(reduce_op, tensors).wait()
+
     def reduce_to(self, reduce_op, value, destinations=None):
         """Reduces a PerReplica value to a Mirrored value (one copy per device)."""
         return self._reduce_to_mirrored(check_reduce_op(reduce_op), value)
@@ -230,7 +426,7 @@ class Strategy:
         """Runs `fn(*args, **kwargs)` once per replica; returns PerReplica results (or the value for one replica)."""
         raise NotImplementedError
 
-    def reduce(self, reduce_op, value, axis=None):
+    def reduce(self, reduce_op, value, axis=None, weights=None):
         """Reduces a per-replica value to one tensor (cross-replica context).
 
         Args:
@@ -241,6 +437,11 @@ class Strategy:
             single replica.
           axis: None, or an axis (or axes) of each value to reduce as well;
             MEAN over an axis averages over all examples of all replicas.
+          weights: MEAN only, with axis=None: one weight per replica (a
+            PerReplica, or a list/tuple of numbers, e.g. each replica's
+            real example count): the result is sum_r(w_r v_r) / sum_r(w_r)
+            (0 if every weight is 0), so a mean of per-replica means over
+            uneven batches equals the mean over all examples.
 
         Returns:
           A dtape.Tensor of the values' dtype on the first replica's device
@@ -252,6 +453,8 @@ class Strategy:
             replica (as TF), naming the fixes; values of different shapes.
         """
         reduce_op = check_reduce_op(reduce_op)
+        if weights is not None:
+            return self._weighted_mean(reduce_op, value, axis, weights)
         if axis is None:
             return self._extended._reduce(reduce_op, value)
         if not isinstance(value, DistributedValues):
@@ -265,6 +468,27 @@ class Strategy:
         if reduce_op == ReduceOp.MEAN:
             total = total / max(sum(_count(v, axis) for v in values), 1)
         return cross_device_ops.narrow(total, dtype)
+
+    def _weighted_mean(self, reduce_op, value, axis, weights):
+        """sum_r(w_r v_r) / sum_r(w_r), recorded (the weights are constants); reductions via `_reduce`."""
+        if reduce_op != ReduceOp.MEAN or axis is not None:
+            raise ValueError("strategy.reduce(weights=...) weights a MEAN with axis=None; use ReduceOp.MEAN "
+                             "(reduce over an axis already counts every example)")
+        ws = weights.values if isinstance(weights, DistributedValues) else (
+            tuple(weights) if isinstance(weights, (list, tuple)) else (weights,))
+        n_local = len(self._extended.worker_devices)  # the replicas whose values this process holds
+        if len(ws) != n_local:
+            raise ValueError(f"strategy.reduce got {len(ws)} weights for {n_local} replicas; give one per replica "
+                             "(a PerReplica, e.g. what `run` returned, or a list)")
+        ws = [float(convert_to_tensor(w).torch()) for w in ws]
+        values = value.values if isinstance(value, DistributedValues) else (value,) * n_local
+        values = [convert_to_tensor(v) for v in values]
+        # a zero weight (an empty batch, whose mean is NaN) contributes zeros
+        total = self._extended._reduce(ReduceOp.SUM, PerReplica(tuple(
+            v * w if w > 0 else ops.zeros_like(v) for v, w in zip(values, ws))))
+        w_total = self._extended._reduce(ReduceOp.SUM, PerReplica(tuple(
+            Tensor(torch.tensor(w, dtype=torch.float64)) for w in ws)))
+        return total / max(float(w_total.torch()), torch.finfo(total.dtype).tiny)
 
     def gather(self, value, axis):
         """Concatenates the per-replica values along `axis` on the first device."""

@@ -30,6 +30,7 @@ import ctypes
 import queue
 import threading
 import time
+import weakref
 
 from dtape import tape as _tp
 from dtape import variables
@@ -133,15 +134,30 @@ def _serve(jobs):
             continue  # an asynchronous abort that arrived after its job had ended
 
 
+# Process-wide: every replica thread started, so that exit can wait for them (weak: dead ones go).
+_all_threads = weakref.WeakSet()
+
+
 @atexit.register
 def _stop_running_replicas():
-    """At exit: aborts replica jobs still running and waits briefly, so none is inside torch at finalization."""
+    """At exit: aborts replica jobs still running, stops idle replica threads, and waits briefly.
+
+    No replica thread may be inside torch, or still exiting (tearing down its
+    thread-local torch state), once the interpreter finalizes: that aborts the
+    process with "terminate called without an active exception". Runs after
+    the strategies' own finalizers (atexit is last-in, first-out).
+    """
     with _running_lock:
-        threads = list(_running.values())
-    for t in threads:
+        running = list(_running.values())
+    for t in running:
         _raise_async(t.ident, StepAborted)
+    replicas = [t for t in list(_all_threads) if t.is_alive()]
+    for t in replicas:
+        t.stop()
     deadline = time.monotonic() + _INTERRUPT_GRACE_S
-    for t in threads:
+    for t in running:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for t in replicas:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
@@ -155,6 +171,7 @@ class ReplicaThread:
         self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=f"dtape-replica-{replica_id}",
                                         daemon=True)
         self._thread.start()
+        _all_threads.add(self)
 
     def submit(self, job):
         self._jobs.put(job)
@@ -166,6 +183,9 @@ class ReplicaThread:
     def join(self, timeout):
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def is_alive(self):
+        return self._thread.is_alive()
 
 
 class ReplicaPool:

@@ -342,7 +342,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 e._dtape_noted = True
             self._comm.publish_error(e)
 
-    def reduce(self, reduce_op, value, axis=None):
+    def reduce(self, reduce_op, value, axis=None, weights=None):
         """Reduces this worker's value with every other worker's (a collective).
 
         Args:
@@ -351,6 +351,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             same shape on every worker (except along `axis`).
           axis: None, or an axis (or axes) to reduce as well; MEAN over an
             axis divides by the examples of every worker (uneven ok).
+          weights: MEAN only, axis None: this worker's weight (e.g. its
+            example count); the result is sum_r(w_r v_r) / sum_r(w_r).
 
         Returns:
           A dtape.Tensor on this worker's device (float16/bfloat16
@@ -358,6 +360,8 @@ class MultiWorkerMirroredStrategy(Strategy):
           on tapes.
         """
         reduce_op = check_reduce_op(reduce_op)
+        if weights is not None:  # this worker's weight: sum_r(w_r v_r) / sum_r(w_r) across workers
+            return self._weighted_mean(reduce_op, value, axis, weights)
         if axis is None:
             return self._extended._reduce(reduce_op, value)
         local = _local_tensor(value)
@@ -493,6 +497,18 @@ class _WorkerExtended(StrategyExtended):
             total = total / (n_local * self._strategy.num_replicas_in_sync)
         return Tensor(total.to(local.dtype))
 
+    def _all_reduce_flat_async(self, reduce_op, tensors):
+        """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
+
+        StrategyExtended's flat interface (gradient buckets, collectives on the
+        tape): 1-D tensors on this worker's device, the same sizes on every
+        worker, launched in the same order; float16/bfloat16 accumulate in
+        float32. `handle.wait()` fails fast naming a failed rank, as every collective.
+        """
+        pending = [self._strategy._comm.all_reduce_async(_widen(t)) for t in tensors]
+        scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
+        return _FlatHandle(pending, tensors, scale)
+
     def batch_reduce_to(self, reduce_op, value_destination_pairs):
         """Reduces many values with one all-reduce per accumulation dtype (flattened, concatenated).
 
@@ -515,6 +531,24 @@ class _WorkerExtended(StrategyExtended):
             for i, part in zip(idx, flat.split([locals_[i].torch().numel() for i in idx])):
                 out[i] = Mirrored((Tensor(part.view(locals_[i].shape).to(locals_[i].dtype)),))
         return out
+
+
+class _FlatHandle:
+    """Pending all-reduces of one flat launch: `wait()` gives the results in the tensors' dtypes and devices."""
+
+    def __init__(self, pending, tensors, scale):
+        self._pending, self._tensors, self._scale, self._result = pending, tensors, scale, None
+
+    def done(self):
+        return self._result is not None
+
+    def wait(self, timeout=None):
+        if self._result is None:
+            out = [p.wait() for p in self._pending]
+            if self._scale is not None:
+                out = [o * self._scale for o in out]
+            self._result = [o.to(t.device, t.dtype) for o, t in zip(out, self._tensors)]
+        return self._result
 
 
 def _widen(t):

@@ -84,6 +84,10 @@ class DistributedVariable(DistributedValues):
         super().__init__(components)
         self._distribute_strategy = strategy
         self._aggregation = aggregation
+        # Makes a write of several components one step: two threads writing every component
+        # can otherwise interleave per component and leave them different. Taken before any
+        # component's own lock, never while waiting for other replicas (merge_call happens outside).
+        self._write_lock = threading.RLock()
         for c in components:
             c._distributed_container = self
         _register(strategy, self)
@@ -169,8 +173,10 @@ class MirroredVariable(DistributedVariable):
     Reads in a replica context give that replica's component; in the
     cross-replica context, the primary component (and the access watches
     every component). Writes in the cross-replica context go to every
-    component; in a replica context they go through the variable's
-    aggregation (NONE is an error). Source: tf.distribute MirroredVariable.
+    component, as one atomic step (concurrent writers from several threads
+    leave the components equal: one writer's value); in a replica context
+    they go through the variable's aggregation (NONE is an error).
+    Source: tf.distribute MirroredVariable.
     """
 
     def read_value(self):
@@ -194,8 +200,9 @@ class MirroredVariable(DistributedVariable):
             return self
         if isinstance(value, DistributedValues):
             value = value.values[0]
-        for c in self._values:
-            getattr(c, method)(value)
+        with self._write_lock:
+            for c in self._values:
+                getattr(c, method)(value)
         return self
 
     def _write_from_replica(self, method, value):
@@ -269,8 +276,9 @@ class SyncOnReadVariable(DistributedVariable):
             parts = split_sum(self._values[0]._coerce(value, method), len(self._values))
         else:
             parts = (value,) * len(self._values)
-        for c, part in zip(self._values, parts):
-            getattr(c, method)(part)
+        with self._write_lock:
+            for c, part in zip(self._values, parts):
+                getattr(c, method)(part)
         return self
 
 

@@ -46,14 +46,6 @@ def _wait_until(pred, timeout=5.0):
     return pred()
 
 
-@pytest.fixture
-def fast_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 # -- close, context manager, garbage collection ---------------------------------

@@ -4,7 +4,6 @@ Also: a model built lazily inside `run` gets the same weights from run to run
 (initial values drawn once, in the merge, from the caller's generator).
 Concurrency tests force interleaving with sys.setswitchinterval(1e-6).
 """
-import sys
 
 import numpy as np
 import pytest
@@ -20,14 +19,6 @@ from dtape.tensor import current_device, normalize_device
 DEVICES = ["cpu:0", "cpu:1"]
 
 
-@pytest.fixture
-def switch_often():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _strategy(seed=0, devices=DEVICES):
@@ -195,7 +186,7 @@ def _train_with_dropout(seed, steps=4):
     return losses
 
 
-def test_identically_seeded_mirrored_runs_with_dropout_give_bit_identical_losses(switch_often):
+def test_identically_seeded_mirrored_runs_with_dropout_give_bit_identical_losses(fast_switching):
     a, b = _train_with_dropout(seed=5), _train_with_dropout(seed=5)
     assert a == b
     assert a != _train_with_dropout(seed=6)  # the masks do matter
@@ -207,7 +198,7 @@ def _lazy_model():
     return layers.Sequential([layers.Dense(8, "relu"), layers.Dense(3), layers.LayerNormalization()])
 
 
-def test_lazy_build_inside_run_is_deterministic_and_equals_building_outside(switch_often):
+def test_lazy_build_inside_run_is_deterministic_and_equals_building_outside(fast_switching):
     x = np.ones((4, 5), np.float32)
     torch.manual_seed(123)
     ref = _lazy_model()

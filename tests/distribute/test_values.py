@@ -1,11 +1,14 @@
 """Reductions that cannot depend on object identity, SyncOnRead in the cross-replica context,
 low-precision accumulation, per-replica collective results, and the standard loop on every strategy."""
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 import dtape
 from dtape import distribute as ds
+from _interleave import interleaved
 
 SUM, MEAN = ds.ReduceOp.SUM, ds.ReduceOp.MEAN
 AGG = dtape.VariableAggregation
@@ -321,3 +324,56 @@ def test_mixed_devices_reductions_copy_to_the_destination():
         assert float(v.read_value()) == 10.0
     half = ds.PerReplica((_c([BIG], F16), dtape.constant(torch.tensor([BIG], dtype=F16, device=cuda))))
     assert float(strategy.reduce(MEAN, half)) == BIG
+
+
+# -- writes of every component are atomic ------------------------------------------------
+def _race(writers, timeout=5):
+    """Runs the writers on threads under forced interleaving; re-raises the first error."""
+    errors = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # reported on the main thread
+                errors.append(e)
+        return run
+
+    with interleaved(seed=0):
+        threads = [threading.Thread(target=guarded(w), daemon=True) for w in writers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a writer hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "sync_on_read_mean"])
+def test_concurrent_cross_replica_writes_leave_components_identical(kind):
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2", "cpu:3"], timeout=10)
+    with strategy.scope():
+        if kind == "mirrored":
+            var = dtape.Variable(torch.zeros(2))
+        else:
+            var = dtape.Variable(torch.zeros(2), synchronization=dtape.VariableSynchronization.ON_READ,
+                                 aggregation=AGG.MEAN)
+    for trial in range(25):
+        _race([lambda v=float(i): [var.assign(torch.full((2,), v)) for _ in range(5)] for i in range(4)])
+        comps = [c.numpy() for c in var.values]
+        for c in comps[1:]:
+            np.testing.assert_array_equal(c, comps[0], err_msg=f"trial {trial}: components {comps}")
+        var.assign_add(torch.ones(2))       # and a read-modify-write keeps them equal too
+
+
+def test_gradient_with_respect_to_components_is_each_components_own():
+    """Seed 2's total derivative is for the container; a component passed as a source gets its own
+    gradient (found while writing the docs: each component got the container's total)."""
+    with dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"], timeout=10) as strategy:
+        with strategy.scope():
+            v = dtape.Variable(1.0)
+        with dtape.GradientTape() as tape:
+            total = strategy.reduce("SUM", strategy.run(lambda: v * 3.0), axis=None)
+        by_component = tape.gradient(total, list(v.values) + [v])
+    assert [float(g) for g in by_component] == [3.0, 3.0, 6.0]

@@ -24,7 +24,10 @@ FAULTS = {  # fault -> (what rank 0 must print, what rank 1 must print)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_fault_on_rank1_fails_every_worker_naming_rank1(fault, tmp_path):
-    args = _launch.torchrun_args(tmp_path / "logs") + [os.path.join(_launch.HERE, "worker_faults.py")]
+    # torchrun checks its workers every 2 s here: rank 0 must report the failure itself, before the
+    # launcher's SIGTERM (at 0.1 s, a loaded machine sometimes let torchrun win the race after SIGKILL).
+    args = _launch.torchrun_args(tmp_path / "logs", extra=("--monitor-interval", "2")) + \
+        [os.path.join(_launch.HERE, "worker_faults.py")]
     rc, output, seconds = _launch.run(args, _launch.worker_env(timeout=10, DTAPE_TEST_FAULT=fault), timeout=60)
     logs = _launch.rank_logs(tmp_path / "logs")
     assert rc != 0, output[-2000:]

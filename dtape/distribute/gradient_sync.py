@@ -1,0 +1,444 @@
+"""Bucketed gradient all-reduce, overlapped with the backward walk; uneven batches; accumulation.
+
+How the overlap works (DDP's reducer, on the tape):
+
+* `GradientTape(gradient_sync=GradientSync())` in a replica context of a
+  strategy with more than one replica opens a session at `tape.gradient`.
+  The session lays the float sources out in buckets of about
+  `bucket_cap_mb` (flattened, one dtype per bucket) in order of readiness:
+  the first call for a list of sources uses reverse source order (DDP's
+  guess) and records the order in which the walk finishes them; replica
+  0's order is then shared with every replica (one small all-reduce, once)
+  and later calls bucket in it (DDP's bucket rebuild). The layout depends
+  only on the sources' shapes and that agreed order, so every replica
+  builds the same buckets.
+* The backward walk tells the session when a source's gradient is final
+  (the walk has processed its last consumer record; `backprop._Readiness`).
+  The session copies it into its bucket; once every member of a bucket is
+  in, and every earlier bucket has been launched, it launches that bucket's
+  all-reduce asynchronously (`strategy.extended._all_reduce_flat_async`)
+  and the walk goes on. Buckets are launched in bucket order on every
+  replica, so the k-th collective of every replica is the same bucket.
+* A source with no gradient on this replica (None: not connected here)
+  goes into its bucket as zeros, with a presence flag of 0. Each bucket
+  carries one presence flag per member, summed with it: a variable is
+  None after the reduction only if it is None on every replica. So
+  replicas agree without scanning the graph and without a hang (no DDP
+  `find_unused_parameters`).
+* `tape.gradient` returns the local gradients (TF semantics, exactly).
+  `optimizer.apply_gradients` in a replica context uses the launched
+  reductions only if every gradient it is given is the very object
+  `tape.gradient` returned for that variable (an identity check; None
+  included); otherwise (clipped, scaled, accumulated gradients) it reduces
+  what it is given afresh, bucketed the same way: one reduction per bucket,
+  not per variable.
+
+Every replica must call `tape.gradient` with the same sources, and
+`apply_gradients` with the same variables, in the same order: they are
+collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix.
+
+Source: torch.nn.parallel.DistributedDataParallel's reducer (buckets,
+readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
+"""
+import threading
+
+import torch
+
+from dtape import _config, ops
+from dtape import tape as _tp
+from dtape.distribute import context
+from dtape.distribute.cross_device_ops import accumulation_dtype
+from dtape.distribute.reduce_util import ReduceOp
+from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def _check_cap(bucket_cap_mb):
+    cap = float(bucket_cap_mb)
+    if not cap > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r}")
+    return int(cap * 2**20)
+
+
+class GradientSync:
+    """Opt-in: start the gradient all-reduce during `tape.gradient`'s backward walk.
+
+    Args:
+      bucket_cap_mb: megabytes (2**20 bytes) of gradients per bucket (default
+        25, as DDP). Smaller buckets start earlier; larger ones make fewer
+        collectives.
+      order: "readiness" (default): the first `tape.gradient` call for a
+        given list of sources buckets them in reverse source order and
+        records the order in which the walk finished them; replica 0's order
+        is shared with every replica (one small all-reduce, once) and later
+        calls bucket in that order (DDP's bucket rebuild). "reverse": always
+        reverse source order, no extra all-reduce.
+
+    Use it as `dtape.GradientTape(gradient_sync=dtape.distribute.GradientSync())`
+    inside `strategy.run`; then `optimizer.apply_gradients(zip(grads, vars))`
+    waits for the launched reductions instead of reducing again. Outside a
+    replica context, or with one replica, it does nothing. One object may
+    serve every replica and every step. See the module docstring for the
+    design and its rules (every replica calls `tape.gradient` with the same
+    sources).
+
+    Raises:
+      ValueError: a non-positive bucket_cap_mb, or an unknown order.
+    """
+
+    def __init__(self, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, order="readiness"):
+        if order not in ("readiness", "reverse"):
+            raise ValueError(f"GradientSync order must be 'readiness' or 'reverse', got {order!r}")
+        self.bucket_cap_bytes = _check_cap(bucket_cap_mb)
+        self.order = order
+        self._lock = threading.Lock()
+        self._orders = {}  # (strategy id, replica id, sources' shapes and dtypes) -> agreed readiness order
+
+    def start(self, sources):
+        """The tape's hook: a session for one `tape.gradient` call, or None (nothing to synchronise)."""
+        rctx = context.get_replica_context()
+        if rctx is None or rctx.num_replicas_in_sync == 1:
+            return None
+        sources = list(sources)
+        key = (id(rctx.strategy), rctx.replica_id_in_sync_group,
+               tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
+        order, learn = None, None
+        if self.order == "readiness":
+            with self._lock:
+                order = self._orders.get(key)
+            if order is None:
+                learn = (self._learned, key, rctx.replica_id_in_sync_group)
+        return _Session(rctx.strategy.extended, sources, self.bucket_cap_bytes, order, learn)
+
+    def _learned(self, key, order):
+        with self._lock:
+            self._orders[key] = order
+
+
+# -- bucket layout ----------------------------------------------------------------------
+class _Bucket:
+    """Members (index, offset, numel, shape, dtype) laid out in one flat buffer, then one presence flag each."""
+
+    __slots__ = ("dtype", "device", "members", "numel")
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device, self.members, self.numel = dtype, device, [], 0
+
+    def add(self, index, shape, dtype):
+        n = 1
+        for d in shape:
+            n *= int(d)
+        self.members.append((index, self.numel, n, tuple(shape), dtype))
+        self.numel += n
+
+    def size(self):
+        return self.numel + len(self.members)
+
+
+def plan_buckets(items, cap_bytes):
+    """Buckets for `items` = [(index, shape, dtype, device)], filled in the given order.
+
+    One accumulation dtype and device per bucket; a bucket is closed once it
+    holds `cap_bytes` (a larger item gets a bucket of its own). Depends only
+    on the items, so every replica computes the same layout.
+    """
+    open_, out = {}, []
+    for index, shape, dtype, device in items:
+        acc = accumulation_dtype(dtype)
+        key = (acc, device)
+        bucket = open_.get(key)
+        if bucket is None:
+            bucket = open_[key] = _Bucket(acc, device)
+            out.append(bucket)
+        bucket.add(index, shape, dtype)
+        if bucket.numel * bucket.dtype.itemsize >= cap_bytes:
+            del open_[key]
+    return out
+
+
+def _fill(buf, member, g):
+    """Writes gradient `g` (torch/dtape tensor or None) and its presence flag into `buf`."""
+    index, offset, n, shape, dtype = member
+    if g is not None:
+        t = g.torch() if isinstance(g, Tensor) else g
+        if t.dtype != dtype:  # as tape.gradient's result: cast to the source's dtype first
+            t = t.to(dtype)
+        buf[offset:offset + n].copy_(t.reshape(-1))
+
+
+def _unpack(bucket, reduced):
+    """{index: reduced Tensor, or None where no replica had a gradient} for one bucket."""
+    present = reduced[bucket.numel:].tolist()  # one host read per bucket, after the reduction
+    out = {}
+    for (index, offset, n, shape, dtype), count in zip(bucket.members, present):
+        out[index] = Tensor(reduced[offset:offset + n].reshape(shape).to(dtype)) if count > 0 else None
+    return out
+
+
+def _launch(ext, bucket, grads_by_index):
+    """Flattens a bucket's gradients and launches its all-reduce (SUM); returns the handle."""
+    buf = torch.zeros(bucket.size(), dtype=bucket.dtype, device=bucket.device)
+    flags = []
+    for member in bucket.members:
+        g = grads_by_index.get(member[0])
+        _fill(buf, member, g)
+        flags.append(0.0 if g is None else 1.0)
+    buf[bucket.numel:] = torch.tensor(flags, dtype=bucket.dtype)
+    return ext._all_reduce_flat_async(ReduceOp.SUM, [buf])
+
+
+def _float_items(values_and_refs, order=None):
+    """[(index, shape, dtype, device)] for the float entries: in `order` (indices), else reversed (DDP's guess)."""
+    items = []
+    for j, ref in enumerate(values_and_refs):
+        dtype = getattr(ref, "dtype", None)
+        if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+            items.append((j, tuple(ref.shape), dtype, normalize_device(ref.device)))
+    if order is None:
+        return items[::-1]
+    rank = {j: p for p, j in enumerate(order)}
+    return sorted(items, key=lambda item: rank[item[0]])
+
+
+# -- the session of one tape.gradient call ----------------------------------------------
+class _Session:
+    """Buckets of one `tape.gradient` call on one replica: filled during the walk, launched in order."""
+
+    def __init__(self, ext, sources, cap_bytes, order=None, learn=None):
+        self.cap_bytes = cap_bytes
+        self._ext = ext
+        self._sources = sources
+        self._learn = learn
+        self._seen = []  # float sources in the order the walk finished them
+        self._buckets = plan_buckets(_float_items(sources, order), cap_bytes)
+        self._where = {m[0]: b for b, bucket in enumerate(self._buckets) for m in bucket.members}
+        self._left = [len(b.members) for b in self._buckets]
+        self._grads = [{} for _ in self._buckets]
+        self._handles = [None] * len(self._buckets)
+        self._results = [None] * len(self._buckets)
+        self._next = 0
+
+    def ready(self, j, g):
+        """The walk's hook: source j's gradient is final."""
+        b = self._where.get(j)
+        if b is None or j in self._grads[b]:
+            return
+        self._grads[b][j] = g
+        self._seen.append(j)
+        self._left[b] -= 1
+        while self._next < len(self._buckets) and self._left[self._next] == 0:
+            b = self._next
+            self._handles[b] = _launch(self._ext, self._buckets[b], self._grads[b])
+            self._grads[b] = {j: None for j in self._grads[b]}  # the buffer holds the values now
+            self._next += 1
+
+    def finish(self, grads):
+        """After the walk: launches what is left, and registers the returned gradients for apply_gradients."""
+        for j, g in enumerate(grads):
+            if j in self._where:
+                self.ready(j, g)
+        registry = _registry()
+        for j, src in enumerate(self._sources):
+            if j in self._where:
+                registry[id(src)] = _Entry(src, grads[j], self, j)
+        if self._learn is not None:
+            self._agree_order()
+
+    def _agree_order(self):
+        """Replica 0's readiness order, on every replica (one SUM all-reduce: the others add zeros)."""
+        remember, key, replica_id = self._learn
+        if not self._seen:  # no float source (the same on every replica): nothing to agree on
+            remember(key, [])
+            return
+        device = self._buckets[0].device
+        seen = torch.tensor(self._seen if replica_id == 0 else [0] * len(self._seen), dtype=torch.float64,
+                            device=device)
+        (agreed,) = self._ext._all_reduce_flat(ReduceOp.SUM, [seen])
+        remember(key, [int(j) for j in agreed.tolist()])
+
+    def reduced(self, j, timeout):
+        b = self._where[j]
+        if self._results[b] is None:
+            (buf,) = self._handles[b].wait(timeout)
+            self._results[b] = _unpack(self._buckets[b], buf)
+        return self._results[b][j]
+
+
+class _Entry:
+    """What tape.gradient returned for one source, and where its reduction is."""
+
+    __slots__ = ("source", "grad", "session", "index")
+
+    def __init__(self, source, grad, session, index):
+        self.source, self.grad, self.session, self.index = source, grad, session, index
+
+
+class _Registry(threading.local):
+    entries = None
+
+
+_local = _Registry()  # per replica thread: id(source) -> _Entry of the latest synced tape.gradient
+
+
+def _registry():
+    if _local.entries is None:
+        _local.entries = {}
+    return _local.entries
+
+
+# -- the reduction apply_gradients uses --------------------------------------------------
+def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
+    """Sums (gradient, variable) pairs over the replicas; called on every replica, in a replica context.
+
+    Args:
+      pairs: list of (gradient or None, variable); the same variables, in
+        the same order, on every replica.
+      bucket_cap_mb: bucket size for gradients reduced here; default: that
+        of the GradientSync that computed these variables' latest gradients
+        on this replica, else 25.
+      timeout: seconds to wait for each reduction (default: the strategy's).
+
+    Returns:
+      A list of (reduced gradient or None, variable): the sum over replicas
+      (a replica's None counts as zeros), bit-identical on every replica, on
+      this replica's device; None only where every replica had None.
+
+    If every gradient is the object a `GradientTape(gradient_sync=...)`
+    returned for that variable on this replica (None included), the
+    reductions launched during its walk are used; otherwise the gradients
+    are reduced here, one all-reduce per bucket.
+    """
+    rctx = context.get_replica_context()
+    timeout = timeout if timeout is not None else _timeout(rctx.strategy)
+    registry = _registry()
+    entries = [registry.get(id(v)) for _, v in pairs]
+    if pairs and all(e is not None and e.source is v and e.grad is g for e, (g, v) in zip(entries, pairs)):
+        for _, v in pairs:
+            registry.pop(id(v), None)
+        return [(e.session.reduced(e.index, timeout), v) for e, (_, v) in zip(entries, pairs)]
+    if bucket_cap_mb is not None:
+        cap = _check_cap(bucket_cap_mb)
+    else:
+        cap = next((e.session.cap_bytes for e in entries if e is not None), _check_cap(DEFAULT_BUCKET_CAP_MB))
+    return _reduce_fresh(rctx.strategy.extended, pairs, cap, timeout)
+
+
+def _reduce_fresh(ext, pairs, cap_bytes, timeout):
+    refs = [v for _, v in pairs]
+    buckets = plan_buckets(_float_items(refs), cap_bytes)
+    grads = {j: g for j, (g, _) in enumerate(pairs)}
+    handles = [_launch(ext, b, {m[0]: grads[m[0]] for m in b.members}) for b in buckets]
+    out = [None] * len(pairs)
+    for bucket, handle in zip(buckets, handles):
+        (buf,) = handle.wait(timeout)
+        for j, g in _unpack(bucket, buf).items():
+            out[j] = g
+    return [(g, v) for g, (_, v) in zip(out, pairs)]
+
+
+def _timeout(strategy):
+    return getattr(strategy, "_timeout", None) or _config.DISTRIBUTE_TIMEOUT_S
+
+
+# -- uneven batches ----------------------------------------------------------------------
+def compute_average_loss(per_example_loss, global_batch_size=None):
+    """The sum of this replica's per-example losses divided by the global batch size.
+
+    Args:
+      per_example_loss: Tensor of shape [b, ...] (b may be 0 on a replica
+        whose slice of a short batch is empty).
+      global_batch_size: the number of examples in the global batch; default
+        (None): the real count, summed over the replicas (one small
+        all-reduce), so uneven and short last batches weigh every example
+        once: summing every replica's gradient of this loss gives the
+        gradient of the mean loss over the global batch, as on one device.
+
+    Returns:
+      A scalar Tensor (differentiable w.r.t. the losses).
+
+    Source: tf.nn.compute_average_loss (whose default, per-replica batch
+    times replicas, is wrong for uneven batches; this one counts).
+    """
+    loss = convert_to_tensor(per_example_loss)
+    total = ops.reduce_sum(loss)
+    if global_batch_size is None:
+        count = loss.shape[0] if loss.ndim else 1
+        rctx = context.get_replica_context()
+        if rctx is not None and rctx.num_replicas_in_sync > 1:
+            with _tp.stop_recording():
+                count = rctx.all_reduce(ReduceOp.SUM, Tensor(torch.tensor(float(count), dtype=torch.float64)))
+            count = float(count.torch())
+        global_batch_size = count
+    return total / max(float(global_batch_size), 1.0)
+
+
+# -- gradient accumulation ---------------------------------------------------------------
+class GradientAccumulator:
+    """Sums gradients over micro-batches on each replica, with no communication.
+
+    `accumulate(grads_and_vars)` adds one micro-batch's local gradients;
+    `grads_and_vars()` gives the sums, for one
+    `optimizer.apply_gradients(...)`: one all-reduce per bucket per k
+    micro-batches. Scale the micro-batch losses so that the sum is the
+    gradient you want (e.g. `compute_average_loss(l, global_batch_size=k * N)`).
+    Each replica keeps its own sums (safe with mirrored variables: one
+    accumulator can be shared by the replicas of `strategy.run`).
+
+    Raises (accumulate):
+      ValueError: variables that differ from the first micro-batch's.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state = {}  # replica id -> (variables, [sum or None], steps)
+
+    def _replica(self):
+        rctx = context.get_replica_context()
+        return 0 if rctx is None else rctx.replica_id_in_sync_group
+
+    def accumulate(self, grads_and_vars):
+        """Adds (gradient or None, variable) pairs to this replica's sums (not recorded)."""
+        pairs = list(grads_and_vars)
+        r = self._replica()
+        with self._lock:
+            state = self._state.get(r)
+        variables = [v for _, v in pairs]
+        if state is None:
+            state = (variables, [None] * len(pairs), 0)
+        elif len(state[0]) != len(variables) or any(a is not b for a, b in zip(state[0], variables)):
+            raise ValueError("GradientAccumulator.accumulate got other variables than on the first micro-batch; "
+                             "pass the same variables, in the same order, every time (or call reset())")
+        sums = list(state[1])
+        with _tp.stop_recording():
+            for k, (g, _) in enumerate(pairs):
+                if g is None:
+                    continue
+                t = convert_to_tensor(g).torch()
+                sums[k] = t.clone() if sums[k] is None else sums[k] + t
+        with self._lock:
+            self._state[r] = (variables, sums, state[2] + 1)
+
+    def grads_and_vars(self):
+        """This replica's [(summed gradient as a Tensor, or None, variable)]."""
+        with self._lock:
+            state = self._state.get(self._replica())
+        if state is None:
+            return []
+        return [(None if s is None else Tensor(s), v) for s, v in zip(state[1], state[0])]
+
+    @property
+    def step(self):
+        """Micro-batches accumulated on this replica since the last reset."""
+        with self._lock:
+            state = self._state.get(self._replica())
+        return 0 if state is None else state[2]
+
+    def reset(self):
+        """Forgets this replica's sums."""
+        with self._lock:
+            self._state.pop(self._replica(), None)
+
+
+__all__ = ["GradientSync", "GradientAccumulator", "compute_average_loss", "reduce_gradients", "plan_buckets",
+           "DEFAULT_BUCKET_CAP_MB"]

@@ -1,0 +1,287 @@
+"""GradientSync: bucketed gradient all-reduce launched during the backward walk; apply_gradients' reduction."""
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import dtape
+from dtape.distribute import GradientSync, MirroredStrategy, ReduceOp
+from dtape.distribute.gradient_sync import plan_buckets, reduce_gradients
+
+TINY_MB = 1e-9  # every variable in a bucket of its own
+N_VARS = 6      # 3 Dense layers
+
+
+_made = []  # strategies made by the current test: closed after it (their replica threads stop)
+
+
+@pytest.fixture(autouse=True)
+def _interleave(fast_switching):
+    yield
+    while _made:
+        _made.pop().close()
+
+
+def _strategy(n=2):
+    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5))
+    return _made[-1]
+
+
+def _model(strategy, dtype=torch.float32):
+    with strategy.scope():
+        return dtape.layers.Sequential([
+            dtape.layers.Dense(16, "tanh", input_dim=5, seed=1, dtype=dtype),
+            dtape.layers.Dense(16, "tanh", input_dim=16, seed=2, dtype=dtype),
+            dtape.layers.Dense(3, input_dim=16, seed=3, dtype=dtype)])
+
+
+def _rid():
+    return dtape.distribute.get_replica_context().replica_id_in_sync_group
+
+
+def _batch(r, step=0, dtype=torch.float32):
+    rng = np.random.default_rng(100 * step + r)
+    return dtape.constant(rng.normal(size=(4, 5)), dtype=dtype), dtape.constant(rng.normal(size=(4, 3)), dtype=dtype)
+
+
+def _loss(model, x, y):
+    # The L2 term reads every variable again: several consumer records each, so a gradient is final
+    # only after the last of them (the readiness rule under test).
+    l2 = dtape.add_n([dtape.reduce_sum(v * v) for v in model.trainable_variables])
+    return dtape.reduce_mean((model(x) - y) ** 2) + 1e-2 * l2
+
+
+def _count_launches(strategy):
+    """Wraps the strategy's flat all-reduce: records (replica id, launched inside the backward walk)."""
+    ext = strategy.extended
+    orig = ext._all_reduce_flat_async
+    calls = []
+
+    def counting(reduce_op, tensors):
+        f, inside = sys._getframe(), False
+        while f is not None and not inside:
+            inside, f = f.f_code.co_name == "_walk", f.f_back
+        calls.append((_rid(), inside))
+        return orig(reduce_op, tensors)
+    ext._all_reduce_flat_async = counting
+    return calls
+
+
+def _per_replica(calls, n):
+    return [sum(1 for r, _ in calls if r == i) for i in range(n)]
+
+
+def _values(model):
+    return [[c.numpy().copy() for c in v.values] for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("cap_mb,n_buckets", [(25.0, 1), (TINY_MB, N_VARS)])
+def test_synced_reduction_equals_per_variable_reduction_exactly(cap_mb, n_buckets):
+    strategy = _strategy(3)
+    model = _model(strategy)
+    calls = _count_launches(strategy)
+
+    def fn():
+        x, y = _batch(_rid())
+        with dtape.GradientTape(gradient_sync=GradientSync(cap_mb, order="reverse")) as tape:
+            loss = _loss(model, x, y)
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        launched = dtape.constant(len([c for c in calls if c[0] == _rid()]))
+        reduced = [g for g, _ in reduce_gradients(list(zip(grads, variables)))]
+        ref = dtape.distribute.get_replica_context().merge_call(
+            lambda s, g: s.extended.batch_reduce_to(ReduceOp.SUM, [(t, None) for t in g]), args=(grads,))
+        return launched, reduced, ref
+    launched, reduced, ref = strategy.run(fn)
+    assert [int(t) for t in strategy.experimental_local_results(launched)] == [n_buckets] * 3   # before tape.gradient returned
+    assert all(inside for _, inside in calls)                                       # ... from inside the walk
+    assert _per_replica(calls, 3) == [n_buckets] * 3                                # and nothing more
+    assert len(reduced) == len(ref) == N_VARS
+    for got, want in zip(reduced, ref):   # per variable, per replica
+        for a, b in zip(strategy.experimental_local_results(got), strategy.experimental_local_results(want)):
+            assert torch.equal(a.torch(), b.torch())
+
+
+def _train(sync, transform=None, steps=2, cap_mb=TINY_MB, extra=False):
+    """Trains a fresh model; returns (final values, launches per replica, warnings)."""
+    strategy = _strategy()
+    model = _model(strategy, torch.float64)
+    with strategy.scope():
+        more = [dtape.Variable([1.0, 2.0], name="extra"), dtape.Variable(3.0, name="unused")] if extra else []
+    opt = dtape.optimizers.SGD(0.1, momentum=0.9)
+    calls = _count_launches(strategy)
+    gradient_sync = GradientSync(cap_mb) if sync else None   # learns the readiness order at the first step
+
+    def step(i):
+        x, y = _batch(_rid(), i, torch.float64)
+        with dtape.GradientTape(gradient_sync=gradient_sync) as tape:
+            loss = _loss(model, x, y)
+            if extra and _rid() == 0:   # used on replica 0 only: None on replica 1
+                loss = loss + dtape.reduce_sum(more[0] * more[0])
+        variables = list(model.trainable_variables) + more
+        grads = tape.gradient(loss, variables)
+        if transform is not None:
+            grads = transform(grads)
+        opt.apply_gradients(zip(grads, variables))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            strategy.run(step, args=(i,))
+    values = _values(model) + [[c.numpy().copy() for c in v.values] for v in more]
+    return values, _per_replica(calls, 2), [str(w.message) for w in caught]
+
+
+def _assert_same(a, b):
+    # Two separate runs: float64 and a tight tolerance, since a CPU matmul may round differently from run
+    # to run (MKL's result depends on memory alignment); the reduction itself is compared bit for bit above.
+    for va, vb in zip(a, b):
+        for ca, cb in zip(va, vb):
+            np.testing.assert_allclose(ca, cb, rtol=1e-12, atol=1e-15)
+
+
+def test_training_with_sync_equals_training_without_and_reduces_once_per_bucket():
+    plain, plain_calls, _ = _train(sync=False)
+    synced, synced_calls, _ = _train(sync=True)
+    _assert_same(plain, synced)
+    assert plain_calls == [2] * 2             # unsynced: apply_gradients reduces, one 25 MB bucket per step
+    # synced: the walk's launches are used, nothing reduced again; + 1: the readiness order agreed at step 1
+    assert synced_calls == [2 * N_VARS + 1] * 2
+    for comps in synced:                      # mirrored components stay bit-identical
+        np.testing.assert_array_equal(comps[0], comps[1])
+    assert not np.allclose(plain[0][0], _values(_model(_strategy(), torch.float64))[0][0])  # it did train
+
+
+def test_default_bucket_size_makes_one_reduction_per_step():
+    _, calls, _ = _train(sync=True, cap_mb=25.0)
+    assert calls == [2 + 1, 2 + 1]
+
+
+def test_transformed_gradients_are_reduced_afresh():
+    def clip(grads):
+        return [g * 0.5 for g in grads]
+    plain, _, _ = _train(sync=False, transform=clip)
+    unclipped, _, _ = _train(sync=False)
+    assert not np.allclose(plain[0][0], unclipped[0][0])  # clipping matters here
+    synced, calls, _ = _train(sync=True, transform=clip)
+    _assert_same(plain, synced)                   # the clipped values were summed, not the tape's
+    assert calls == [2 * 2 * N_VARS + 1] * 2      # launched in the walk, then reduced again (the tape's buckets)
+
+
+def test_gradient_none_on_one_replica_counts_as_zeros():
+    for sync in (False, True):
+        values, _, msgs = _train(sync=sync, steps=1, extra=True)
+        extra, unused = values[-2], values[-1]
+        # replica 0's gradient 2 * [1, 2], replica 1's None -> 0; SGD with momentum, first step: -lr * g
+        for comp in extra:
+            np.testing.assert_allclose(comp, [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 4.0], rtol=1e-6)
+        for comp in unused:
+            assert float(comp) == 3.0
+        assert any("unused" in m for m in msgs), msgs
+        assert not any("extra" in m for m in msgs), msgs
+
+
+def _nested(sync, apply_inner):
+    strategy = _strategy()
+    model = _model(strategy, torch.float64)
+    opt = dtape.optimizers.SGD(0.1)
+    gradient_sync = GradientSync(TINY_MB) if sync else None
+
+    def step():
+        x, y = _batch(_rid(), 0, torch.float64)
+        variables = model.trainable_variables
+        with dtape.GradientTape() as outer:
+            with dtape.GradientTape(gradient_sync=gradient_sync) as inner:
+                loss = _loss(model, x, y)
+            g = inner.gradient(loss, variables)
+            total = loss + 0.1 * dtape.add_n([dtape.reduce_sum(t * t) for t in g])
+        og = outer.gradient(total, variables)
+        opt.apply_gradients(zip(g if apply_inner else og, variables))
+    strategy.run(step)
+    return _values(model)
+
+
+@pytest.mark.parametrize("apply_inner", [True, False])
+def test_nested_tapes(apply_inner):
+    _assert_same(_nested(False, apply_inner), _nested(True, apply_inner))
+
+
+def test_different_sources_on_replicas_raise_instead_of_mixing():
+    strategy = _strategy()
+    model = _model(strategy)
+
+    def fn():
+        x, y = _batch(_rid())
+        with dtape.GradientTape(gradient_sync=GradientSync(TINY_MB)) as tape:
+            loss = _loss(model, x, y)
+        variables = model.trainable_variables if _rid() == 0 else model.trainable_variables[::-1]
+        grads = tape.gradient(loss, variables)
+        dtape.optimizers.SGD(0.1).apply_gradients(zip(grads, variables))
+    with pytest.raises(ValueError, match="different contributions"):
+        strategy.run(fn)
+
+
+def test_gradient_sync_outside_a_strategy_is_plain():
+    v = dtape.Variable([1.0, 2.0])
+    with dtape.GradientTape(gradient_sync=GradientSync()) as tape:
+        loss = dtape.reduce_sum(v * v)
+    np.testing.assert_array_equal(tape.gradient(loss, v).numpy(), [2.0, 4.0])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        GradientSync(0)
+    with pytest.raises(ValueError, match="order"):
+        GradientSync(order="forward")
+    with pytest.raises(TypeError, match="gradient_sync"):
+        dtape.GradientTape(gradient_sync=object())
+
+
+def test_plan_buckets_cap_and_dtypes():
+    cpu = torch.device("cpu")
+    items = [(0, (256,), torch.float32, cpu), (1, (256,), torch.float32, cpu), (2, (10,), torch.float64, cpu),
+             (3, (200,), torch.float32, cpu), (4, (4,), torch.float16, cpu)]
+    buckets = plan_buckets(items, cap_bytes=1024)
+    layout = [(b.dtype, [m[0] for m in b.members]) for b in buckets]
+    assert layout == [(torch.float32, [0]), (torch.float32, [1]), (torch.float64, [2]), (torch.float32, [3, 4])]
+    assert buckets[3].size() == 204 + 2     # values, then one presence flag per member
+
+
+def test_a_gradient_shared_by_every_replica_is_not_summed():
+    strategy = _strategy()
+    with strategy.scope():
+        v = dtape.Variable(1.0)
+    shared = dtape.constant(1.0)   # one object, made outside the replica function: not distributed
+    with pytest.raises(ValueError, match="non-distributed"):
+        strategy.run(lambda: dtape.optimizers.SGD(0.1).apply_gradients([(shared, v)]))
+    assert [float(c) for c in v.values] == [1.0, 1.0]
+
+
+def test_buckets_follow_the_learned_readiness_order():
+    strategy = _strategy()
+    model = _model(strategy)
+    sync, opt = GradientSync(TINY_MB), dtape.optimizers.SGD(0.1)
+    sizes = []
+    orig = strategy.extended._all_reduce_flat_async
+
+    def recording(reduce_op, tensors):
+        if _rid() == 0:
+            sizes.append(int(tensors[0].numel()))
+        return orig(reduce_op, tensors)
+    strategy.extended._all_reduce_flat_async = recording
+    variables = list(model.trainable_variables)                  # W1 b1 W2 b2 W3 b3
+    shuffled = [variables[i] for i in (2, 1, 4, 0, 5, 3)]         # W2 b1 W3 W1 b3 b2
+
+    def step():
+        x, y = _batch(_rid())
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = _loss(model, x, y)
+        opt.apply_gradients(zip(tape.gradient(loss, shuffled), shuffled))
+    strategy.run(step)
+    first, sizes[:] = list(sizes), []
+    strategy.run(step)
+    bucket = [int(np.prod(v.shape)) + 1 for v in shuffled]       # values + one presence flag
+    assert first == bucket[::-1] + [N_VARS]                      # reverse source order, then the agreement
+    # The walk finishes the last layer first: b3 W3 b2 W2 b1 W1 (each layer reads its kernel, then its bias).
+    assert sizes == [int(np.prod(v.shape)) + 1 for v in variables[::-1]]
