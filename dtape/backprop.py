@@ -7,6 +7,7 @@ watched-variable resolver and the gradients of its components are summed.
 import contextlib
 import enum
 import inspect
+import threading
 import warnings
 import weakref
 
@@ -96,7 +97,7 @@ def _unbroadcast(g, shape, rec, argnum):
 
 
 def _zeros_for(t, raw):
-    z = torch.zeros_like(t._t)
+    z = torch.zeros(t.shape, dtype=t.dtype, device=t.device)  # t: saved tensor or its metadata
     return z if raw else Tensor(z)
 
 
@@ -106,6 +107,11 @@ def _gather_multi(rec, grads, keep, raw):
     if all(d is None for d in dys):
         return None
     return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, rec[4]))
+
+
+def _rebuilt(saved, ids):
+    """Saved torch tensors as the dtape.Tensors they were recorded from (same ids), the rest as is."""
+    return tuple([_tp.rebuild(x, i) for x, i in zip(saved, ids)])
 
 
 def _widen_autocast_dy(dys, inputs, raw):
@@ -123,9 +129,13 @@ def _widen_autocast_dy(dys, inputs, raw):
 def _walk(records, reach, grads, keep, raw, ready=None):
     """Reverse walk: calls each record's backward once its outputs' gradients are summed.
 
-    Only inputs reachable from a source get gradients; ops whose rule takes
-    `needs` skip computing the others (TF's skip_input_indices). `ready`
-    (a `_Readiness`) hears of each record once it is processed.
+    `records` are pruned tape records `(op, in_ids, out_ids, saved_in,
+    saved_out, attrs)` in reverse recording order. Only inputs reachable from
+    a source get gradients; ops whose rule takes `needs` skip computing the
+    others (TF's skip_input_indices). On the raw walk a registered op gets
+    the saved torch tensors as they are; other record ops, and every op on a
+    recorded walk, get dtape.Tensors with the recorded ids. `ready` (a
+    `_Readiness`) hears of each record once it is processed.
     """
     for rec in (records if ready is None else ready.iterate(records)):
         op, in_ids, out_ids, inputs, outputs, attrs = rec
@@ -141,8 +151,13 @@ def _walk(records, reach, grads, keep, raw, ready=None):
                 continue
         if len(dys) == 1:
             dys = _widen_autocast_dy(dys, inputs, raw)
+        if not (raw and getattr(op, "raw_saved", False)):
+            inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, out_ids)
         if getattr(op, "takes_needs", False):
-            in_grads = op.backward(dys, outputs, inputs, attrs, raw, tuple([i in reach for i in in_ids]))
+            needs = tuple([i in reach for i in in_ids])
+            if getattr(op, "saves", None) == "other_input":  # watched after the op ran: partner not kept
+                needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
+            in_grads = op.backward(dys, outputs, inputs, attrs, raw, needs)
         else:
             in_grads = op.backward(dys, outputs, inputs, attrs, raw)
         for argnum, i in enumerate(in_ids):
@@ -154,6 +169,42 @@ def _walk(records, reach, grads, keep, raw, ready=None):
                 g = _unbroadcast(g, shape, rec, argnum)
             prev = grads.get(i)
             grads[i] = g if prev is None else prev + g
+
+
+class _WalkInfo(threading.local):
+    """Per thread: whether the last backward walk ran raw (instrumentation for tests and benchmarks)."""
+
+    last_raw = None
+
+
+walk_info = _WalkInfo()
+
+
+def _walk_is_raw(records, target_ids, dys):
+    """True unless a tape recording on this thread watches a tensor the walk reads (issue 7 point 4).
+
+    The walk's results are computed from the output gradients and the
+    records' saved tensors, so it must be recorded (run on dtape.Tensors)
+    only if a tape recording here watches one of their ids: a tape of
+    another thread, or one watching unrelated tensors, leaves it raw.
+    """
+    tapes = _tp.recording_tapes()
+    if not tapes:
+        return True
+    watched = [t._watched for t in tapes]
+    for d in dys:
+        i = getattr(d, "_id", None)
+        if i is not None and any(i in w for w in watched):
+            return False
+    for i in target_ids:
+        if any(i in w for w in watched):
+            return False
+    for rec in records:
+        for ids in (rec[1], rec[2]):
+            for i in ids:
+                if i is not None and any(i in w for w in watched):
+                    return False
+    return True
 
 
 class _Readiness:
@@ -211,20 +262,21 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
     Returns:
       A list with a gradient (dtape.Tensor) or None per source.
     """
-    raw = not _tp.could_possibly_record()
     source_ids = [s._id for s in sources]
     target_ids = [t._id for t in targets]
-    grads = {}
-    for t, dy in zip(targets, output_gradients or [None] * len(targets)):
-        dy = Tensor(torch.ones_like(t._t)) if dy is None else convert_to_tensor(dy)
-        dy = dy._t if raw else dy
-        prev = grads.get(t._id)
-        grads[t._id] = dy if prev is None else prev + dy
-    keep = set(source_ids)
+    dys = [None if dy is None else convert_to_tensor(dy) for dy in (output_gradients or [None] * len(targets))]
     with profile_range("dtape.gradient"):  # a named range in torch.profiler traces
-        records, reach = _prune(tape.records(), target_ids, source_ids)
+        records, reach = _prune(tape._live(), target_ids, source_ids)
+        raw = _walk_is_raw(records, target_ids, dys)
+        walk_info.last_raw = raw
+        grads = {}
+        for t, dy in zip(targets, dys):
+            dy = Tensor(torch.ones_like(t._t)) if dy is None else dy
+            dy = dy._t if raw else dy
+            prev = grads.get(t._id)
+            grads[t._id] = dy if prev is None else prev + dy
         ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
-        _walk(records, reach, grads, keep, raw, ready)
+        _walk(records, reach, grads, set(source_ids), raw, ready)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 
@@ -321,6 +373,18 @@ class GradientTape:
     def watched_variables(self):
         """Variables watched so far, in first-watch order, no duplicates."""
         return () if self._tape is None else self._tape.watched_variables()
+
+    def num_records(self):
+        """Number of op records the tape holds now (0 before entering and after a non-persistent gradient).
+
+        Records of tensors that died and that nothing live needs are dropped
+        (TF's trace deletion), so a persistent tape over a loop stays flat.
+        """
+        return 0 if self._tape is None else self._tape.num_records()
+
+    def nbytes(self):
+        """Bytes of tensor storage the tape keeps alive for its gradient rules (shared storage counted once)."""
+        return 0 if self._tape is None else self._tape.nbytes()
 
     def reset(self):
         """Forgets everything recorded and watched; recording continues."""

@@ -100,9 +100,12 @@ class _FunctionOp:
         self.targets = targets
 
     def backward(self, dys, outputs, inputs, attrs, raw):
-        if not raw:
-            _splice(self.tape)
-        return _walk(self.tape, self.targets, dys, inputs, raw)
+        # The spliced records' tensors stay alive through the walk, so the outer tapes keep the
+        # records (trace deletion) until the walk's recorded ops use them.
+        spliced = None if raw else _splice(self.tape)
+        grads = _walk(self.tape, self.targets, dys, inputs, raw)
+        del spliced
+        return grads
 
 
 def _splice(inner):
@@ -112,8 +115,10 @@ def _splice(inner):
     outer tape learns exactly the dependencies of the intermediates on what
     it watches (what differentiating the backward again needs).
     """
-    for op, in_ids, _, inputs, outputs, attrs in inner.records():
+    records = inner.records()
+    for op, in_ids, _, inputs, outputs, attrs in records:
         _tp.record(op, in_ids, inputs, outputs, attrs)
+    return records
 
 
 def _walk(inner, targets, dys, inputs, raw):

@@ -22,6 +22,7 @@ an access of a variable resolves to is decided by a resolver that
 the cross-replica context). The core never imports `dtape.distribute`.
 """
 import threading
+import weakref
 
 import torch
 
@@ -88,27 +89,197 @@ def register_watched_variable_resolver(fn):
     _resolve_watched = fn
 
 
+class _Meta:
+    """Shape, dtype and device of a tensor a record does not keep (what unbroadcasting and zeros need)."""
+
+    __slots__ = ("shape", "dtype", "device", "_id", "__weakref__")
+
+    def __init__(self, t, tid=None):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self._id = tid  # set only in `Tape.records()` views, which `record` may replay
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def dim(self):
+        return len(self.shape)
+
+    def __repr__(self):
+        return f"<saved metadata: shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}>"
+
+
+class _Ref(weakref.ref):
+    """Weak reference to a recorded output Tensor, carrying its id for the death callback."""
+
+    __slots__ = ("tid",)
+
+
+class _Rec(_Ref):
+    """One record: a weak reference to the op's first output that also holds the record.
+
+    One GC-tracked object per recorded op (issue 7 point 5): the op, input
+    and output ids, `saved` (what the rule reads of the inputs, then of the
+    outputs: torch tensors, or `_Meta` for the rest), attrs, and weak
+    references to further outputs. `op` is None once the record is deleted.
+    """
+
+    __slots__ = ("op", "in_ids", "out_ids", "saved", "attrs", "refs")
+
+
+def _keep(x):
+    """What a record keeps of a saved input or output: the torch tensor, or a variable/scalar as is."""
+    return x._t if type(x) is Tensor else x
+
+
+# Process-wide: one shared _Meta per (shape, dtype, device), so records of a
+# chain of same-shaped ops allocate none. Cleared when large; races only
+# create duplicates.
+_meta_cache = {}
+
+
+def _meta(x):
+    """What a record keeps of an input or output its rule does not read: metadata (scalars as is)."""
+    if type(x) is Tensor:
+        t = x._t
+        key = (t.shape, t.dtype, t.device)
+    elif type(x) is _Meta or not hasattr(x, "shape") or getattr(x, "_dtape_variable", False):
+        return x  # a variable stays: the model keeps it alive anyway, and dtape.function reads it back
+    else:
+        key = (x.shape, x.dtype, x.device)
+    m = _meta_cache.get(key)
+    if m is None:
+        if len(_meta_cache) > 4096:
+            _meta_cache.clear()
+        m = _meta_cache[key] = _Meta(x)
+    return m
+
+
+def _save(op, in_ids, inputs, outputs):
+    """The saved inputs then outputs, as `op.saves` declares ("all", "inputs", "output", "none").
+
+    A rule that reads its inputs never reads `ans`, so a single output of
+    an "inputs" op is saved as None (multi-output ops keep metadata: the walk
+    makes zero gradients from it). "other_input" (binary rules taking
+    `needs`, like matmul) keeps an input only if a tape watches the other
+    one, as torch saves `W` of `x @ W` only if `x` requires grad.
+    """
+    saves = getattr(op, "saves", "all")
+    if len(outputs) == 1 and len(inputs) <= 2:  # the common shapes, without comprehensions (point 5)
+        x = inputs[0]
+        kx = x._t if type(x) is Tensor else x
+        if len(inputs) == 1:
+            if saves == "output":
+                return (_meta(x), outputs[0]._t)
+            if saves == "inputs":
+                return (kx, None)
+            if saves == "none":
+                return (_meta(x), _meta(outputs[0]))
+        else:
+            y = inputs[1]
+            ky = y._t if type(y) is Tensor else y
+            if saves == "inputs":
+                return (kx, ky, None)
+            if saves == "none":
+                return (_meta(x), _meta(y), _meta(outputs[0]))
+            if saves == "other_input":  # input k is read only for the other input's gradient
+                wx = wy = False
+                for t in _tape_set:
+                    w = t._watched
+                    wx, wy = wx or in_ids[0] in w, wy or in_ids[1] in w
+                return (kx if wy else _meta(x), ky if wx else _meta(y), None)
+    if saves == "inputs" or saves == "other_input":
+        return tuple([_keep(x) for x in inputs] + [_meta(o) for o in outputs])
+    if saves == "all":
+        return tuple([_keep(x) for x in inputs] + [_keep(o) for o in outputs])
+    if saves == "output":
+        return tuple([_meta(x) for x in inputs] + [_keep(o) for o in outputs])
+    return tuple([_meta(x) for x in inputs] + [_meta(o) for o in outputs])
+
+
+def is_meta(x):
+    """True for a record entry kept only as shape/dtype/device metadata."""
+    return type(x) is _Meta
+
+
+def rebuild(x, tid):
+    """A saved torch tensor as the dtape.Tensor it was recorded from (same id: outer tapes know it)."""
+    if type(x) is not torch.Tensor or tid is None:
+        return x
+    t = Tensor.__new__(Tensor)
+    t._t, t._id = x, tid
+    return t
+
+
+class _Unsaved:
+    """Stands in `Tape.records()` for an output a record did not keep (its rule reads only inputs)."""
+
+    __slots__ = ("_id", "__weakref__")
+
+    def __init__(self, tid):
+        self._id = tid
+
+
+def _view(x, tid):
+    """A saved entry for `Tape.records()`: a dtape.Tensor with the recorded id.
+
+    An input or output kept only as metadata comes back as a zero tensor
+    of its shape, dtype and device that owns one element (an expanded
+    scalar): `dtape.function` re-records and connects such entries by id,
+    and the op's rule never reads their values.
+    """
+    if tid is None:
+        return x
+    if x is None:
+        return _Unsaved(tid)
+    if type(x) is _Meta:
+        x = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
+    return rebuild(x, tid)
+
+
 class Tape:
     """One gradient tape: watched ids, watched variables and the op records.
 
-    A record is a tuple `(op, in_ids, out_ids, inputs, outputs, attrs)` with
-    `op.backward(dys, outputs, inputs, attrs, raw)` giving input gradients.
+    Records are `_Rec` objects in recording order, one per op (issue 7
+    point 5). What a record saves of each input and output is what the op's
+    rule reads (`op.saves`, point 1); the rest is kept as shape/dtype/device
+    metadata (`_Meta`). Saved tensors are torch tensors, so the user's
+    dtape.Tensor objects can die.
+
+    Trace deletion (TF's TapeSetDeleteTrace, point 2): `_usage[id]` counts
+    the records that use a tensor id as input, plus one while a recorded
+    output Tensor is alive. The record is a weak reference to its output
+    whose callback queues it; the queue is drained under the lock (on the
+    next record or read of the tape), and a record whose outputs all reached
+    zero is deleted, with its inputs' counts decremented in turn.
+
+    `op.backward(dys, outputs, inputs, attrs, raw)` gives input gradients.
     """
 
-    __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_records",
+    __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_usage",
+                 "_producer", "_pending", "_on_death",
                  "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "_stands_for", "__weakref__")
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
         self._lock = threading.Lock()
-        self._records = []
+        self._pending = []  # _Refs of dead outputs, appended by the weakref callback (no lock: list.append)
+        self._on_death = self._pending.append  # bound to the list, not the tape: no reference cycle
+        self._clear_records()
         self._watched = set()
         self._watched_vars = {}  # id(var) -> var, insertion (first-watch) ordered
         self._accessed = set()   # _id of variables whose reads were already resolved and watched
         self._explicit = set()   # _id of variables watched by `watch`: their reads follow to any thread
         self._owner = _thread_state.scope  # the creating thread's tape scope
         self._stands_for = ()  # dtape.function's private tape: the caller's tapes it records for
+
+    def _clear_records(self):
+        self._recs = []       # _Rec per record, in recording order (deleted ones until compaction)
+        self._nrec = 0        # live records
+        self._usage = {}      # tensor id -> uses (records using it as input, +1 while a recorded output lives)
+        self._producer = {}   # output id -> the _Rec that produced it
+        del self._pending[:]
 
     def _watch_ids(self, ids):
         with self._lock:
@@ -136,15 +307,87 @@ class Tape:
         with self._lock:
             return tuple(self._watched_vars.values())
 
-    def records(self):
-        """A snapshot of the records, in recording order."""
+    # -- records -------------------------------------------------------------
+    def _more_refs(self, outputs, out_ids):
+        """Weak references to the outputs after the first (whose reference is the record itself)."""
+        refs = []
+        for o, i in zip(outputs[1:], out_ids[1:]):
+            r = _Ref(o, self._on_death)
+            r.tid = i
+            refs.append(r)
+        return refs
+
+    def _drain(self):
+        """Deletes the traces of the outputs that died since the last drain (caller holds the lock).
+
+        Each dead output drops one use of its id; an id with no use left
+        deletes the record that produced it once all that record's outputs
+        are unused, which drops one use of each of its inputs in turn (TF
+        GradientTape::DeleteTrace, iterative: chains can be 100,000 long).
+        """
+        usage, producer, watched, pending = self._usage, self._producer, self._watched, self._pending
+        stack = []
+        while pending:
+            stack.append(pending.pop().tid)
+            while stack:
+                i = stack.pop()
+                n = usage.get(i)
+                if n is None:
+                    continue
+                if n > 1:
+                    usage[i] = n - 1
+                    continue
+                del usage[i]
+                rec = producer.pop(i, None)
+                if rec is None:
+                    continue
+                watched.discard(i)
+                for o in rec.out_ids:
+                    if o in usage:
+                        break  # another output of the same op is still alive or used
+                else:
+                    for j in rec.in_ids:
+                        if j is not None:
+                            stack.append(j)
+                    rec.op = rec.saved = rec.attrs = rec.refs = None
+                    self._nrec -= 1
+        if len(self._recs) > 256 and len(self._recs) > 2 * self._nrec:
+            self._recs = [r for r in self._recs if r.op is not None]
+
+    @property
+    def _records(self):
+        """The live records as tuples (op, in_ids, out_ids, saved_in, saved_out, attrs), in order.
+
+        No lock taken: the caller holds `_lock` (or accepts a racy view).
+        """
+        out = []
+        for r in self._recs:
+            if r.op is not None:
+                n = len(r.in_ids)
+                out.append((r.op, r.in_ids, r.out_ids, r.saved[:n], r.saved[n:], r.attrs))
+        return out
+
+    def _live(self):
+        """`_records` after deleting the traces of dead outputs, under the lock."""
         with self._lock:
-            return list(self._records)
+            if self._pending:
+                self._drain()
+            return self._records
+
+    def records(self):
+        """A snapshot of the records, in recording order: tuples (op, in_ids, out_ids, inputs, outputs, attrs).
+
+        Saved tensors come back as dtape.Tensors with their recorded ids; what
+        the op's rule does not read comes back as shape/dtype/device metadata.
+        """
+        return [(op, in_ids, out_ids, tuple([_view(x, i) for x, i in zip(ins, in_ids)]),
+                 tuple([_view(o, i) for o, i in zip(outs, out_ids)]), attrs)
+                for op, in_ids, out_ids, ins, outs, attrs in self._live()]
 
     def reset(self):
         """Forgets all records and watches; the tape stays in the active set."""
         with self._lock:
-            self._records = []
+            self._clear_records()
             self._watched = set()
             self._watched_vars = {}
             self._accessed = set()
@@ -153,10 +396,28 @@ class Tape:
     def release(self):
         """Drops the records (a non-persistent tape after its gradient)."""
         with self._lock:
-            self._records = []
+            self._clear_records()
 
     def num_records(self):
-        return len(self._records)
+        """Number of records the tape holds (after deleting the traces of dead tensors)."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            return self._nrec
+
+    def nbytes(self):
+        """Bytes of tensor storage the records keep alive, each storage counted once.
+
+        Counts the torch tensors saved for gradient rules (a view counts its
+        whole storage, which it keeps alive); variables are not counted.
+        """
+        seen = {}
+        for rec in self._live():
+            for x in rec[3] + rec[4]:
+                if type(x) is torch.Tensor:
+                    st = x.untyped_storage()
+                    seen[(x.device, st.data_ptr())] = st.nbytes()
+        return sum(seen.values())
 
 
 def push_new_tape(persistent=False, watch_accessed_variables=True):
@@ -237,6 +498,11 @@ def _recording_tapes():
     if state.paused:
         tapes = tuple(t for t in tapes if t not in state.paused)
     return tapes
+
+
+def recording_tapes():
+    """Tapes that record on this thread now (empty when stopped or paused)."""
+    return _recording_tapes()
 
 
 def watch(tape, tensor):
@@ -367,6 +633,11 @@ def should_record(tensors):
 def record(op, in_ids, inputs, outputs, attrs):
     """Records `op` on each tape recording on this thread that watches an input.
 
+    The record keeps what `op.saves` says the rule reads ("all" when the op
+    declares nothing) and shape/dtype/device metadata for the rest (issue 7
+    point 1), and is deleted once its outputs died and no later record needs
+    them (trace deletion, point 2).
+
     Args:
       op: object with `.name` and `.backward(dys, outputs, inputs, attrs, raw)`.
       in_ids: tuple of the inputs' ids (None for Python scalars).
@@ -377,7 +648,7 @@ def record(op, in_ids, inputs, outputs, attrs):
     state = _thread_state
     if state.stopped:
         return
-    rec = None
+    out_ids = None
     for tape in _tape_set:
         watched = tape._watched
         for i in in_ids:
@@ -387,16 +658,32 @@ def record(op, in_ids, inputs, outputs, attrs):
             continue
         if state.paused and tape in state.paused:
             continue
-        if rec is None:
-            out_ids = tuple([o._id for o in outputs])
-            rec = (op, in_ids, out_ids, inputs, outputs, attrs)
+        if out_ids is None:
+            out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
+            saved = _save(op, in_ids, inputs, outputs)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
             if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
                 continue
-            tape._records.append(rec)
+            if tape._pending:
+                tape._drain()
+            cb = tape._on_death  # the record is built inline: this is every recorded op's path
+            rec = _Rec(outputs[0], cb)
+            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.saved, rec.attrs, rec.refs = \
+                out_ids[0], op, in_ids, out_ids, saved, attrs, None
+            if len(outputs) > 1:
+                rec.refs = tape._more_refs(outputs, out_ids)
+            tape._recs.append(rec)
+            usage, producer = tape._usage, tape._producer
+            for i in in_ids:
+                if i is not None:
+                    usage[i] = usage.get(i, 0) + 1
+            for o in out_ids:
+                usage[o] = usage.get(o, 0) + 1
+                producer[o] = rec
             tape._watched.update(out_ids)
+            tape._nrec += 1
 
 
 class CallableBackward:
@@ -551,7 +838,7 @@ class capture_variable_reads(ThreadLocalScope):
         return self._value
 
 
-__all__ = ["Tape", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
+__all__ = ["Tape", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
            "variable_accessed", "variable_read", "current_lineage", "lineage_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",

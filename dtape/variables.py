@@ -39,6 +39,7 @@ class _ReadVariableOp:
 
     __slots__ = ()
     name = "ReadVariableOp"
+    saves = "none"  # the gradient passes through: the record keeps no snapshot alive (issue 7 point 1)
 
     def backward(self, dys, outputs, inputs, attrs, raw):
         return dys

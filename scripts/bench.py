@@ -6,10 +6,18 @@ costs are part of the times. `--counts` prints only the deterministic
 counts (records per replica tape, records with unrelated threads, Python
 calls per op with a variable operand).
 
+Cases: (a) 1,000/10,000/100,000-op chains, (b) the MLP step written by hand
+and with layers, (c) a CNN step, (e) 2 CPU replicas / 1 replica on the same
+global batch (and plain torch in 2 threads / 1), (f) bytes the tape holds for
+one MLP step vs what torch autograd saves (saved_tensors_hooks), (g) RSS
+growth over 200 MLP steps (each variant in a fresh process), (h) the charlm
+step vs the same transformer as a torch.nn.Module with torch.optim.Adam.
+
   python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--json PATH]
 """
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -165,6 +173,254 @@ def cnn_case(device, batch=32, lr=0.01):
     return run_dtape, run_torch
 
 
+# -- (b2) the same MLP written with layers (dtape.layers.Dense vs torch.nn.Linear) ---------
+def mlp_layers_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(batch, sizes[0], generator=g).to(device)
+    labels = torch.randint(0, sizes[-1], (batch,), generator=g).to(device)
+    dense = [dtape.layers.Dense(n, activation="relu" if i + 2 < len(sizes) else None, input_dim=m, seed=i)
+             for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    dvars = [v for layer in dense for v in layer.trainable_variables]
+    linears = [torch.nn.Linear(m, n) for m, n in zip(sizes[:-1], sizes[1:])]
+    with torch.no_grad():
+        for layer, lin in zip(dense, linears):
+            lin.weight.copy_(layer.kernel.torch().T)
+            lin.bias.copy_(layer.bias.torch())
+    net = torch.nn.Sequential(*[m for lin in linears for m in (lin, torch.nn.ReLU())][:-1]).to(device)
+    dx, dy = dtape.constant(data), dtape.constant(labels)
+    dopt, topt = dtape.optimizers.SGD(lr), torch.optim.SGD(net.parameters(), lr=lr)
+
+    def forward_dtape():
+        h = dx
+        for layer in dense:
+            h = layer(h)
+        return dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dy, h))
+
+    def run_dtape():
+        with dtape.GradientTape() as tape:
+            loss = forward_dtape()
+        dopt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
+        return loss
+
+    def run_torch():
+        topt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(data), labels)
+        loss.backward()
+        topt.step()
+        return loss
+
+    ld, lt = float(run_dtape()), run_torch().item()
+    print(f"MLP (layers) first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
+    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch MLP (layers) steps disagree"
+    return run_dtape, run_torch
+
+
+# -- (e) replicas: 2 CPU replicas vs 1 on the same global batch ------------------------------
+def replica_case(n_replicas, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
+    """A MirroredStrategy MLP step on `n_replicas` CPU devices; each replica takes batch / n examples."""
+    g = torch.Generator().manual_seed(0)
+    init = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        init += [torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5, torch.zeros(fan_out)]
+    data = torch.randn(batch, sizes[0], generator=g)
+    labels = torch.randint(0, sizes[-1], (batch,), generator=g)
+    strategy = dtape.distribute.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n_replicas)])
+    with strategy.scope():
+        dvars = [dtape.Variable(p) for p in init]
+        opt = dtape.optimizers.SGD(lr)
+    per = batch // n_replicas
+    shards = [(dtape.constant(data[i * per:(i + 1) * per]), dtape.constant(labels[i * per:(i + 1) * per]))
+              for i in range(n_replicas)]
+
+    def replica_step():
+        x, y = shards[dtape.distribute.get_replica_context().replica_id_in_sync_group]
+        with dtape.GradientTape() as tape:
+            h = x
+            for i in range(0, len(dvars), 2):
+                h = dtape.matmul(h, dvars[i]) + dvars[i + 1]
+                if i + 2 < len(dvars):
+                    h = dtape.nn.relu(h)
+            loss = dtape.reduce_sum(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)) / batch
+        opt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
+        return loss
+
+    def run():
+        return strategy.run(replica_step)
+    return run
+
+
+def torch_threads_case(n_threads, sizes=(784, 1024, 1024, 10), batch=256):
+    """Plain torch forward+backward of the same MLP split over n threads (the reference for (e))."""
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        params += [(torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5).requires_grad_(),
+                   torch.zeros(fan_out, requires_grad=True)]
+    data = torch.randn(batch, sizes[0], generator=g)
+    labels = torch.randint(0, sizes[-1], (batch,), generator=g)
+    per = batch // n_threads
+
+    def work(i):
+        h = data[i * per:(i + 1) * per]
+        for j in range(0, len(params), 2):
+            h = h @ params[j] + params[j + 1]
+            if j + 2 < len(params):
+                h = torch.relu(h)
+        torch.autograd.grad(F.cross_entropy(h, labels[i * per:(i + 1) * per]), params)
+
+    def run():
+        if n_threads == 1:
+            return work(0)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    return run
+
+
+# -- (f) memory the tape holds for one MLP step vs what torch autograd saves -------------------
+def _storage_bytes(tensors):
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
+
+
+def memory_case(device, sizes=(784, 1024, 1024, 10), batch=256):
+    """(dtape tape.nbytes(), records, torch saved bytes) for one forward of the MLP step."""
+    g = torch.Generator().manual_seed(0)
+    init = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        init += [torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5, torch.zeros(fan_out)]
+    init = [p.to(device) for p in init]
+    data = torch.randn(batch, sizes[0], generator=g).to(device)
+    labels = torch.randint(0, sizes[-1], (batch,), generator=g).to(device)
+    dvars = [dtape.Variable(p) for p in init]
+    with dtape.GradientTape() as tape:
+        h = dtape.constant(data)
+        for i in range(0, len(dvars), 2):
+            h = dtape.matmul(h, dvars[i]) + dvars[i + 1]
+            if i + 2 < len(dvars):
+                h = dtape.nn.relu(h)
+        loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dtape.constant(labels), h))
+    if hasattr(tape, "nbytes"):
+        d_bytes, d_records = tape.nbytes(), tape.num_records()
+    else:  # a dtape without GradientTape.nbytes (before issue 7): the records' inputs and outputs
+        recs = tape._tape.records()
+        d_bytes = _storage_bytes([x.torch() for r in recs for x in list(r[3]) + list(r[4])
+                                  if isinstance(x, dtape.Tensor)])
+        d_records = len(recs)
+    tape.gradient(loss, dvars)
+    saved = []
+    tparams = [p.clone().requires_grad_() for p in init]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = data
+        for i in range(0, len(tparams), 2):
+            h = h @ tparams[i] + tparams[i + 1]
+            if i + 2 < len(tparams):
+                h = torch.relu(h)
+        loss = F.cross_entropy(h, labels)
+    t_bytes = _storage_bytes(saved)
+    torch.autograd.grad(loss, tparams)
+    return d_bytes, d_records, t_bytes
+
+
+# -- (g) RSS growth over 200 MLP steps, each variant in a fresh process ----------------------------
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_child(variant, steps=200):
+    """Runs `steps` MLP steps of one variant (dtape|torch)-(manual|layers); prints the RSS growth.
+
+    Measured from after the case's setup (which ran one step to check the
+    first-step loss) to after the steps: the step's working set, allocator
+    caching and any leak.
+    """
+    lib, style = variant.split("-")
+    device = torch.device("cpu")
+    fd, ft = (mlp_case(device) if style == "manual" else mlp_layers_case(device))[:2]
+    fn = fd if lib == "dtape" else ft
+    start = _rss_bytes()  # after the weights and data exist, before the first timed step
+    for _ in range(steps):
+        fn()
+    print(f"RSS_GROWTH {_rss_bytes() - start}")
+
+
+def rss_growth(variant):
+    import subprocess
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", variant],
+                         capture_output=True, text=True, timeout=900, check=True).stdout
+    return int(next(line for line in out.splitlines() if line.startswith("RSS_GROWTH")).split()[1])
+
+
+# -- (h) charlm training step vs the same transformer as a torch.nn.Module + torch.optim.Adam -------
+def charlm_case(device, batch=32, seed=0):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tasks import charlm
+    data = charlm.load_data(seed)
+    x_np, y_np = data["x_train"][:batch], data["y_train"][:batch]
+    with dtape.device(str(device)):
+        model = charlm.build_model(seed)
+    dvars = list(model.trainable_variables)
+    opt = dtape.optimizers.Adam(1e-3)
+    dx = dtape.constant(torch.as_tensor(x_np, device=device))
+    dy = dtape.constant(torch.as_tensor(y_np, device=device))
+    net = _TorchCharLM([v.torch().clone() for v in dvars], charlm).to(device)
+    topt = torch.optim.Adam(net.parameters(), lr=1e-3, eps=1e-7)
+    tx, ty = torch.as_tensor(x_np, device=device), torch.as_tensor(y_np, device=device)
+
+    def run_dtape():
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_mean(charlm.per_example_loss(model, dx, dy))
+        opt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
+        return loss
+
+    def run_torch():
+        topt.zero_grad(set_to_none=True)
+        logits = net(tx)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ty.reshape(-1))
+        loss.backward()
+        topt.step()
+        return loss
+
+    ld, lt = float(run_dtape()), run_torch().item()
+    print(f"charlm first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
+    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch charlm steps disagree"
+    return run_dtape, run_torch
+
+
+class _TorchCharLM(torch.nn.Module):
+    """charlm's CharTransformer in plain torch, from dtape's variables (in `trainable_variables` order)."""
+
+    def __init__(self, values, charlm):
+        super().__init__()
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(v) for v in values])
+        self.c = charlm
+
+    def forward(self, ids):
+        p = iter(self.params)
+        c = self.c
+        b, t = ids.shape
+        tokens, positions = next(p), next(p)
+        h = tokens[ids] + positions[torch.arange(t, device=ids.device)]
+        mask = torch.triu(torch.full((t, t), -1e9, device=ids.device), diagonal=1)
+        hd = c.WIDTH // c.HEADS
+        for _ in range(c.DEPTH):
+            g1, b1, wqkv, bqkv, wo, bo, g2, b2, w1, bb1, w2, bb2 = (next(p) for _ in range(12))
+            a = F.layer_norm(h, (c.WIDTH,), g1, b1, eps=1e-3)
+            q, k, v = ((z.reshape(b, t, c.HEADS, hd).permute(0, 2, 1, 3)) for z in (a @ wqkv + bqkv).split(c.WIDTH, -1))
+            w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, dim=-1)
+            h = h + ((w @ v).permute(0, 2, 1, 3).reshape(b, t, c.WIDTH) @ wo + bo)
+            a = F.layer_norm(h, (c.WIDTH,), g2, b2, eps=1e-3)
+            h = h + (F.gelu(a @ w1 + bb1) @ w2 + bb2)
+        g, bb, wh, bh = next(p), next(p), next(p), next(p)
+        return F.layer_norm(h, (c.WIDTH,), g, bb, eps=1e-3) @ wh + bh
+
+
 # -- (d) counts: tape scope (issue 7 point 3) and Python calls per variable read (point 7) ----
 def count_calls(fn):
     """Python function calls (sys.setprofile 'call' events, this thread) made by fn(), fn itself included."""
@@ -273,7 +529,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--counts", action="store_true", help="only the record and call counts")
+    ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rss_child:
+        torch.set_num_threads(os.cpu_count())
+        return rss_child(args.rss_child)
     if args.counts:
         result = counts()
         if args.json:
@@ -283,36 +543,67 @@ def main():
     device = torch.device(args.device)
     threads = os.cpu_count()
     torch.set_num_threads(threads)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"torch {torch.__version__}, Python {platform.python_version()}, device {device}, "
-          f"torch.set_num_threads({threads})")
+          f"torch.set_num_threads({threads}), load average at start {load}")
     run = timer(device)
     q = args.quick
-    rows = []
+    rows = []  # (name, dtape seconds, torch seconds, reps)
+    cpu = device.type == "cpu"
 
-    # (name, make case, reps, warmup)
-    for n, reps, warm in ((1_000, 7 if q else 31, 2 if q else 5), (100_000, 1 if q else 5, 1)):
+    chains = ((1_000, 7 if q else 31, 2 if q else 5), (10_000, 3 if q else 11, 1 if q else 2),
+              (100_000, 1 if q else 5, 1))
+    for n, reps, warm in chains if cpu else ():
         fd, ft, note = chain_case(n, device)
         print(f"chain N={n:,}: {note}")
-        rows.append((f"(a) chain N={n:,}", *interleave(run, fd, ft, reps, warm), reps))
+        d, t = interleave(run, fd, ft, reps, warm)
+        rows.append((f"(a) chain N={n:,} (per op: {d / n * 1e6:.1f} / {t / n * 1e6:.1f} us)", d, t, reps))
 
     fd, ft, check = mlp_case(device)
     reps = 7 if q else 41
-    rows.append(("(b) MLP step 784-1024-1024-10, b=256", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
+    rows.append(("(b) MLP step manual", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
     print(f"MLP weights after all steps: max |dtape - torch| {check():.1e}")
+    fd, ft = mlp_layers_case(device)
+    rows.append(("(b) MLP step layers", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
 
-    fd, ft = cnn_case(device)
+    fd, ft = charlm_case(device)
     reps = 7 if q else 31
-    rows.append(("(c) CNN step 2 conv + dense, b=32", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
-    count_results = counts()
+    rows.append(("(h) charlm step (Adam) vs torch.nn.Module", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
 
-    print(f"\n{'case':40s} {'dtape (ms)':>11s} {'torch (ms)':>11s} {'ratio':>7s} {'reps':>5s}")
+    extra = {}
+    if cpu:
+        fd, ft = cnn_case(device)
+        rows.append(("(c) CNN step 2 conv + dense, b=32", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
+        reps = 7 if q else 21
+        two, one = interleave(run, replica_case(2), replica_case(1), reps, 3)
+        t2, t1 = interleave(run, torch_threads_case(2), torch_threads_case(1), reps, 3)
+        extra["replicas_2_over_1"] = two / one
+        extra["torch_threads_2_over_1"] = t2 / t1
+        print(f"(e) 2 replicas / 1 replica, global batch 256: {two * 1e3:.1f} / {one * 1e3:.1f} ms = {two / one:.2f}"
+              f"   (plain torch in 2 threads / 1: {t2 / t1:.2f})")
+    d_bytes, d_records, t_bytes = memory_case(device)
+    extra.update(tape_bytes=d_bytes, tape_records=d_records, torch_saved_bytes=t_bytes)
+    print(f"(f) MLP step memory: tape holds {d_bytes / 2**20:.2f} MiB in {d_records} records; torch autograd "
+          f"saves {t_bytes / 2**20:.2f} MiB (saved_tensors_hooks): {d_bytes / t_bytes:.2f}x")
+    if cpu:
+        for style in ("manual", "layers"):
+            gd, gt = rss_growth(f"dtape-{style}"), rss_growth(f"torch-{style}")
+            extra[f"rss_growth_{style}"] = (gd, gt)
+            print(f"(g) RSS growth over 200 MLP steps ({style}): dtape {gd / 2**20:.1f} MiB, torch {gt / 2**20:.1f} MiB"
+                  f" ({gd / gt if gt > 0 else float('nan'):.2f}x)")
+    count_results = counts() if cpu else {}
+
+    print(f"\n{'case':58s} {'dtape (ms)':>11s} {'torch (ms)':>11s} {'ratio':>7s} {'reps':>5s}")
     for name, d, t, r in rows:
-        print(f"{name:40s} {d * 1e3:11.3f} {t * 1e3:11.3f} {d / t:7.2f} {r:5d}")
+        print(f"{name:58s} {d * 1e3:11.3f} {t * 1e3:11.3f} {d / t:7.2f} {r:5d}")
+    load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"load average at end {load_end}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "threads": threads, "torch": torch.__version__,
+                       "load_start": load, "load_end": load_end,
                        "results": [dict(case=n, dtape_s=d, torch_s=t, ratio=d / t, reps=r)
-                                   for n, d, t, r in rows], "counts": count_results}, f, indent=2)
+                                   for n, d, t, r in rows], "extra": extra, "counts": count_results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -504,7 +504,8 @@ def test_recompute_grad_keeps_fewer_tensors_than_function():
         counts[name] = (t._tape.num_records(), _saved_tensors(t._tape))
         t.gradient(y, x)
     assert counts["function"][0] == counts["recompute"][0] == 1
-    assert counts["recompute"][1] <= 5 < 12 <= counts["function"][1]  # x, w, y, w's snapshot, RNG end state vs 6 layers
+    # x, w, y, w's snapshot, RNG end state vs 6 layers' saved inputs and outputs (what each rule reads)
+    assert counts["recompute"][1] <= 5 < 8 <= counts["function"][1]
 
 
 def test_recompute_grad_replays_snapshot_thread_locally_and_leaves_generator_alone():

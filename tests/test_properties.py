@@ -213,6 +213,8 @@ def test_threads_with_random_stop_recording_sections_record_exactly_their_record
     start = threading.Barrier(len(plans), timeout=TIMEOUT)
     results, errors = [None] * len(plans), []
 
+    kept = []
+
     def work(k, tape):
         try:
             start.wait()
@@ -226,6 +228,7 @@ def test_threads_with_random_stop_recording_sections_record_exactly_their_record
                 else:
                     with section:
                         y = y * float(c) + x * float(d)
+                kept.append(y)  # alive: the tape keeps the records of live tensors only (trace deletion)
             results[k] = y
         except BaseException as e:  # reported on the main thread
             errors.append(e)

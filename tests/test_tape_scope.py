@@ -74,8 +74,9 @@ def _own_ops(vs):
 def test_unrelated_threads_reading_the_same_variables_add_no_records(fast_switching):
     vs = [dtape.Variable(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) * (i + 1)) for i in range(3)]
     with dtape.GradientTape() as solo:
-        _own_ops(vs)
+        solo_loss = _own_ops(vs)  # alive: the tape keeps the records of live tensors only (trace deletion)
     expected = solo._tape.num_records()
+    del solo_loss
 
     start, stop = threading.Event(), threading.Event()
     reads = [0]

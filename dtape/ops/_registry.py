@@ -21,6 +21,10 @@ REGISTRY = []          # every OpDef, in definition order
 TORCH_TABLE = {}       # torch callable -> handler taking torch's own arguments
 
 _SCALARS = (int, float, bool)
+# What a gradient rule reads, so what a record keeps alive (PyTorch's derivatives.yaml): "all" inputs
+# and outputs, only the "inputs", only the "output(s)", or "none" (shapes, dtypes and devices only).
+# "other_input": a binary rule taking `needs` reads each input only for the other's gradient.
+_SAVES = ("all", "inputs", "output", "none", "other_input")
 
 
 class OpDef:
@@ -32,9 +36,12 @@ class OpDef:
     """
 
     __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
-                 "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs")
+                 "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs", "saves")
 
-    def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output):
+    # The raw walk passes the saved torch tensors (and metadata) to `backward` as they are.
+    raw_saved = True
+
+    def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output, saves="all"):
         self.name = name
         self.forward = forward
         self.n_in = n_in
@@ -44,6 +51,9 @@ class OpDef:
         self.samples = samples
         self.second_order = second_order
         self.multi_output = multi_output
+        if saves not in _SAVES:
+            raise ValueError(f"op {name}: saves={saves!r}; expected one of {_SAVES}")
+        self.saves = saves
         params = list(inspect.signature(forward).parameters)
         self.attr_names = tuple(params[1 if list_input else n_in:])
         self.in_names = tuple(params[:1 if list_input else n_in])
@@ -60,9 +70,8 @@ class OpDef:
         return fn
 
     def backward(self, dys, outputs, inputs, attrs, raw, needs=None):
-        if raw:
-            inputs = [x._t if type(x) is Tensor else x for x in inputs]
-            outputs = [o._t for o in outputs]
+        """Input gradients; `inputs`/`outputs` are what the record saved (torch tensors on the raw
+        walk, dtape.Tensors otherwise), or shape/dtype/device metadata for what `saves` leaves out."""
         if self.multi_output:
             dy, ans = tuple(dys), tuple(outputs)
         else:
@@ -206,7 +215,7 @@ def _keyword_inputs(opdef, args, attrs):
 
 
 def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=True,
-          multi_output=False, name=None):
+          multi_output=False, name=None, saves="all"):
     """Declares an op from its forward on torch tensors; returns the public function.
 
     Args:
@@ -218,13 +227,16 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
       samples: `f(rng) -> list of (args, attrs)` float64 inputs for the registry test.
       second_order: False when the rule is not differentiable again.
       multi_output: forward returns a tuple of tensors.
+      saves: what the gradient rule reads of the tensors: "all", "inputs",
+        "output" or "none"; the rest reaches the rule as an object with only
+        `shape`, `dtype`, `device` and `ndim` (issue 7 point 1).
 
     The returned function has `.opdef`, `.grad` (decorator for the rule) and
     `.any` (runs on raw torch tensors without wrapping, or as the op on dtape tensors).
     """
     def deco(forward):
         opdef = OpDef(name or forward.__name__, forward, n_in, list_input, samples,
-                      second_order, multi_output)
+                      second_order, multi_output, saves)
         if list_input or n_in > 2:
             call = _make_nary(opdef)
         else:

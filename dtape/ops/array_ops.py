@@ -19,7 +19,7 @@ __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concat", "stack", 
 
 
 @defop(torch_fns=((torch.reshape, lambda x, shape: reshape(x, shape)),),
-       samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)})])
+       samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)})], saves="none")
 def reshape(tensor, shape):
     """Same elements in a new shape (one entry may be -1). Source: tf.reshape."""
     return torch.reshape(tensor, tuple(shape))
@@ -38,7 +38,7 @@ def _invert(perm):
 
 
 @defop(torch_fns=((torch.permute, lambda x, dims: transpose(x, list(dims))),),
-       samples=lambda rng: [((S.randn(rng, 2, 3, 4),), {"perm": (2, 0, 1)}), ((S.randn(rng, 3, 4),), {})])
+       samples=lambda rng: [((S.randn(rng, 2, 3, 4),), {"perm": (2, 0, 1)}), ((S.randn(rng, 3, 4),), {})], saves="none")
 def transpose(a, perm=None):
     """Permutes dimensions; perm=None reverses them. Source: tf.transpose."""
     perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
@@ -97,7 +97,7 @@ def _concat_samples(rng):
             (([S.randn(rng, 2, 3), S.randn(rng, 2, 2)],), {"axis": -1})]
 
 
-@defop(list_input=True, samples=_concat_samples)
+@defop(list_input=True, samples=_concat_samples, saves="none")
 def concat(values, axis):
     """Joins a list of tensors along an existing `axis`. Source: tf.concat."""
     return torch.cat(list(values), dim=axis)
@@ -113,7 +113,7 @@ def _stack_samples(rng):
     return [(([S.randn(rng, 2, 3), S.randn(rng, 2, 3)],), {"axis": 1})]
 
 
-@defop(list_input=True, samples=_stack_samples)
+@defop(list_input=True, samples=_stack_samples, saves="none")
 def stack(values, axis=0):
     """Stacks same-shape tensors along a new `axis`. Source: tf.stack."""
     return torch.stack(list(values), dim=axis)
@@ -143,7 +143,7 @@ def _where_samples(rng):
     return [((cond, S.randn(rng, 3, 4), S.randn(rng, 4)), {})]
 
 
-@defop(n_in=3, samples=_where_samples)
+@defop(n_in=3, samples=_where_samples, saves="inputs")
 def where(condition, x=None, y=None):
     """Elementwise x where condition else y, broadcasting. Source: tf.where (v2).
 
@@ -172,7 +172,7 @@ def _torch_where(condition, input=None, other=None):  # noqa: A002
 TORCH_TABLE[torch.where] = _torch_where
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 3),), {"dtype": torch.float32})])
+@defop(samples=lambda rng: [((S.randn(rng, 3),), {"dtype": torch.float32})], saves="none")
 def cast(x, dtype):
     """x converted to torch `dtype`; float-to-float casts pass the gradient back. Source: tf.cast."""
     return x.to(as_dtype(dtype))
@@ -185,7 +185,7 @@ def _(dy, ans, x, dtype):
     return cast.any(dy, x.dtype)
 
 
-@defop(samples=S.unary)
+@defop(samples=S.unary, saves="none")
 def identity(input):  # noqa: A002
     """Returns a new tensor with the same value (a distinct id). Source: tf.identity."""
     return input
@@ -266,7 +266,7 @@ def getitem(tensor, key):
     return _getitem(tensor, key=_raw_key(key))
 
 
-@defop(name="getitem", samples=lambda rng: [((S.randn(rng, 4, 5),), {"key": (slice(1, None), None, torch.tensor([0, 2, 2]))})])
+@defop(name="getitem", samples=lambda rng: [((S.randn(rng, 4, 5),), {"key": (slice(1, None), None, torch.tensor([0, 2, 2]))})], saves="none")
 def _getitem(tensor, key):
     return tensor[key]
 
@@ -314,7 +314,7 @@ def _split_samples(rng):
             ((S.randn(rng, 2, 7),), {"num_or_size_splits": [2, -1, 1], "axis": -1})]
 
 
-@defop(multi_output=True, samples=_split_samples)
+@defop(multi_output=True, samples=_split_samples, saves="none")
 def split(value, num_or_size_splits, axis=0):
     """Splits `value` along `axis` into pieces.
 
@@ -415,7 +415,7 @@ def _gather_samples(rng):
             ((S.randn(rng, 3, 2, 4, 5), torch.tensor([[0, 3], [1, 1], [2, 0]])), {"axis": 2, "batch_dims": 1})]
 
 
-@defop(n_in=2, samples=_gather_samples)
+@defop(n_in=2, samples=_gather_samples, saves="inputs")
 def gather(params, indices, axis=None, batch_dims=0):
     """Gathers slices of `params` along `axis` at `indices` (not torch.gather).
 
@@ -448,7 +448,7 @@ def _gather_grad_samples(rng):
             ((S.randn(rng, 3, 2, 4), torch.tensor([[0, 2], [2, 2], [1, 0]])), {"shape": (3, 4), "axis": None, "batch_dims": 0})]
 
 
-@defop(n_in=2, name="gather_grad", samples=_gather_grad_samples)
+@defop(n_in=2, name="gather_grad", samples=_gather_grad_samples, saves="inputs")
 def _gather_grad(dy, indices, shape, axis=None, batch_dims=0):
     """Scatter-adds `dy` (gather's output shape) into zeros of `shape`: gather's transpose."""
     axis, batch_dims, perm = _gather_layout(shape, indices.shape, axis, batch_dims)
@@ -481,7 +481,7 @@ def _gather_nd_samples(rng):
             ((S.randn(rng, 2, 3, 4), torch.tensor([[[1], [1]], [[0], [2]]])), {"batch_dims": 1})]
 
 
-@defop(n_in=2, samples=_gather_nd_samples)
+@defop(n_in=2, samples=_gather_nd_samples, saves="inputs")
 def gather_nd(params, indices, batch_dims=0):
     """Gathers slices of `params` addressed by the last dimension of `indices`.
 
@@ -509,7 +509,7 @@ def _(dy, ans, params, indices, batch_dims=0, needs=(True, False)):
 
 
 @defop(n_in=2, name="gather_nd_grad",
-       samples=lambda rng: [((S.randn(rng, 3, 2), torch.tensor([[0, 1], [2, 3], [0, 1]])), {"shape": (3, 4, 2)})])
+       samples=lambda rng: [((S.randn(rng, 3, 2), torch.tensor([[0, 1], [2, 3], [0, 1]])), {"shape": (3, 4, 2)})], saves="inputs")
 def _gather_nd_grad(dy, indices, shape, batch_dims=0):
     """Scatter-adds `dy` into zeros of `shape` at gather_nd's `indices`: gather_nd's transpose."""
     key, bshape, nb = _nd_key(indices, batch_dims)
@@ -549,7 +549,7 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
     return out if axis == -1 else torch.movedim(out, -1, axis)
 
 
-@defop(name="fill", samples=lambda rng: [((S.randn(rng),), {"dims": (2, 3)})])
+@defop(name="fill", samples=lambda rng: [((S.randn(rng),), {"dims": (2, 3)})], saves="none")
 def _fill(value, dims):
     return torch.full(tuple(dims), 0, dtype=value.dtype, device=value.device) + value
 
@@ -594,7 +594,7 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     return Tensor(torch.arange(*vals, dtype=as_dtype(dtype), device=default_device()))
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})])
+@defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})], saves="none")
 def copy_to_device(x, device):
     """A copy of x on `device` (torch.device); the gradient is copied back to x's device.
 

@@ -22,7 +22,7 @@ __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "neg
 
 
 # -- arithmetic ---------------------------------------------------------------
-@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary)
+@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary, saves="none")
 def add(x, y):
     """x + y, broadcasting. Any numeric dtype, same device. Source: tf.math.add."""
     return torch.add(x, y)
@@ -33,7 +33,7 @@ def _(dy, ans, x, y):
     return dy, dy
 
 
-@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary)
+@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary, saves="none")
 def subtract(x, y):
     """x - y, broadcasting. Source: tf.math.subtract."""
     return torch.sub(x, y)
@@ -45,7 +45,7 @@ def _(dy, ans, x, y):
 
 
 @defop(n_in=2, torch_fns=(torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__),
-       samples=S.binary)
+       samples=S.binary, saves="inputs")
 def multiply(x, y):
     """x * y, broadcasting. Source: tf.math.multiply."""
     return torch.mul(x, y)
@@ -85,7 +85,7 @@ def _(dy, ans, x, y):
     return dy, -dy * torch.floor(x / y)
 
 
-@defop(torch_fns=(torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.__neg__), samples=S.unary)
+@defop(torch_fns=(torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.__neg__), samples=S.unary, saves="none")
 def negative(x):
     """-x. Source: tf.math.negative."""
     return torch.neg(x)
@@ -96,7 +96,7 @@ def _(dy, ans, x):
     return -dy
 
 
-@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary)
+@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary, saves="inputs")
 def abs(x):  # noqa: A001 - TF's name
     """|x|; gradient sign(x) (0 at 0). Source: tf.math.abs."""
     return torch.abs(x)
@@ -107,7 +107,7 @@ def _(dy, ans, x):
     return dy * torch.sign(x)
 
 
-@defop(torch_fns=(torch.sign,), samples=S.unary)
+@defop(torch_fns=(torch.sign,), samples=S.unary, saves="none")
 def sign(x):
     """-1, 0 or 1 elementwise; gradient zero. Source: tf.math.sign."""
     return torch.sign(x)
@@ -141,7 +141,7 @@ def _is_float(t):
     return t.dtype.is_floating_point
 
 
-@defop(torch_fns=(torch.square,), samples=S.unary)
+@defop(torch_fns=(torch.square,), samples=S.unary, saves="inputs")
 def square(x):
     """x * x. Source: tf.math.square."""
     return torch.square(x)
@@ -152,7 +152,7 @@ def _(dy, ans, x):
     return dy * 2 * x
 
 
-@defop(torch_fns=(torch.sqrt, torch.Tensor.sqrt), samples=S.unary_positive)
+@defop(torch_fns=(torch.sqrt, torch.Tensor.sqrt), samples=S.unary_positive, saves="output")
 def sqrt(x):
     """Square root (x >= 0). Source: tf.math.sqrt."""
     return torch.sqrt(x)
@@ -174,7 +174,7 @@ def _(dy, ans, x):
     return dy * -0.5 * ans / x
 
 
-@defop(torch_fns=(torch.exp, torch.Tensor.exp), samples=S.unary)
+@defop(torch_fns=(torch.exp, torch.Tensor.exp), samples=S.unary, saves="output")
 def exp(x):
     """e ** x. Source: tf.math.exp."""
     return torch.exp(x)
@@ -185,7 +185,7 @@ def _(dy, ans, x):
     return dy * ans
 
 
-@defop(torch_fns=(torch.log, torch.Tensor.log), samples=S.unary_positive)
+@defop(torch_fns=(torch.log, torch.Tensor.log), samples=S.unary_positive, saves="inputs")
 def log(x):
     """Natural logarithm (x > 0). Source: tf.math.log."""
     return torch.log(x)
@@ -196,7 +196,7 @@ def _(dy, ans, x):
     return dy / x
 
 
-@defop(torch_fns=(torch.log1p,), samples=S.unary_positive)
+@defop(torch_fns=(torch.log1p,), samples=S.unary_positive, saves="inputs")
 def log1p(x):
     """log(1 + x) (x > -1). Source: tf.math.log1p."""
     return torch.log1p(x)
@@ -207,7 +207,7 @@ def _(dy, ans, x):
     return dy / (1 + x)
 
 
-@defop(torch_fns=(torch.sin,), samples=S.unary)
+@defop(torch_fns=(torch.sin,), samples=S.unary, saves="inputs")
 def sin(x):
     """Sine (radians). Source: tf.math.sin."""
     return torch.sin(x)
@@ -218,7 +218,7 @@ def _(dy, ans, x):
     return dy * torch.cos(x)
 
 
-@defop(torch_fns=(torch.cos,), samples=S.unary)
+@defop(torch_fns=(torch.cos,), samples=S.unary, saves="inputs")
 def cos(x):
     """Cosine (radians). Source: tf.math.cos."""
     return torch.cos(x)
@@ -229,7 +229,7 @@ def _(dy, ans, x):
     return -dy * torch.sin(x)
 
 
-@defop(torch_fns=(torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh), samples=S.unary)
+@defop(torch_fns=(torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh), samples=S.unary, saves="output")
 def tanh(x):
     """Hyperbolic tangent. Source: tf.math.tanh."""
     return torch.tanh(x)
@@ -242,7 +242,7 @@ def _(dy, ans, x):
     return dy * (1 - ans * ans)
 
 
-@defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary)
+@defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary, saves="output")
 def sigmoid(x):
     """1 / (1 + exp(-x)). Source: tf.math.sigmoid."""
     return torch.sigmoid(x)
@@ -255,7 +255,7 @@ def _(dy, ans, x):
     return dy * ans * (1 - ans)
 
 
-@defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct)
+@defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct, saves="inputs")
 def maximum(x, y):
     """Elementwise max, broadcasting; ties send the gradient to x. Source: tf.math.maximum."""
     return torch.maximum(x, y) if isinstance(y, torch.Tensor) else torch.clamp(x, min=y)
@@ -267,7 +267,7 @@ def _(dy, ans, x, y):
     return torch.where(mask, dy, 0.0), torch.where(mask, 0.0, dy)
 
 
-@defop(n_in=2, torch_fns=(torch.minimum,), samples=S.binary_distinct)
+@defop(n_in=2, torch_fns=(torch.minimum,), samples=S.binary_distinct, saves="inputs")
 def minimum(x, y):
     """Elementwise min, broadcasting; ties send the gradient to x. Source: tf.math.minimum."""
     return torch.minimum(x, y) if isinstance(y, torch.Tensor) else torch.clamp(x, max=y)
@@ -284,7 +284,7 @@ def _clip_samples(rng):
             ((S.randn(rng, 3, 4), S.randn(rng, 4) - 1.0, S.randn(rng, 3, 1) + 1.0), {})]
 
 
-@defop(n_in=3, samples=_clip_samples)
+@defop(n_in=3, samples=_clip_samples, saves="inputs")
 def clip_by_value(t, clip_value_min, clip_value_max):
     """Clamps t to [clip_value_min, clip_value_max] (scalars or broadcastable tensors).
 
@@ -310,7 +310,7 @@ def _matmul_samples(rng):
             ((S.randn(rng, 2, 4, 3), S.randn(rng, 5, 4)), {"transpose_a": True, "transpose_b": True})]
 
 
-@defop(n_in=2, samples=_matmul_samples)
+@defop(n_in=2, samples=_matmul_samples, saves="other_input")
 def matmul(a, b, transpose_a=False, transpose_b=False):
     """Matrix product of [..., m, k] and [..., k, n] (batch dims broadcast) -> [..., m, n].
 
@@ -415,7 +415,7 @@ def _permute_to(g, have, want):
     return torch.permute(g, [have.index(c) for c in want])
 
 
-@defop(list_input=True, samples=_einsum_samples, name="einsum")
+@defop(list_input=True, samples=_einsum_samples, name="einsum", saves="inputs")
 def _einsum(inputs, equation):
     return _einsum_fwd(inputs, equation)
 
@@ -442,7 +442,7 @@ def _add_n_samples(rng):
     return [(([S.randn(rng, 3, 2), S.randn(rng, 3, 2), S.randn(rng, 3, 2)],), {})]
 
 
-@defop(list_input=True, samples=_add_n_samples)
+@defop(list_input=True, samples=_add_n_samples, saves="none")
 def add_n(inputs):
     """Sum of a list of same-shape tensors. Source: tf.math.add_n."""
     out = inputs[0]
@@ -476,7 +476,7 @@ def expand_back(g, x, axis, keepdims):
     return g
 
 
-@defop(samples=S.reduction)
+@defop(samples=S.reduction, saves="none")
 def reduce_sum(x, axis=None, keepdims=False):
     """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
     axes = reduction_axes(x.ndim, axis)
@@ -488,7 +488,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape)
 
 
-@defop(samples=S.reduction)
+@defop(samples=S.reduction, saves="none")
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
     axes = reduction_axes(x.ndim, axis)

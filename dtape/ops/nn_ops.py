@@ -28,7 +28,7 @@ def _unary_nn(rng):
 
 # -- activations --------------------------------------------------------------
 @defop(torch_fns=(torch.relu, torch.Tensor.relu, (F.relu, lambda input, inplace=False: relu(input))),
-       samples=_unary_nn)
+       samples=_unary_nn, saves="output")
 def relu(features):
     """max(features, 0) elementwise; floating tensor, any shape -> same. Source: tf.nn.relu."""
     return torch.relu(features)
@@ -41,7 +41,7 @@ def _(dy, ans, features):
     return torch.where(ans > 0, dy, 0.0)
 
 
-@defop(torch_fns=((F.relu6, lambda input, inplace=False: relu6(input)),), samples=_unary_nn)
+@defop(torch_fns=((F.relu6, lambda input, inplace=False: relu6(input)),), samples=_unary_nn, saves="inputs")
 def relu6(features):
     """min(max(features, 0), 6) elementwise; any shape -> same. Source: tf.nn.relu6."""
     return torch.clamp(features, 0.0, 6.0)
@@ -52,7 +52,7 @@ def _(dy, ans, features):
     return torch.where(torch.logical_and(features > 0, features < 6), dy, 0.0)
 
 
-@defop(samples=lambda rng: [((S.away_from_zero(rng, 3, 4),), {}), ((S.away_from_zero(rng, 5),), {"alpha": 0.1})])
+@defop(samples=lambda rng: [((S.away_from_zero(rng, 3, 4),), {}), ((S.away_from_zero(rng, 5),), {"alpha": 0.1})], saves="inputs")
 def leaky_relu(features, alpha=0.2):
     """features if features > 0 else alpha * features; any shape -> same. Source: tf.nn.leaky_relu."""
     return torch.where(features > 0, features, features * alpha)
@@ -82,7 +82,7 @@ def _gelu_torch(input, approximate="none"):  # noqa: A002 - torch's name
 
 
 @defop(torch_fns=((F.gelu, _gelu_torch),),
-       samples=lambda rng: [((S.randn(rng, 3, 4),), {}), ((S.randn(rng, 3, 4),), {"approximate": True})])
+       samples=lambda rng: [((S.randn(rng, 3, 4),), {}), ((S.randn(rng, 3, 4),), {"approximate": True})], saves="inputs")
 def gelu(features, approximate=False):
     """Gaussian error linear unit x * Phi(x) (tanh approximation if `approximate`).
 
@@ -108,7 +108,7 @@ def _(dy, ans, features, approximate=False):
     return dy * (cdf + x * pdf)
 
 
-@defop(torch_fns=((F.silu, lambda input, inplace=False: silu(input)),), samples=_unary_nn)
+@defop(torch_fns=((F.silu, lambda input, inplace=False: silu(input)),), samples=_unary_nn, saves="inputs")
 def silu(features):
     """features * sigmoid(features) (swish); any shape -> same. Source: tf.nn.silu."""
     return F.silu(features)
@@ -120,7 +120,7 @@ def _(dy, ans, features):
     return dy * s * (1 + features * (1 - s))
 
 
-@defop(samples=_unary_nn)
+@defop(samples=_unary_nn, saves="inputs")
 def softplus(features):
     """log(1 + exp(features)), computed stably; any shape -> same. Source: tf.math.softplus."""
     return torch.logaddexp(features, torch.zeros_like(features))
@@ -135,7 +135,7 @@ def _softmax_samples(rng):
     return [((S.randn(rng, 3, 5),), {}), ((S.randn(rng, 2, 4, 3),), {"axis": 1})]
 
 
-@defop(samples=_softmax_samples)
+@defop(samples=_softmax_samples, saves="output")
 def softmax(logits, axis=-1):
     """exp(logits) / sum(exp(logits), axis); floating, any shape -> same. Source: tf.nn.softmax."""
     return torch.softmax(logits, dim=axis)
@@ -146,7 +146,7 @@ def _(dy, ans, logits, axis=-1):
     return ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True))
 
 
-@defop(samples=_softmax_samples)
+@defop(samples=_softmax_samples, saves="output")
 def log_softmax(logits, axis=-1):
     """logits - logsumexp(logits, axis); floating, any shape -> same. Source: tf.nn.log_softmax."""
     return torch.log_softmax(logits, dim=axis)
@@ -163,7 +163,7 @@ def _sparse_xent_samples(rng):
             ((torch.tensor([[2, 0], [1, 1]]), S.randn(rng, 2, 2, 3)), {})]
 
 
-@defop(n_in=2, samples=_sparse_xent_samples)
+@defop(n_in=2, samples=_sparse_xent_samples, saves="inputs")
 def sparse_softmax_cross_entropy_with_logits(labels, logits):
     """Per-example softmax cross-entropy against integer class labels.
 
@@ -191,7 +191,7 @@ def _xent_samples(rng):
     return [((labels, S.randn(rng, 3, 4)), {}), ((S.positive(rng, 4, 2), S.randn(rng, 4, 2)), {"axis": 0})]
 
 
-@defop(n_in=2, samples=_xent_samples)
+@defop(n_in=2, samples=_xent_samples, saves="inputs")
 def softmax_cross_entropy_with_logits(labels, logits, axis=-1):
     """Softmax cross-entropy -sum(labels * log_softmax(logits), axis) per example.
 
@@ -219,7 +219,7 @@ def _sigmoid_xent_samples(rng):
     return [((torch.rand(3, 4, generator=rng, dtype=torch.float64), S.randn(rng, 3, 4) * 3), {})]
 
 
-@defop(n_in=2, samples=_sigmoid_xent_samples)
+@defop(n_in=2, samples=_sigmoid_xent_samples, saves="inputs")
 def sigmoid_cross_entropy_with_logits(labels, logits):
     """Elementwise logistic loss max(x, 0) - x * z + log(1 + exp(-|x|)), x=logits, z=labels.
 
@@ -240,7 +240,7 @@ def _(dy, ans, labels, logits):
     return -dy * logits, dy * (torch.sigmoid(logits) - labels)
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 3, 4),), {})])
+@defop(samples=lambda rng: [((S.randn(rng, 3, 4),), {})], saves="inputs")
 def l2_loss(t):
     """sum(t ** 2) / 2; floating tensor, any shape -> scalar. Source: tf.nn.l2_loss."""
     return torch.sum(t * t) / 2
@@ -337,7 +337,7 @@ def _conv_samples(rng):
                                                                     "data_format": "NCHW"})]
 
 
-@defop(n_in=2, samples=_conv_samples)
+@defop(n_in=2, samples=_conv_samples, saves="inputs")
 def conv2d(input, filters, strides, padding, data_format="NHWC", dilations=None):  # noqa: A002
     """2-D convolution (cross-correlation), TF layout and padding.
 
@@ -435,7 +435,7 @@ def _bias_samples(rng):
             ((S.randn(rng, 2, 3, 4, 2), S.randn(rng, 3)), {"data_format": "NCHW"})]
 
 
-@defop(n_in=2, samples=_bias_samples)
+@defop(n_in=2, samples=_bias_samples, saves="none")
 def bias_add(value, bias, data_format="NHWC"):
     """value + bias along the channel dimension.
 

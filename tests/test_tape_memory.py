@@ -1,0 +1,193 @@
+"""Tape memory (issue 7 points 1, 2, 4, 5): what records save, trace deletion, the per-walk fast path, GC objects."""
+import gc
+import threading
+
+import pytest
+import torch
+
+import dtape
+from dtape import backprop
+
+D = torch.float64
+TIMEOUT = 5
+
+
+def _c(v):
+    return dtape.constant(torch.as_tensor(v, dtype=D))
+
+
+def _x():
+    return _c(torch.linspace(-1.0, 1.0, 16).reshape(4, 4))  # 128 bytes
+
+
+def test_records_save_only_what_each_rule_reads():
+    x, w = _x(), _c(torch.full((4, 4), 0.5))
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch([x, w])
+        a = x + w                       # no tensors
+        b = dtape.reshape(dtape.transpose(a - w), (16,))  # no tensors
+        assert t.num_records() == 4 and t.nbytes() == 0
+        c = dtape.exp(b)                # its output only
+        assert t.nbytes() == c.torch().untyped_storage().nbytes() == 128
+        d = c * x.torch().reshape(16)   # both inputs: c (already saved) and a constant
+        assert t.num_records() == 6 and t.nbytes() == 256
+        e = dtape.tanh(d) + dtape.nn.relu(d) + dtape.sigmoid(d)  # three outputs
+        assert t.nbytes() == 256 + 3 * 128
+    records = {}
+    for r in t._tape.records():
+        records.setdefault(r[0].name, r)  # the first of each op
+    placeholder = records["add"][3][0]  # kept as metadata: a zero tensor owning one element, same id
+    assert placeholder.torch().untyped_storage().nbytes() == 8 and placeholder.shape == (4, 4)
+    assert placeholder._id == x._id
+    assert records["exp"][4][0].torch() is c.torch() and records["exp"][4][0]._id == c._id
+    g = t.gradient(e, x)
+    xt = x.torch().clone().requires_grad_()
+    ct = torch.exp(torch.reshape(torch.transpose(xt + 0.5 - 0.5, 0, 1), (16,)))
+    dt = ct * xt.detach().reshape(16)
+    torch.autograd.backward(torch.tanh(dt) + torch.relu(dt) + torch.sigmoid(dt), torch.ones(16, dtype=D))
+    torch.testing.assert_close(g.torch(), xt.grad)
+
+
+def test_shared_storage_counts_once():
+    x = _x()
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = x * x
+        z = y * dtape.reshape(x, (4, 4))  # a view of x's storage: not counted again
+    assert t.nbytes() == 2 * 128 and t.num_records() == 3
+    t.gradient(z, x)
+
+
+def test_persistent_tape_over_10000_steps_keeps_records_and_bytes_flat():
+    x = _x()
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        for step in range(10_000):
+            y = dtape.tanh(x * 2.0) + float(step)  # the previous y (and its intermediates) die here
+            if step == 10:
+                counts = (t.num_records(), t.nbytes())
+        assert (t.num_records(), t.nbytes()) == counts == (3, 2 * 128)  # x * 2 keeps x; tanh its output
+    torch.testing.assert_close(t.gradient(y, x).torch(), 2 * (1 - torch.tanh(2 * x.torch()) ** 2))
+
+
+def test_dead_intermediates_on_the_path_to_a_live_target_stay():
+    x = _x()
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        y = x
+        for _ in range(20):
+            y = dtape.sin(y) * 1.5  # every intermediate Tensor dies, the chain to y is needed
+        dead = dtape.exp(x)
+        del dead                # nothing uses it: deleted
+    assert t.num_records() == 40
+    xt = x.torch().clone().requires_grad_()
+    yt = xt
+    for _ in range(20):
+        yt = torch.sin(yt) * 1.5
+    torch.testing.assert_close(t.gradient(y, x).torch(), torch.autograd.grad(yt.sum(), xt)[0])
+
+
+def test_multi_output_record_stays_while_any_output_lives():
+    x = _c(torch.arange(6.0))
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        a, b = dtape.split(x * 1.0, 2)
+        del a
+        assert t.num_records() == 2
+        torch.testing.assert_close(t.gradient(b, x).torch(), torch.tensor([0, 0, 0, 1, 1, 1], dtype=D))
+        del b
+        assert t.num_records() == 0 and t.nbytes() == 0
+
+
+def test_non_persistent_tape_frees_everything_at_its_gradient():
+    x = _x()
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        h = dtape.exp(x) * x
+        loss = dtape.reduce_sum(h)
+    import weakref
+    saved = weakref.ref(t._tape.records()[0][4][0].torch())  # exp's saved output (h and x keep none of it)
+    assert t.num_records() == 3 and t.nbytes() == 2 * 128
+    t.gradient(loss, x)
+    assert t.num_records() == 0 and t.nbytes() == 0
+    gc.collect()
+    assert saved() is None
+
+
+def test_tracked_objects_per_recorded_op_stay_few():
+    """Records allocate at most ~one GC-tracked object per op beyond the saved tensors (point 5)."""
+    x, w, b = _x(), _x(), _x()
+    n = 3000
+    with dtape.GradientTape() as t:
+        t.watch([x, w, b])
+        y = x
+        gc.collect()
+        before = len(gc.get_objects())
+        for i in range(n):
+            k = i % 3
+            y = y * w if k == 0 else (y + b if k == 1 else dtape.tanh(y))
+        gc.collect()
+        per_op = (len(gc.get_objects()) - before) / n
+    assert t.num_records() == n
+    # a record, its saved tuple, and 2 of 3 ops keep a torch tensor (mul: y; tanh: its output)
+    assert per_op <= 3.0, per_op
+    t.gradient(y, x)
+
+
+def test_walk_is_raw_with_an_unrelated_tape_on_another_thread_or_not_watching():
+    x = _x()
+    opened, done = threading.Event(), threading.Event()
+
+    def other():
+        with dtape.GradientTape() as other_tape:
+            other_tape.watch(_x())
+            opened.set()
+            done.wait(TIMEOUT)
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    try:
+        assert opened.wait(TIMEOUT)
+        with dtape.GradientTape() as unrelated:
+            unrelated.watch(_x())  # recording on this thread, watching nothing the walk reads
+            with dtape.GradientTape() as t:
+                t.watch(x)
+                y = dtape.tanh(x) * x
+            g = t.gradient(y, x)
+            assert backprop.walk_info.last_raw is True
+        assert unrelated.num_records() == 0
+    finally:
+        done.set()
+        thread.join(TIMEOUT)
+    xt = x.torch()
+    torch.testing.assert_close(g.torch(), (1 - torch.tanh(xt) ** 2) * xt + torch.tanh(xt))
+
+
+@pytest.mark.parametrize("persistent_inner", [False, True])
+def test_nested_tape_watching_the_walk_records_it_for_higher_order(persistent_inner):
+    x = _x()
+    with dtape.GradientTape() as outer:
+        outer.watch(x)
+        with dtape.GradientTape(persistent=persistent_inner) as inner:
+            inner.watch(x)
+            y = dtape.tanh(x) * x
+        g = inner.gradient(y, x)
+        assert backprop.walk_info.last_raw is False
+    gg = outer.gradient(g, x)
+    xt = x.torch().clone().requires_grad_()
+    (gt,) = torch.autograd.grad((torch.tanh(xt) * xt).sum(), xt, create_graph=True)
+    torch.testing.assert_close(gg.torch(), torch.autograd.grad(gt.sum(), xt)[0])
+
+
+def test_matmul_keeps_an_input_only_for_a_watched_partner():
+    x, w = _c(torch.randn(8, 16, generator=torch.Generator().manual_seed(0))), _c(torch.ones(16, 4))
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(w)  # x is data: its gradient is never needed, so w need not be kept (torch: x.requires_grad)
+        y = dtape.matmul(x, w)
+        assert t.nbytes() == x.torch().untyped_storage().nbytes()
+        t.watch(x)
+        z = dtape.matmul(x, w)  # both watched now: both kept
+        assert t.nbytes() == x.torch().untyped_storage().nbytes() + w.torch().untyped_storage().nbytes()
+    torch.testing.assert_close(t.gradient(y, w).torch(), x.torch().sum(0)[:, None].expand(16, 4))
+    torch.testing.assert_close(t.gradient(z, x).torch(), torch.full((8, 16), 4.0, dtype=D))
+    assert t.gradient(y, x) is None  # watched only after y's matmul ran (w was not kept for it)
