@@ -1,6 +1,8 @@
 """dtape's MultiWorkerMirroredStrategy against torch DistributedDataParallel, under torchrun (gloo).
 
-One MLP training step (784-1024-1024-10, SGD, global batch 256) with the
+One MLP training step (784-1024-1024-10, SGD, global batch 256), and the
+charlm step (the 2-layer transformer of scripts/tasks/charlm.py, Adam, 32
+sequences; DDP runs the same transformer as a torch.nn.Module), with the
 same initial weights and the same global batches: each of W workers takes
 its slice of every global batch, dtape sums the per-worker gradients of a
 loss divided by the global batch size (TF semantics), DDP averages the
@@ -28,6 +30,8 @@ import time
 
 SIZES = (784, 1024, 1024, 10)
 GLOBAL_BATCH = 256
+CHARLM_BATCH = 32  # sequences of 64 characters per global batch (charlm's default batch size)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _init(torch):
@@ -112,6 +116,67 @@ def _dtape_worker(steps, lr, sync=False):
     return result
 
 
+def _charlm(torch):
+    sys.path.insert(0, HERE)
+    from tasks import charlm
+    data = charlm.load_data(0)
+    x = torch.as_tensor(data["x_train"][:4 * CHARLM_BATCH]).reshape(4, CHARLM_BATCH, -1)
+    y = torch.as_tensor(data["y_train"][:4 * CHARLM_BATCH]).reshape(4, CHARLM_BATCH, -1)
+    return charlm, x, y
+
+
+def _charlm_dtape_worker(steps, lr):
+    import torch
+    import dtape
+    charlm, data, labels = _charlm(torch)
+    strategy = dtape.distribute.MultiWorkerMirroredStrategy()
+    rank, world = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+    with strategy.scope():
+        model = charlm.build_model(0)
+        opt = dtape.optimizers.Adam(lr)
+    variables = list(model.trainable_variables)
+    per = CHARLM_BATCH // world
+
+    def replica_step(x, y):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(charlm.per_example_loss(model, x, y)) / CHARLM_BATCH
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    def step(k):
+        part = slice(rank * per, (rank + 1) * per)
+        return strategy.run(replica_step, args=(dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])))
+    import torch.distributed as dist
+    return _time(step, steps, dist,
+                 lambda v: strategy.reduce(dtape.distribute.ReduceOp.SUM, v, axis=None).torch())
+
+
+def _charlm_ddp_worker(steps, lr):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import dtape
+    sys.path.insert(0, HERE)
+    from bench import _TorchCharLM
+    charlm, data, labels = _charlm(torch)
+    values = [v.torch().clone() for v in charlm.build_model(0).trainable_variables]  # the same initial weights
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.parallel.DistributedDataParallel(_TorchCharLM(values, charlm))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7)
+    per = CHARLM_BATCH // world
+
+    def step(k):
+        part = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad(set_to_none=True)
+        logits = model(data[k % 4, part])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[k % 4, part].reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.detach() / world
+    return _time(step, steps, dist, lambda v: dist.all_reduce(v) or v)
+
+
 def _time(step, steps, dist, global_loss):
     first = float(global_loss(step(0)))
     times = []
@@ -138,27 +203,35 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--worker", choices=["dtape", "dtape_sync", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["dtape", "dtape_sync", "ddp", "charlm_dtape", "charlm_ddp"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         workers = {"dtape": _dtape_worker, "dtape_sync": lambda n, lr: _dtape_worker(n, lr, sync=True),
-                   "ddp": _ddp_worker}
-        result = workers[args.worker](args.steps, 0.01)
+                   "ddp": _ddp_worker, "charlm_dtape": _charlm_dtape_worker, "charlm_ddp": _charlm_ddp_worker}
+        result = workers[args.worker](args.steps, 1e-3 if args.worker.startswith("charlm") else 0.01)
         if int(os.environ.get("RANK", "0")) == 0:
             json.dump(result, open(args.out, "w"))
         return
     res = {f"{m}_{w}": _launch(m, w, args.steps) for w in (1, 2) for m in ("dtape", "dtape_sync", "ddp")}
     res.pop("dtape_sync_1")
+    res.update({f"{m}_2": _launch(m, 2, args.steps) for m in ("charlm_dtape", "charlm_ddp")})
     for key, r in res.items():
         print(f"{key:8s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:8.2f} ms")
     assert abs(res["dtape_2"]["first_loss"] - res["ddp_2"]["first_loss"]) < 1e-5, "dtape and DDP disagree"
+    assert abs(res["charlm_dtape_2"]["first_loss"] - res["charlm_ddp_2"]["first_loss"]) < 1e-5, "charlm disagrees"
     # apply_gradients waits for the reduction: with GradientSync only for what the walk did not hide.
-    hidden = 1 - (res["dtape_sync_2"]["apply_s"] - res["dtape_1"]["apply_s"]) / \
-        max(res["dtape_2"]["apply_s"] - res["dtape_1"]["apply_s"], 1e-9)
+    exposed_sync = max(res["dtape_sync_2"]["apply_s"] - res["dtape_1"]["apply_s"], 0.0)
+    exposed = res["dtape_2"]["apply_s"] - res["dtape_1"]["apply_s"]
+    hidden = min(max(1 - exposed_sync / exposed, 0.0), 1.0) if exposed > 0 else float("nan")
+    for key in ("dtape_1", "dtape_2", "dtape_sync_2"):
+        print(f"{key:12s} tape.gradient {res[key]['gradient_s'] * 1e3:7.2f} ms  "
+              f"apply_gradients {res[key]['apply_s'] * 1e3:7.2f} ms")
     ratios = {"dtape/ddp at 2 workers": res["dtape_2"]["step_s"] / res["ddp_2"]["step_s"],
               "dtape+GradientSync/ddp at 2": res["dtape_sync_2"]["step_s"] / res["ddp_2"]["step_s"],
               "communication hidden (share)": hidden,
+              "charlm dtape/ddp at 2 workers": res["charlm_dtape_2"]["step_s"] / res["charlm_ddp_2"]["step_s"],
               "dtape/ddp at 1 worker": res["dtape_1"]["step_s"] / res["ddp_1"]["step_s"],
               "dtape 2 workers / 1 worker": res["dtape_2"]["step_s"] / res["dtape_1"]["step_s"],
               "ddp 2 workers / 1 worker": res["ddp_2"]["step_s"] / res["ddp_1"]["step_s"]}
