@@ -48,10 +48,11 @@ def _children(value):
     return []
 
 
-def _walk(module):
+def _walk(module, into_modules=True):
     """Yields (kind, object) for every variable and sub-module below `module`, depth-first.
 
-    Attribute insertion order, each object once; cycles are cut.
+    Attribute insertion order, each object once; cycles are cut. With
+    `into_modules=False` the walk does not descend into the modules it finds.
     """
     seen = {id(module)}
     stack = [iter(_children(module))]
@@ -69,6 +70,8 @@ def _walk(module):
             seen.add(id(value))
             if isinstance(value, Module):
                 yield "module", value
+                if not into_modules:
+                    continue
             stack.append(iter(_children(value)))
 
 
@@ -87,20 +90,7 @@ _loss_state = _LossState()
 
 def _direct_children(module):
     """The modules directly held by `module` (through attributes, lists, tuples, dicts), in order."""
-    out, seen, stack = [], {id(module)}, [iter(_children(module))]
-    while stack:
-        value = next(stack[-1], _DONE)
-        if value is _DONE:
-            stack.pop()
-            continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, Module):
-            out.append(value)
-        elif isinstance(value, (dict, list, tuple)):
-            stack.append(iter(_children(value)))
-    return out
+    return [obj for kind, obj in _walk(module, into_modules=False) if kind == "module"]
 
 
 class Module:
