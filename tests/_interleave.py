@@ -30,3 +30,29 @@ def interleaved(seed=0, p=0.3):
     finally:
         threading.setprofile(old_profile)
         sys.setswitchinterval(old_interval)
+
+
+def run_threads(targets, timeout):
+    """Runs each target on its own thread; joins each within `timeout` s; re-raises the first error.
+
+    Raises:
+      AssertionError: a thread did not finish in time (a hang, not a silent pass).
+    """
+    errors = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # reported on the main thread
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=guarded(t), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a thread did not finish in time"
+    if errors:
+        raise errors[0]

@@ -14,7 +14,7 @@ import torch
 import dtape
 from dtape import tape as tp
 
-from _interleave import interleaved
+from _interleave import interleaved, run_threads
 
 D = torch.float64
 TIMEOUT = 5
@@ -27,24 +27,7 @@ def fast_switch():
 
 
 def _run(targets):
-    errors = []
-
-    def guarded(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # reported on the main thread
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=guarded(t), daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=TIMEOUT * 4)
-        assert not t.is_alive(), "worker thread did not finish in time"
-    if errors:
-        raise errors[0]
+    run_threads(targets, TIMEOUT * 4)
 
 
 def test_tapes_pushed_and_popped_on_many_threads_none_lost_none_leaked(fast_switch):

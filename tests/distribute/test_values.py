@@ -1,6 +1,5 @@
 """Reductions that cannot depend on object identity, SyncOnRead in the cross-replica context,
 low-precision accumulation, per-replica collective results, and the standard loop on every strategy."""
-import threading
 
 import numpy as np
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 import dtape
 from dtape import distribute as ds
-from _interleave import interleaved
+from _interleave import interleaved, run_threads
 
 SUM, MEAN = ds.ReduceOp.SUM, ds.ReduceOp.MEAN
 AGG = dtape.VariableAggregation
@@ -329,25 +328,8 @@ def test_mixed_devices_reductions_copy_to_the_destination():
 # -- writes of every component are atomic ------------------------------------------------
 def _race(writers, timeout=5):
     """Runs the writers on threads under forced interleaving; re-raises the first error."""
-    errors = []
-
-    def guarded(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # reported on the main thread
-                errors.append(e)
-        return run
-
     with interleaved(seed=0):
-        threads = [threading.Thread(target=guarded(w), daemon=True) for w in writers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a writer hung"
-    if errors:
-        raise errors[0]
+        run_threads(writers, timeout)
 
 
 @pytest.mark.parametrize("kind", ["mirrored", "sync_on_read_mean"])
