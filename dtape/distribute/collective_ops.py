@@ -8,9 +8,12 @@ on the tape.
 
 Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
 
-* Every collective is launched asynchronously and waited for in short
-  slices; between slices the waiter polls the process group's store for a
-  published error and checks its deadline (the strategy's timeout).
+* Every collective is launched asynchronously and waited for in slices of
+  at most 20 ms; after each slice that did not finish it, the waiter polls
+  the process group's store for a published error and checks its deadline
+  (the strategy's timeout). A collective that finishes within its first
+  slice costs no store traffic (a store round trip goes through torchrun's
+  agent process, which on a busy machine first has to be scheduled).
 * A worker whose step fails calls `publish_error`: its exception (type,
   message, rank, host, pid) goes to the store before it leaves, and it waits
   (briefly, bounded) for its peers to acknowledge. A peer blocked in a
@@ -156,13 +159,16 @@ class Communicator:
                                                                                   rounding_mode="floor")
         return out.to(t.device)
 
-    def all_reduce_async(self, t):
+    def all_reduce_async(self, t, scratch=False):
         """Launches the SUM of `t` over every worker; returns a pending result whose `wait()` gives it.
 
         Launch order must match on every worker (as every collective);
         `wait()` fails fast, naming the failing rank, as `all_reduce` does.
+        `scratch=True`: the caller gives `t` away (a buffer it never reads
+        again), so a contiguous `t` on the collective device is reduced in
+        place instead of copied first (the result is then `t` itself).
         """
-        out = self._staged(t)
+        out = t.detach() if scratch and _in_place_ok(t, self.device) else self._staged(t)
         self._raise_if_failed("all_reduce")
         self._seq += 1
         what = f"all_reduce #{self._seq}"
@@ -230,8 +236,10 @@ class Communicator:
         self._wait(work, what)
 
     def _wait(self, work, what):
-        start = time.monotonic()
-        pause, marked = 0.001, False
+        start = checked = time.monotonic()
+        # gloo's wait returns as soon as the work is done, so its first slice is the longest;
+        # NCCL is polled with sleeps, so they start short.
+        pause, marked = (0.001 if self.device.type == "cuda" else _POLL_MAX_S), False
         while True:
             try:
                 if self._wait_slice(work, pause):
@@ -239,8 +247,11 @@ class Communicator:
             except RuntimeError as e:
                 if "timed out" not in str(e).lower():
                     self._fail_from_transport(what, e)
-            self._raise_if_peer_failed(what)
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            if now - checked >= _POLL_MAX_S * 0.99:  # the store at most every slice's worth of waiting
+                self._raise_if_peer_failed(what)
+                checked = now
+            waited = now - start
             if not marked and waited > _MARK_WAITING_AFTER_S:
                 self.store.set(f"at/{self.rank}", str(self._seq))
                 marked = True
@@ -259,10 +270,11 @@ class Communicator:
         return work.wait(timeout=datetime.timedelta(milliseconds=max(1, round(pause * 1000))))
 
     def _raise_if_failed(self, what):
+        """Refuses a launch after this worker failed. A peer's failure is seen by the wait (a collective
+        cannot finish without the peer), so a launch costs no store round trip."""
         if self._failed is not None:
             raise RuntimeError(f"rank {self.rank}: cannot run {what}: this worker's group already failed "
                                f"({self._failed}); restart the workers (e.g. torchrun --max-restarts)")
-        self._raise_if_peer_failed(what)
 
     def _raise_if_peer_failed(self, what):
         try:
@@ -354,6 +366,10 @@ class Communicator:
                 time.sleep(0.01)
         except (RuntimeError, OSError):  # the store went with a dead worker: nothing left to coordinate
             pass
+
+
+def _in_place_ok(t, device):
+    return t.device == device and t.is_contiguous()
 
 
 class _Pending:

@@ -332,7 +332,7 @@ class StrategyExtended:
     # every replica in the same order. MirroredStrategy sums among its
     # replica threads; a multi-process strategy overrides them with
     # torch.distributed (dist.all_reduce(async_op=True) -> a handle).
-    def _all_reduce_flat_async(self, reduce_op, tensors):
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False):
         """Launches an all-reduce of this replica's `tensors`; returns a handle at once.
 
         Args:
@@ -341,6 +341,10 @@ class StrategyExtended:
             float dtypes; float16/bfloat16 accumulate in float32). Every
             replica passes the same sizes and dtypes. Not modified; must not
             be modified until the handle is waited on.
+          scratch: True when the caller gives `tensors` away (buffers it
+            never reads again): a strategy may then reduce them in place
+            instead of copying them first (the thread collectives never
+            modify their inputs either way).
 
         Returns:
           A handle with `.wait(timeout=None) -> list of torch.Tensor` (the

@@ -5,7 +5,9 @@ How the overlap works (DDP's reducer, on the tape):
 * `GradientTape(gradient_sync=GradientSync())` in a replica context of a
   strategy with more than one replica opens a session at `tape.gradient`.
   The session lays the float sources out in buckets of about
-  `bucket_cap_mb` (flattened, one dtype per bucket) in order of readiness:
+  `bucket_cap_mb` (flattened, one dtype per bucket; the first bucket only
+  `first_bucket_cap_mb`, 1 MB, as DDP, so the first all-reduce starts
+  while the walk still has most of its work ahead) in order of readiness:
   the first call for a list of sources uses reverse source order (DDP's
   guess) and records the order in which the walk finishes them; replica
   0's order is then shared with every replica (one small all-reduce, once)
@@ -52,13 +54,19 @@ from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
-def _check_cap(bucket_cap_mb):
+def _check_cap(bucket_cap_mb, name="bucket_cap_mb"):
     cap = float(bucket_cap_mb)
     if not cap > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r}")
+        raise ValueError(f"{name} must be a positive number of megabytes, got {bucket_cap_mb!r}")
     return int(cap * 2**20)
+
+
+def _caps(cap_bytes, first_cap_bytes):
+    """(cap, first bucket's cap) in bytes; the first never larger than the others."""
+    return cap_bytes, min(cap_bytes, first_cap_bytes)
 
 
 class GradientSync:
@@ -68,6 +76,9 @@ class GradientSync:
       bucket_cap_mb: megabytes (2**20 bytes) of gradients per bucket (default
         25, as DDP). Smaller buckets start earlier; larger ones make fewer
         collectives.
+      first_bucket_cap_mb: the first bucket's cap (default 1, as DDP; at
+        most bucket_cap_mb): the gradients ready first go out in a small
+        all-reduce while the walk computes the rest.
       order: "readiness" (default): the first `tape.gradient` call for a
         given list of sources buckets them in reverse source order and
         records the order in which the walk finished them; replica 0's order
@@ -84,13 +95,15 @@ class GradientSync:
     sources).
 
     Raises:
-      ValueError: a non-positive bucket_cap_mb, or an unknown order.
+      ValueError: a non-positive bucket_cap_mb or first_bucket_cap_mb, or an unknown order.
     """
 
-    def __init__(self, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, order="readiness"):
+    def __init__(self, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, order="readiness",
+                 first_bucket_cap_mb=DEFAULT_FIRST_BUCKET_CAP_MB):
         if order not in ("readiness", "reverse"):
             raise ValueError(f"GradientSync order must be 'readiness' or 'reverse', got {order!r}")
-        self.bucket_cap_bytes = _check_cap(bucket_cap_mb)
+        self.bucket_cap_bytes, self.first_bucket_cap_bytes = _caps(
+            _check_cap(bucket_cap_mb), _check_cap(first_bucket_cap_mb, "first_bucket_cap_mb"))
         self.order = order
         self._lock = threading.Lock()
         self._orders = {}  # (strategy id, replica id, sources' shapes and dtypes) -> agreed readiness order
@@ -109,7 +122,8 @@ class GradientSync:
                 order = self._orders.get(key)
             if order is None:
                 learn = (self._learned, key, rctx.replica_id_in_sync_group)
-        return _Session(rctx.strategy.extended, sources, self.bucket_cap_bytes, order, learn)
+        return _Session(rctx.strategy.extended, sources, (self.bucket_cap_bytes, self.first_bucket_cap_bytes),
+                        order, learn)
 
     def _learned(self, key, order):
         with self._lock:
@@ -120,10 +134,10 @@ class GradientSync:
 class _Bucket:
     """Members (index, offset, numel, shape, dtype) laid out in one flat buffer, then one presence flag each."""
 
-    __slots__ = ("dtype", "device", "members", "numel")
+    __slots__ = ("dtype", "device", "members", "numel", "cap")
 
     def __init__(self, dtype, device):
-        self.dtype, self.device, self.members, self.numel = dtype, device, [], 0
+        self.dtype, self.device, self.members, self.numel, self.cap = dtype, device, [], 0, None
 
     def add(self, index, shape, dtype):
         n = 1
@@ -136,35 +150,41 @@ class _Bucket:
         return self.numel + len(self.members)
 
 
-def plan_buckets(items, cap_bytes):
+def plan_buckets(items, cap_bytes, first_cap_bytes=None):
     """Buckets for `items` = [(index, shape, dtype, device)], filled in the given order.
 
     One accumulation dtype and device per bucket; a bucket is closed once it
-    holds `cap_bytes` (a larger item gets a bucket of its own). Depends only
-    on the items, so every replica computes the same layout.
+    holds `cap_bytes` (`first_cap_bytes` for the first bucket of each dtype
+    and device, as DDP; default: `cap_bytes`); a larger item gets a bucket of
+    its own. Depends only on the items, so every replica computes the same layout.
     """
-    open_, out = {}, []
+    first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    open_, started, out = {}, set(), []
     for index, shape, dtype, device in items:
         acc = accumulation_dtype(dtype)
         key = (acc, device)
         bucket = open_.get(key)
         if bucket is None:
             bucket = open_[key] = _Bucket(acc, device)
+            bucket.cap = cap_bytes if key in started else first_cap_bytes
+            started.add(key)
             out.append(bucket)
         bucket.add(index, shape, dtype)
-        if bucket.numel * bucket.dtype.itemsize >= cap_bytes:
+        if bucket.numel * bucket.dtype.itemsize >= bucket.cap:
             del open_[key]
     return out
 
 
 def _fill(buf, member, g):
-    """Writes gradient `g` (torch/dtape tensor or None) and its presence flag into `buf`."""
+    """Writes gradient `g` (torch/dtape tensor; None: zeros) into its place in `buf`."""
     index, offset, n, shape, dtype = member
-    if g is not None:
-        t = g.torch() if isinstance(g, Tensor) else g
-        if t.dtype != dtype:  # as tape.gradient's result: cast to the source's dtype first
-            t = t.to(dtype)
-        buf[offset:offset + n].copy_(t.reshape(-1))
+    if g is None:
+        buf[offset:offset + n].zero_()
+        return
+    t = g.torch() if isinstance(g, Tensor) else g
+    if t.dtype != dtype:  # as tape.gradient's result: cast to the source's dtype first
+        t = t.to(dtype)
+    buf[offset:offset + n].copy_(t.reshape(-1))
 
 
 def _unpack(bucket, reduced):
@@ -177,15 +197,20 @@ def _unpack(bucket, reduced):
 
 
 def _launch(ext, bucket, grads_by_index):
-    """Flattens a bucket's gradients and launches its all-reduce (SUM); returns the handle."""
-    buf = torch.zeros(bucket.size(), dtype=bucket.dtype, device=bucket.device)
+    """Flattens a bucket's gradients, then presence flags, and launches its all-reduce (SUM); returns the handle.
+
+    Every element of the buffer is written once (no zero fill first), and the
+    buffer is given away (`scratch`): a strategy may reduce it in place, so
+    each gradient is copied once on its way to the collective.
+    """
+    buf = torch.empty(bucket.size(), dtype=bucket.dtype, device=bucket.device)
     flags = []
     for member in bucket.members:
         g = grads_by_index.get(member[0])
         _fill(buf, member, g)
         flags.append(0.0 if g is None else 1.0)
     buf[bucket.numel:] = torch.tensor(flags, dtype=bucket.dtype)
-    return ext._all_reduce_flat_async(ReduceOp.SUM, [buf])
+    return ext._all_reduce_flat_async(ReduceOp.SUM, [buf], scratch=True)
 
 
 def _float_items(values_and_refs, order=None):
@@ -205,13 +230,13 @@ def _float_items(values_and_refs, order=None):
 class _Session:
     """Buckets of one `tape.gradient` call on one replica: filled during the walk, launched in order."""
 
-    def __init__(self, ext, sources, cap_bytes, order=None, learn=None):
-        self.cap_bytes = cap_bytes
+    def __init__(self, ext, sources, caps, order=None, learn=None):
+        self.caps = caps  # (bucket cap, first bucket's cap) in bytes
         self._ext = ext
         self._sources = sources
         self._learn = learn
         self._seen = []  # float sources in the order the walk finished them
-        self._buckets = plan_buckets(_float_items(sources, order), cap_bytes)
+        self._buckets = plan_buckets(_float_items(sources, order), *caps)
         self._where = {m[0]: b for b, bucket in enumerate(self._buckets) for m in bucket.members}
         self._left = [len(b.members) for b in self._buckets]
         self._grads = [{} for _ in self._buckets]
@@ -318,15 +343,20 @@ def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
             registry.pop(id(v), None)
         return [(e.session.reduced(e.index, timeout), v) for e, (_, v) in zip(entries, pairs)]
     if bucket_cap_mb is not None:
-        cap = _check_cap(bucket_cap_mb)
+        caps = _caps(_check_cap(bucket_cap_mb), _check_cap(DEFAULT_FIRST_BUCKET_CAP_MB))
     else:
-        cap = next((e.session.cap_bytes for e in entries if e is not None), _check_cap(DEFAULT_BUCKET_CAP_MB))
-    return _reduce_fresh(rctx.strategy.extended, pairs, cap, timeout)
+        caps = next((e.session.caps for e in entries if e is not None), _DEFAULT_CAPS)
+    return _reduce_fresh(rctx.strategy.extended, pairs, caps, timeout)
 
 
-def _reduce_fresh(ext, pairs, cap_bytes, timeout):
+_DEFAULT_CAPS = _caps(_check_cap(DEFAULT_BUCKET_CAP_MB), _check_cap(DEFAULT_FIRST_BUCKET_CAP_MB))
+
+
+def _reduce_fresh(ext, pairs, caps, timeout):
+    """Buckets `pairs`' gradients in reverse order and launches each bucket as soon as it is filled
+    (the first, small one goes out while the next are copied); then waits for them in order."""
     refs = [v for _, v in pairs]
-    buckets = plan_buckets(_float_items(refs), cap_bytes)
+    buckets = plan_buckets(_float_items(refs), *caps)
     grads = {j: g for j, (g, _) in enumerate(pairs)}
     handles = [_launch(ext, b, {m[0]: grads[m[0]] for m in b.members}) for b in buckets]
     out = [None] * len(pairs)
@@ -441,4 +471,4 @@ class GradientAccumulator:
 
 
 __all__ = ["GradientSync", "GradientAccumulator", "compute_average_loss", "reduce_gradients", "plan_buckets",
-           "DEFAULT_BUCKET_CAP_MB"]
+           "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_CAP_MB"]

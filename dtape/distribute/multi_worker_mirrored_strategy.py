@@ -521,15 +521,23 @@ class _WorkerExtended(StrategyExtended):
             total = total / (n_local * self._strategy.num_replicas_in_sync)
         return Tensor(total.to(local.dtype))
 
-    def _all_reduce_flat_async(self, reduce_op, tensors):
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False):
         """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
 
         StrategyExtended's flat interface (gradient buckets, collectives on the
         tape): 1-D tensors on this worker's device, the same sizes on every
         worker, launched in the same order; float16/bfloat16 accumulate in
-        float32. `handle.wait()` fails fast naming a failed rank, as every collective.
+        float32. `handle.wait()` fails fast naming a failed rank, as every
+        collective. `scratch=True` (tensors given away, e.g. gradient
+        buckets): reduced in place, saving a copy of every bucket.
         """
-        pending = [self._strategy._comm.all_reduce_async(_widen(t)) for t in tensors]
+        comm = self._strategy._comm
+        pending = []
+        for t in tensors:
+            wide = _widen(t)
+            # a widened copy is ours to reduce in place; the caller's tensor only if given away
+            pending.append(comm.all_reduce_async(wide, scratch=True) if scratch or wide is not t
+                           else comm.all_reduce_async(wide))
         scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
         return _FlatHandle(pending, tensors, scale)
 

@@ -59,12 +59,12 @@ def _count_launches(strategy):
     orig = ext._all_reduce_flat_async
     calls = []
 
-    def counting(reduce_op, tensors):
+    def counting(reduce_op, tensors, **kw):
         f, inside = sys._getframe(), False
         while f is not None and not inside:
             inside, f = f.f_code.co_name == "_walk", f.f_back
         calls.append((_rid(), inside))
-        return orig(reduce_op, tensors)
+        return orig(reduce_op, tensors, **kw)
     ext._all_reduce_flat_async = counting
     return calls
 
@@ -265,10 +265,10 @@ def test_buckets_follow_the_learned_readiness_order():
     sizes = []
     orig = strategy.extended._all_reduce_flat_async
 
-    def recording(reduce_op, tensors):
+    def recording(reduce_op, tensors, **kw):
         if _rid() == 0:
             sizes.append(int(tensors[0].numel()))
-        return orig(reduce_op, tensors)
+        return orig(reduce_op, tensors, **kw)
     strategy.extended._all_reduce_flat_async = recording
     variables = list(model.trainable_variables)                  # W1 b1 W2 b2 W3 b3
     shuffled = [variables[i] for i in (2, 1, 4, 0, 5, 3)]         # W2 b1 W3 W1 b3 b2

@@ -103,9 +103,9 @@ def _count_launches(strategy):
     ext = strategy.extended
     orig, calls = ext._all_reduce_flat_async, []
 
-    def counting(reduce_op, tensors):
+    def counting(reduce_op, tensors, **kw):
         calls.append(dtape.distribute.get_replica_context().replica_id_in_sync_group)
-        return orig(reduce_op, tensors)
+        return orig(reduce_op, tensors, **kw)
     ext._all_reduce_flat_async = counting
     return calls
 

@@ -37,10 +37,10 @@ if failing and FAULT == "grad_allreduce":
         return real_all_reduce(t, op)
     real_all_reduce_async = comm.all_reduce_async
 
-    def all_reduce_async(t):  # apply_gradients' bucketed all-reduce
+    def all_reduce_async(t, **kw):  # apply_gradients' bucketed all-reduce
         if step_no == 2 and t.numel() > 1:
             raise ArithmeticError("injected in the gradient all-reduce")
-        return real_all_reduce_async(t)
+        return real_all_reduce_async(t, **kw)
     comm.all_reduce = all_reduce
     comm.all_reduce_async = all_reduce_async
 
