@@ -6,6 +6,11 @@ component, so mirrored components stay bit-identical. Slot variables are
 created in their variable's strategy scope, so they are mirrored like it.
 Every write goes through `Variable._update_value` (the variable's lock);
 slots are keyed by the variable's never-reused id and freed when it dies.
+Updates are batched: each update formula runs once per step on all the
+variables (torch._foreach_* ops, one C++ loop per op instead of Python per
+variable) and is then committed variable by variable (`_write_all`); the
+ops and their order are those of the one-variable formula, so the results
+are bit-identical to updating one variable at a time.
 Clipping (`clipnorm`, `clipvalue`, `global_clipnorm`, one of them) is a
 separate step after the cross-replica aggregation (`_distributed_apply`),
 as Keras 3: under a strategy the summed gradient is clipped, so 2 replicas
@@ -13,6 +18,7 @@ train exactly as one device on the global batch.
 Source: tf.keras.optimizers (SGD, Adam, AdamW, RMSprop, Adagrad).
 """
 import contextlib
+import functools
 import inspect
 import math
 import warnings
@@ -34,9 +40,11 @@ from dtape.variables import Variable, VariableAggregation
 class Optimizer:
     """Base class: slot bookkeeping, gradient aggregation, the update loop.
 
-    Subclasses define `_slot_names` and `_update(var, grad, slots, step)`
-    (`var` a component Variable, `grad` a torch.Tensor on its device); they
-    write with `_write(variable, fn)`, never by touching a variable's tensor.
+    Subclasses define `_slot_names` and `_update_many(variables, grads,
+    slots, step)` (component Variables, torch gradients on their devices,
+    one {slot name: component} dict per variable); they write with
+    `_write_all(variables, fn, *operands)`, never by touching a variable's
+    tensor. (`_update(var, grad, slots, step)` updates one variable.)
 
     Args (every optimizer):
       learning_rate: a float >= 0; a `schedules.LearningRateSchedule` (called
@@ -192,15 +200,37 @@ class Optimizer:
             self._slots_for(distribute.value_container(var))
         step = int(self.iterations.numpy()) + 1
         with _tp.stop_recording():
-            for grad, var in pairs:
-                strategy.extended.update(var, self._apply_one, args=(grad, step))
+            # one batched update per replica index (not one per variable): see the module docstring
+            strategy.extended._update_many([v for _, v in pairs], functools.partial(self._apply_group, step=step),
+                                           args=([g for g, _ in pairs],))
             self.iterations.assign_add(1)
         return self.iterations
 
+    def _apply_group(self, index, components, grads, step):
+        """`_update_many` on the components of one replica index (their gradients moved to their devices)."""
+        grads = [convert_to_tensor(g).torch().to(c.device) for g, c in zip(grads, components)]
+        self._update_many(components, grads, [self._component_slots(c, index) for c in components], step)
+
+    def _component_slots(self, component, index):
+        """{slot name: the slot's component at `index`} (the slots themselves for a plain variable)."""
+        container = distribute.value_container(component)
+        slots = self._slots_for(container)
+        if container is component:
+            return slots
+        return {n: s.values[index] if isinstance(s, distribute.DistributedValues) else s for n, s in slots.items()}
+
     def _apply_one(self, var, grad, step):
+        """Updates one component `var` (the per-variable path; `_apply` batches every variable)."""
         container = distribute.value_container(var)
         slots = {n: _component_like(s, var) for n, s in self._slots_for(container).items()}
         self._update(var, convert_to_tensor(grad).torch().to(var.device), slots, step)
+
+    def _update(self, var, g, slots, step):
+        """One component variable's update: the batched formula on a batch of one."""
+        self._update_many([var], [g], [slots], step)
+
+    def _update_many(self, variables, grads, slots, step):
+        raise NotImplementedError(f"{type(self).__name__} must define _update_many(variables, grads, slots, step)")
 
     def minimize(self, loss, var_list, tape=None):
         """Minimizes `loss` over `var_list`: gradients, then `apply_gradients`.
@@ -298,6 +328,68 @@ def _write(var, fn):
     return var._update_value(fn, "optimizer update")
 
 
+class _Batch:
+    """A list of torch tensors whose + - * / are torch._foreach_* ops: an update formula written for one
+    tensor runs on every variable at once, with the same ops in the same order (bit-identical results)."""
+
+    __slots__ = ("ts",)
+
+    def __init__(self, ts):
+        self.ts = ts
+
+    def __add__(self, o):
+        return _Batch(torch._foreach_add(self.ts, _operand(o)))
+
+    def __sub__(self, o):
+        return _Batch(torch._foreach_sub(self.ts, _operand(o)))
+
+    def __mul__(self, o):
+        return _Batch(torch._foreach_mul(self.ts, _operand(o)))
+
+    def __truediv__(self, o):
+        return _Batch(torch._foreach_div(self.ts, _operand(o)))
+
+    __radd__ = __add__  # number + batch: IEEE addition and multiplication are commutative, so exact
+    __rmul__ = __mul__
+
+
+def _operand(o):
+    return o.ts if isinstance(o, _Batch) else o
+
+
+def _sqrt(x):
+    return _Batch(torch._foreach_sqrt(x.ts))
+
+
+def _add(a, b, alpha):
+    """torch.add(a, b, alpha=alpha), batched."""
+    return _Batch(torch._foreach_add(a.ts, b.ts, alpha=alpha))
+
+
+def _write_all(variables, fn, *operands):
+    """Sets each variable k to `fn(value_k, *operands_k)`, computed for all at once; returns the new values.
+
+    `fn` is written for single tensors and gets `_Batch`es (operands: lists of
+    torch tensors parallel to `variables`). It runs on a snapshot of the
+    values; each result is then committed through the variable's one write
+    path (`_update_value`, under its lock). A variable written by someone
+    else since the snapshot gets `fn` of its current value instead, alone:
+    no concurrent write is lost, exactly as with one update per variable.
+    """
+    olds = [v.torch() for v in variables]
+    news = fn(_Batch(olds), *(_Batch(list(o)) for o in operands)).ts
+    return [v._update_value(functools.partial(_commit, olds[k], news[k], fn, [o[k] for o in operands]),
+                            "optimizer update")
+            for k, v in enumerate(variables)]
+
+
+def _commit(old, new, fn, operands, current):
+    """`new` if the variable still holds `old`, else `fn` recomputed on its current value (runs under its lock)."""
+    if current is old:
+        return new
+    return fn(_Batch([current]), *(_Batch([o]) for o in operands)).ts[0]
+
+
 def _slot_key(var):
     """A never-reused key for a variable (a container: its primary component's id)."""
     handle = var.values[0] if isinstance(var, distribute.DistributedValues) else var
@@ -356,14 +448,14 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self._slot_names = ("momentum",) if momentum else ()
 
-    def _update(self, var, g, slots, step):
-        lr = self._lr()
-        if not self.momentum:
-            _write(var, lambda w: torch.add(w, g, alpha=-lr))
+    def _update_many(self, variables, grads, slots, step):
+        lr, mu = self._lr(), self.momentum
+        if not mu:
+            _write_all(variables, lambda w, g: _add(w, g, -lr), grads)
             return
-        velocity = _write(slots["momentum"], lambda m: torch.add(self.momentum * m, g, alpha=-lr))
-        delta = torch.add(self.momentum * velocity, g, alpha=-lr) if self.nesterov else velocity
-        _write(var, lambda w: w + delta)
+        velocity = _write_all([s["momentum"] for s in slots], lambda m, g: _add(mu * m, g, -lr), grads)
+        delta = _add(mu * _Batch(velocity), _Batch(grads), -lr).ts if self.nesterov else velocity
+        _write_all(variables, lambda w, d: w + d, delta)
 
 
 class Adam(Optimizer):
@@ -380,15 +472,15 @@ class Adam(Optimizer):
         super().__init__(learning_rate, name, **clipping)
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
-    def _update(self, var, g, slots, step):
-        b1, b2 = self.beta_1, self.beta_2
-        lr_t = self._lr() * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
-        m = _write(slots["m"], lambda m: m * b1 + (1 - b1) * g)
-        v = _write(slots["v"], lambda v: v * b2 + (1 - b2) * g * g)
-        _write(var, lambda w: w - self._decay(w) - lr_t * m / (torch.sqrt(v) + self.epsilon))
+    def _update_many(self, variables, grads, slots, step):
+        b1, b2, eps, lr = self.beta_1, self.beta_2, self.epsilon, self._lr()
+        lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+        m = _write_all([s["m"] for s in slots], lambda m, g: m * b1 + (1 - b1) * g, grads)
+        v = _write_all([s["v"] for s in slots], lambda v, g: v * b2 + (1 - b2) * g * g, grads)
+        _write_all(variables, lambda w, m, v: self._decay(w, lr) - lr_t * m / (_sqrt(v) + eps), m, v)
 
-    def _decay(self, w):
-        return 0.0
+    def _decay(self, w, lr):
+        return w  # Adam: no decay (w - 0.0 would be w exactly)
 
 
 class AdamW(Adam):
@@ -402,8 +494,8 @@ class AdamW(Adam):
         super().__init__(learning_rate, beta_1, beta_2, epsilon, name, **clipping)
         self.weight_decay = float(weight_decay)
 
-    def _decay(self, w):
-        return self._lr() * self.weight_decay * w
+    def _decay(self, w, lr):
+        return w - lr * self.weight_decay * w
 
 
 class RMSprop(Optimizer):
@@ -434,18 +526,19 @@ class RMSprop(Optimizer):
         self._slot_names = ("velocity",) + (("momentum",) if self.momentum else ()) + \
             (("average_gradient",) if self.centered else ())
 
-    def _update(self, var, g, slots, step):
-        lr, rho = self._lr(), self.rho
-        v = _write(slots["velocity"], lambda v: rho * v + (1 - rho) * g * g)
+    def _update_many(self, variables, grads, slots, step):
+        lr, rho, eps, mu = self._lr(), self.rho, self.epsilon, self.momentum
+        v = _Batch(_write_all([s["velocity"] for s in slots], lambda v, g: rho * v + (1 - rho) * g * g, grads))
         if self.centered:
-            a = _write(slots["average_gradient"], lambda a: rho * a + (1 - rho) * g)
-            den = v - a * a + self.epsilon
+            a = _Batch(_write_all([s["average_gradient"] for s in slots], lambda a, g: rho * a + (1 - rho) * g,
+                                  grads))
+            den = v - a * a + eps
         else:
-            den = v + self.epsilon
-        inc = lr * g / torch.sqrt(den)
-        if self.momentum:
-            inc = _write(slots["momentum"], lambda m: self.momentum * m + inc)
-        _write(var, lambda w: w - inc)
+            den = v + eps
+        inc = (lr * _Batch(grads) / _sqrt(den)).ts
+        if mu:
+            inc = _write_all([s["momentum"] for s in slots], lambda m, i: mu * m + i, inc)
+        _write_all(variables, lambda w, i: w - i, inc)
 
 
 class Adagrad(Optimizer):
@@ -469,10 +562,10 @@ class Adagrad(Optimizer):
         self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
         self._slot_initial = {"accumulator": self.initial_accumulator_value}
 
-    def _update(self, var, g, slots, step):
-        lr = self._lr()
-        acc = _write(slots["accumulator"], lambda a: a + g * g)
-        _write(var, lambda w: w - lr * g / torch.sqrt(acc + self.epsilon))
+    def _update_many(self, variables, grads, slots, step):
+        lr, eps = self._lr(), self.epsilon
+        acc = _write_all([s["accumulator"] for s in slots], lambda a, g: a + g * g, grads)
+        _write_all(variables, lambda w, g, a: w - lr * g / _sqrt(a + eps), grads, acc)
 
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "schedules"]

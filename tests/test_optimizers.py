@@ -158,3 +158,103 @@ def test_apply_gradients_missing_slot_momentum_stays_identical(strategy):
     assert torch.equal(m0.torch(), m1.torch())
     # velocity: -0.5 g, then 0.9 * -0.5 g - 0.5 g; w = 1 - 0.5 g - 0.95 g
     np.testing.assert_allclose(w.values[0].numpy(), [1 - 1.45, 1 - 2.9], rtol=1e-6)
+
+
+# -- batched updates (torch._foreach_*) equal the one-variable formulas bit for bit ---------
+def _reference_update(name, kw, w, g, slots, step, lr):
+    """The per-variable update formulas as plain torch ops (the math before updates were batched).
+
+    A slot keeps the variable's dtype: its new value is cast on writing, and the cast value is used.
+    """
+    def put(n, value):
+        slots[n] = value.to(w.dtype)
+        return slots[n]
+    if name == "SGD":
+        mu = kw.get("momentum", 0.0)
+        if not mu:
+            return torch.add(w, g, alpha=-lr)
+        vel = put("momentum", torch.add(mu * slots["momentum"], g, alpha=-lr))
+        return w + (torch.add(mu * vel, g, alpha=-lr) if kw.get("nesterov") else vel)
+    if name in ("Adam", "AdamW"):
+        b1, b2, eps = 0.9, 0.999, 1e-7
+        lr_t = lr * np.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+        m = put("m", slots["m"] * b1 + (1 - b1) * g)
+        v = put("v", slots["v"] * b2 + (1 - b2) * g * g)
+        decay = lr * kw["weight_decay"] * w if name == "AdamW" else 0.0
+        return w - decay - lr_t * m / (torch.sqrt(v) + eps)
+    if name == "RMSprop":
+        rho, eps, mu = 0.9, 1e-7, kw["momentum"]
+        v = put("velocity", rho * slots["velocity"] + (1 - rho) * g * g)
+        a = put("average_gradient", rho * slots["average_gradient"] + (1 - rho) * g)
+        inc = lr * g / torch.sqrt(v - a * a + eps)
+        inc = put("momentum", mu * slots["momentum"] + inc)
+        return w - inc
+    acc = put("accumulator", slots["accumulator"] + g * g)   # Adagrad
+    return w - lr * g / torch.sqrt(acc + 1e-7)
+
+
+_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.9, "nesterov": True}),
+          ("Adam", {}), ("AdamW", {"weight_decay": 0.1}), ("RMSprop", {"momentum": 0.5, "centered": True}),
+          ("Adagrad", {})]
+
+
+@pytest.mark.parametrize("name,kw", _CASES)
+def test_batched_update_equals_per_variable_formula_bit_for_bit(name, kw):
+    # Shapes of every kind (scalar, vector, matrix), a float64 variable and a float32 variable
+    # with float64 gradients (type promotion): one batch of foreach ops must give exactly the
+    # per-variable results, slots included, over several steps.
+    gen = torch.Generator().manual_seed(0)
+    specs = [((), torch.float32, torch.float32), ((5,), torch.float32, torch.float32),
+             ((3, 4), torch.float32, torch.float64), ((2, 3), torch.float64, torch.float64)]
+    init = [torch.randn(s, generator=gen, dtype=d) for s, d, _ in specs]
+    variables = [dtape.Variable(t.clone()) for t in init]
+    opt = getattr(dtape.optimizers, name)(0.05, **kw)
+    initial = {"accumulator": 0.1} if name == "Adagrad" else {}
+    ref = [dict((n, torch.zeros_like(t) + initial.get(n, 0.0)) for n in
+                ("m", "v", "momentum", "velocity", "average_gradient", "accumulator")) for t in init]
+    ws = [t.clone() for t in init]
+    for step in range(1, 4):
+        grads = [torch.randn(s, generator=gen, dtype=gd) for s, _, gd in specs]
+        opt.apply_gradients(zip([dtape.constant(g) for g in grads], variables))
+        ws = [_reference_update(name, kw, w, g, r, step, 0.05).to(w.dtype) for w, g, r in zip(ws, grads, ref)]
+    for v, w in zip(variables, ws):
+        assert v.dtype == w.dtype and torch.equal(v.torch(), w), f"{name} {kw}: {v.torch()} != {w}"
+    for k, v in enumerate(variables):
+        for n, slot in opt._slots_for(v).items():
+            assert torch.equal(slot.torch(), ref[k][n]), f"{name} slot {n} of variable {k}"
+
+
+def test_batched_write_recomputes_a_variable_written_since_the_snapshot():
+    # _write_all computes every new value from a snapshot; a variable that someone else wrote
+    # in between must get fn(its current value), not the stale result (no lost update).
+    from dtape.optimizers import _write_all
+    a, b = dtape.Variable(1.0), dtape.Variable(10.0)
+    calls = []
+
+    def fn(w, g):
+        calls.append(len(w.ts))
+        if len(calls) == 1:
+            b.assign_add(5.0)   # a concurrent write between the snapshot and the commit
+        return w + g
+    out = _write_all([a, b], fn, [torch.tensor(1.0), torch.tensor(2.0)])
+    assert calls == [2, 1]            # the batch, then b alone again
+    assert float(a) == 2.0 and float(b) == 17.0   # 10 + 5 + 2: the write is not lost
+    assert [float(t) for t in out] == [2.0, 17.0]
+
+
+def test_apply_gradients_batched_under_mirrored_strategy_equals_default(strategy):
+    # The update runs once per replica index on every component; both replicas' components
+    # stay bit-identical and equal the update on one device.
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)]
+    grads = [torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)]
+    plain = [dtape.Variable(t.clone()) for t in init]
+    dtape.optimizers.Adam(0.1).apply_gradients(zip([dtape.constant(g) for g in grads], plain))
+    with strategy.scope():
+        mirrored = [dtape.Variable(t.clone()) for t in init]
+        opt = dtape.optimizers.Adam(0.1)
+        # cross-replica context: the Mirrored gradients are applied as given, copy i to component i
+        opt.apply_gradients(zip([ds.Mirrored((dtape.constant(g), dtape.constant(g))) for g in grads], mirrored))
+    for p, m in zip(plain, mirrored):
+        for c in m.values:
+            assert torch.equal(c.torch(), p.torch())

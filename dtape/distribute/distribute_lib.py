@@ -257,6 +257,20 @@ class _AllGatherGrad:
         return [g.torch() if raw else g]
 
 
+def _parts(i, members, args):
+    """For `_update_many`: each list in `args`, restricted to `members`' positions, split to replica `i`."""
+    return [[_part(i, a[k]) for k, _ in members] for a in args]
+
+
+def _part(i, x):
+    """`select_replica(i, x)`, without a nest traversal for a leaf (the common case: one gradient)."""
+    if nest.is_nested(x):
+        return select_replica(i, x)
+    if isinstance(x, DistributedValues) and not isinstance(x, DistributedVariable):
+        return x.values[i]
+    return x
+
+
 class StrategyExtended:
     """Device-level methods of a strategy. Source: tf.distribute.StrategyExtended."""
 
@@ -325,6 +339,32 @@ class StrategyExtended:
             with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
                 results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
         return Mirrored(results)
+
+    def _update_many(self, var_list, fn, args=()):
+        """`update` for many variables at once: `fn(index, components, *parts)` per group of components.
+
+        Distributed variables: one call per replica index, with their
+        components at that index, in the cross-replica context with the update
+        index set. Variables that are not distributed: one call (index 0) with
+        the variables themselves, as `update` runs them. `args` are lists
+        parallel to `var_list`; `parts` the same lists for the group, each
+        item split like `update`'s arguments. Not recorded. One call per group
+        instead of one per variable, so an optimizer can update every variable
+        with one batch of torch ops.
+        """
+        plain, groups = [], {}  # [(position in var_list, variable)]; index -> [(position, component)]
+        for k, var in enumerate(var_list):
+            if isinstance(var, DistributedVariable):
+                for i, c in enumerate(var.values):
+                    groups.setdefault(i, []).append((k, c))
+            else:
+                plain.append((k, var))
+        if plain:
+            with _tp.stop_recording():
+                fn(0, [v for _, v in plain], *_parts(0, plain, args))
+        for i in sorted(groups):
+            with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
+                fn(i, [c for _, c in groups[i]], *_parts(i, groups[i], args))
 
     # -- the flat all-reduce interface (replica side) ------------------------------
     # Gradient buckets, collectives on the tape and weighted means go through
