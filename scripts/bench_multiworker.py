@@ -17,6 +17,9 @@ runs `torchrun --standalone --nproc-per-node W` for W = 1 and 2, for dtape
 and for DDP, and prints dtape/DDP at 2 workers, 2 workers / 1 worker, and
 the share of the all-reduce hidden behind the walk: 1 - (extra time
 apply_gradients spends at 2 workers with GradientSync) / (the same without).
+It also prints rank 0's phase times per step (medians): dtape's forward,
+gradient walk and apply_gradients (all-reduce wait + update), DDP's
+forward, backward (with its all-reduce) and optimizer.step.
 Under the hood it re-runs itself with `--worker`.
 """
 import argparse
@@ -66,14 +69,50 @@ def _ddp_worker(steps, lr):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     part = _slice(rank, world)
+    return _ddp_time(model, opt, lambda k: F.cross_entropy(model(data[k % 4, part]), labels[k % 4, part]),
+                     steps, dist, world)
+
+
+def _ddp_time(model, opt, loss_fn, steps, dist, world):
+    """DDP steps timed by phase: forward, backward (with the bucketed all-reduce), optimizer step."""
+    phases = _Phases("forward", "backward", "optimizer")
 
     def step(k):
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(data[k % 4, part]), labels[k % 4, part])
-        loss.backward()
-        opt.step()
+        with phases("forward"):
+            loss = loss_fn(k)
+        with phases("backward"):
+            loss.backward()
+        with phases("optimizer"):
+            opt.step()
         return loss.detach() / world
-    return _time(step, steps, dist, lambda v: dist.all_reduce(v) or v)
+    result = _time(step, steps, dist, lambda v: dist.all_reduce(v) or v)
+    result.update(phases.medians())
+    return result
+
+
+class _Phases:
+    """Per-step wall times of named phases; `medians()` after warm-up (the first fifth dropped)."""
+
+    def __init__(self, *names):
+        self.times = {n: [] for n in names}
+
+    def __call__(self, name):
+        return _Timer(self.times[name])
+
+    def medians(self):
+        return {f"{k}_s": statistics.median(v[len(v) // 5:]) for k, v in self.times.items() if v}
+
+
+class _Timer:
+    def __init__(self, out):
+        self.out = out
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.out.append(time.perf_counter() - self.t0)
 
 
 def _dtape_worker(steps, lr, sync=False):
@@ -86,33 +125,45 @@ def _dtape_worker(steps, lr, sync=False):
         variables = [dtape.Variable(p) for p in params]
         opt = dtape.optimizers.SGD(lr)
     part = _slice(rank, world)
+
+    def loss_fn(x, y):
+        h = x
+        for i in range(0, len(variables), 2):
+            h = dtape.matmul(h, variables[i]) + variables[i + 1]
+            if i + 2 < len(variables):
+                h = dtape.nn.relu(h)
+        return dtape.reduce_sum(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)) / GLOBAL_BATCH
+
+    def batch(k):
+        return dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
+    return _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync)
+
+
+def _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync):
+    """dtape steps timed by phase: forward, gradient walk, apply_gradients (all-reduce wait + update).
+
+    "gradient" + "apply" is what earlier versions reported as "gradient" (forward included) and "apply".
+    """
+    import dtape
+    import torch.distributed as dist
     gradient_sync = dtape.distribute.GradientSync() if sync else None
-    phases = {"gradient": [], "apply": []}
+    phases = _Phases("forward", "walk", "apply")
 
     def replica_step(x, y):
-        t0 = time.perf_counter()
-        with dtape.GradientTape(gradient_sync=gradient_sync) as tape:
-            h = x
-            for i in range(0, len(variables), 2):
-                h = dtape.matmul(h, variables[i]) + variables[i + 1]
-                if i + 2 < len(variables):
-                    h = dtape.nn.relu(h)
-            per_example = dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)
-            loss = dtape.reduce_sum(per_example) / GLOBAL_BATCH
-        grads = tape.gradient(loss, variables)
-        t1 = time.perf_counter()
-        opt.apply_gradients(zip(grads, variables))
-        phases["gradient"].append(t1 - t0)
-        phases["apply"].append(time.perf_counter() - t1)
+        with phases("forward"), dtape.GradientTape(gradient_sync=gradient_sync) as tape:
+            loss = loss_fn(x, y)
+        with phases("walk"):
+            grads = tape.gradient(loss, variables)
+        with phases("apply"):
+            opt.apply_gradients(zip(grads, variables))
         return loss
 
     def step(k):
-        x, y = dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
-        return strategy.run(replica_step, args=(x, y))
-    import torch.distributed as dist
+        return strategy.run(replica_step, args=batch(k))
     result = _time(step, steps, dist,
                    lambda v: strategy.reduce(dtape.distribute.ReduceOp.SUM, v, axis=None).torch())
-    result.update({f"{k}_s": statistics.median(v[len(v) // 5:]) for k, v in phases.items()})
+    result.update(phases.medians())
+    result["gradient_s"] = result["forward_s"] + result["walk_s"]
     return result
 
 
@@ -125,7 +176,7 @@ def _charlm(torch):
     return charlm, x, y
 
 
-def _charlm_dtape_worker(steps, lr):
+def _charlm_dtape_worker(steps, lr, sync=False):
     import torch
     import dtape
     charlm, data, labels = _charlm(torch)
@@ -135,20 +186,14 @@ def _charlm_dtape_worker(steps, lr):
         model = charlm.build_model(0)
         opt = dtape.optimizers.Adam(lr)
     variables = list(model.trainable_variables)
-    per = CHARLM_BATCH // world
+    part = slice(rank * (CHARLM_BATCH // world), (rank + 1) * (CHARLM_BATCH // world))
 
-    def replica_step(x, y):
-        with dtape.GradientTape() as tape:
-            loss = dtape.reduce_sum(charlm.per_example_loss(model, x, y)) / CHARLM_BATCH
-        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        return loss
+    def loss_fn(x, y):
+        return dtape.reduce_sum(charlm.per_example_loss(model, x, y)) / CHARLM_BATCH
 
-    def step(k):
-        part = slice(rank * per, (rank + 1) * per)
-        return strategy.run(replica_step, args=(dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])))
-    import torch.distributed as dist
-    return _time(step, steps, dist,
-                 lambda v: strategy.reduce(dtape.distribute.ReduceOp.SUM, v, axis=None).torch())
+    def batch(k):
+        return dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
+    return _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync)
 
 
 def _charlm_ddp_worker(steps, lr):
@@ -164,17 +209,12 @@ def _charlm_ddp_worker(steps, lr):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = torch.nn.parallel.DistributedDataParallel(_TorchCharLM(values, charlm))
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7)
-    per = CHARLM_BATCH // world
+    part = slice(rank * (CHARLM_BATCH // world), (rank + 1) * (CHARLM_BATCH // world))
 
-    def step(k):
-        part = slice(rank * per, (rank + 1) * per)
-        opt.zero_grad(set_to_none=True)
+    def loss_fn(k):
         logits = model(data[k % 4, part])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[k % 4, part].reshape(-1))
-        loss.backward()
-        opt.step()
-        return loss.detach() / world
-    return _time(step, steps, dist, lambda v: dist.all_reduce(v) or v)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[k % 4, part].reshape(-1))
+    return _ddp_time(model, opt, loss_fn, steps, dist, world)
 
 
 def _time(step, steps, dist, global_loss):
@@ -203,35 +243,40 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--worker", choices=["dtape", "dtape_sync", "ddp", "charlm_dtape", "charlm_ddp"],
+    ap.add_argument("--worker", choices=["dtape", "dtape_sync", "ddp", "charlm_dtape", "charlm_dtape_sync",
+                                         "charlm_ddp"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         workers = {"dtape": _dtape_worker, "dtape_sync": lambda n, lr: _dtape_worker(n, lr, sync=True),
-                   "ddp": _ddp_worker, "charlm_dtape": _charlm_dtape_worker, "charlm_ddp": _charlm_ddp_worker}
+                   "ddp": _ddp_worker, "charlm_dtape": _charlm_dtape_worker,
+                   "charlm_dtape_sync": lambda n, lr: _charlm_dtape_worker(n, lr, sync=True),
+                   "charlm_ddp": _charlm_ddp_worker}
         result = workers[args.worker](args.steps, 1e-3 if args.worker.startswith("charlm") else 0.01)
         if int(os.environ.get("RANK", "0")) == 0:
             json.dump(result, open(args.out, "w"))
         return
     res = {f"{m}_{w}": _launch(m, w, args.steps) for w in (1, 2) for m in ("dtape", "dtape_sync", "ddp")}
     res.pop("dtape_sync_1")
-    res.update({f"{m}_2": _launch(m, 2, args.steps) for m in ("charlm_dtape", "charlm_ddp")})
+    res.update({f"{m}_2": _launch(m, 2, args.steps) for m in ("charlm_dtape", "charlm_dtape_sync", "charlm_ddp")})
     for key, r in res.items():
-        print(f"{key:8s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:8.2f} ms")
+        print(f"{key:18s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:8.2f} ms")
     assert abs(res["dtape_2"]["first_loss"] - res["ddp_2"]["first_loss"]) < 1e-5, "dtape and DDP disagree"
-    assert abs(res["charlm_dtape_2"]["first_loss"] - res["charlm_ddp_2"]["first_loss"]) < 1e-5, "charlm disagrees"
+    for key in ("charlm_dtape_2", "charlm_dtape_sync_2"):
+        assert abs(res[key]["first_loss"] - res["charlm_ddp_2"]["first_loss"]) < 1e-5, "charlm disagrees"
     # apply_gradients waits for the reduction: with GradientSync only for what the walk did not hide.
     exposed_sync = max(res["dtape_sync_2"]["apply_s"] - res["dtape_1"]["apply_s"], 0.0)
     exposed = res["dtape_2"]["apply_s"] - res["dtape_1"]["apply_s"]
     hidden = min(max(1 - exposed_sync / exposed, 0.0), 1.0) if exposed > 0 else float("nan")
-    for key in ("dtape_1", "dtape_2", "dtape_sync_2"):
-        print(f"{key:12s} tape.gradient {res[key]['gradient_s'] * 1e3:7.2f} ms  "
-              f"apply_gradients {res[key]['apply_s'] * 1e3:7.2f} ms")
+    for key, r in res.items():  # rank 0's phases (ms per step, medians)
+        print(f"{key:18s} " + "  ".join(f"{p} {r[p + '_s'] * 1e3:6.2f}" for p in
+                                        ("forward", "walk", "apply", "backward", "optimizer") if p + "_s" in r))
     ratios = {"dtape/ddp at 2 workers": res["dtape_2"]["step_s"] / res["ddp_2"]["step_s"],
               "dtape+GradientSync/ddp at 2": res["dtape_sync_2"]["step_s"] / res["ddp_2"]["step_s"],
               "communication hidden (share)": hidden,
               "charlm dtape/ddp at 2 workers": res["charlm_dtape_2"]["step_s"] / res["charlm_ddp_2"]["step_s"],
+              "charlm dtape+GradientSync/ddp": res["charlm_dtape_sync_2"]["step_s"] / res["charlm_ddp_2"]["step_s"],
               "dtape/ddp at 1 worker": res["dtape_1"]["step_s"] / res["ddp_1"]["step_s"],
               "dtape 2 workers / 1 worker": res["dtape_2"]["step_s"] / res["dtape_1"]["step_s"],
               "ddp 2 workers / 1 worker": res["ddp_2"]["step_s"] / res["ddp_1"]["step_s"]}

@@ -175,41 +175,41 @@ def plan_buckets(items, cap_bytes, first_cap_bytes=None):
     return out
 
 
-def _fill(buf, member, g):
-    """Writes gradient `g` (torch/dtape tensor; None: zeros) into its place in `buf`."""
+def _flat(member, g, bucket):
+    """Gradient `g` (torch/dtape tensor; None: zeros) as a 1-D tensor of the bucket's dtype and device."""
     index, offset, n, shape, dtype = member
     if g is None:
-        buf[offset:offset + n].zero_()
-        return
+        return torch.zeros(n, dtype=bucket.dtype, device=bucket.device)
     t = g.torch() if isinstance(g, Tensor) else g
     if t.dtype != dtype:  # as tape.gradient's result: cast to the source's dtype first
         t = t.to(dtype)
-    buf[offset:offset + n].copy_(t.reshape(-1))
+    return t.reshape(-1).to(bucket.device, bucket.dtype)
 
 
 def _unpack(bucket, reduced):
-    """{index: reduced Tensor, or None where no replica had a gradient} for one bucket."""
+    """{index: reduced Tensor (a view of the buffer), or None where no replica had a gradient} for one bucket."""
     present = reduced[bucket.numel:].tolist()  # one host read per bucket, after the reduction
+    parts = reduced[:bucket.numel].split([m[2] for m in bucket.members])  # one call for every member's view
     out = {}
-    for (index, offset, n, shape, dtype), count in zip(bucket.members, present):
-        out[index] = Tensor(reduced[offset:offset + n].reshape(shape).to(dtype)) if count > 0 else None
+    for (index, _, _, shape, dtype), part, count in zip(bucket.members, parts, present):
+        out[index] = Tensor(part.view(shape).to(dtype)) if count > 0 else None
     return out
 
 
 def _launch(ext, bucket, grads_by_index):
     """Flattens a bucket's gradients, then presence flags, and launches its all-reduce (SUM); returns the handle.
 
-    Every element of the buffer is written once (no zero fill first), and the
-    buffer is given away (`scratch`): a strategy may reduce it in place, so
-    each gradient is copied once on its way to the collective.
+    One concatenation writes the buffer (each gradient copied once), and the
+    buffer is given away (`scratch`): a strategy may reduce it in place
+    instead of copying it again on its way to the collective.
     """
-    buf = torch.empty(bucket.size(), dtype=bucket.dtype, device=bucket.device)
-    flags = []
+    parts, flags = [], []
     for member in bucket.members:
         g = grads_by_index.get(member[0])
-        _fill(buf, member, g)
+        parts.append(_flat(member, g, bucket))
         flags.append(0.0 if g is None else 1.0)
-    buf[bucket.numel:] = torch.tensor(flags, dtype=bucket.dtype)
+    parts.append(torch.tensor(flags, dtype=bucket.dtype, device=bucket.device))
+    buf = torch.cat(parts)
     return ext._all_reduce_flat_async(ReduceOp.SUM, [buf], scratch=True)
 
 
