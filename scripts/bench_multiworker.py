@@ -7,19 +7,23 @@ same initial weights and the same global batches: each of W workers takes
 its slice of every global batch, dtape sums the per-worker gradients of a
 loss divided by the global batch size (TF semantics), DDP averages the
 gradients of per-worker mean losses; both give the one-device update. The
-first-step losses are checked equal. Times are medians of per-step wall
-times on rank 0 after warm-up, each step ending with a barrier.
+first-step losses are checked equal.
 
   python scripts/bench_multiworker.py [--steps 30] [--json PATH]
 
-runs `torchrun --standalone --nproc-per-node W` for W = 1 and 2, for dtape
-(with and without GradientSync, the all-reduce overlapped with the walk)
-and for DDP, and prints dtape/DDP at 2 workers, 2 workers / 1 worker, and
-the share of the all-reduce hidden behind the walk: 1 - (extra time
-apply_gradients spends at 2 workers with GradientSync) / (the same without).
-It also prints rank 0's phase times per step (medians): dtape's forward,
-gradient walk and apply_gradients (all-reduce wait + update), DDP's
-forward, backward (with its all-reduce) and optimizer.step.
+runs `torchrun --standalone --nproc-per-node W` for the MLP at W = 1 and 2
+and charlm at W = 2, with this checkout's dtape. Inside one launch the cases (dtape, dtape with GradientSync: the
+all-reduce overlapped with the walk, and DDP) share the process group and
+take turns step by step (the order rotating every step), so every ratio
+compares steps taken under the same machine load; on a shared, noisy
+machine, separate launches for dtape and DDP gave ratios that moved by 0.3
+between runs. Times are medians of per-step wall times on rank 0 after
+warm-up, each step between two barriers. It prints dtape/DDP at 2 workers,
+2 workers / 1 worker, the share of the all-reduce hidden behind the walk
+(1 - (extra time apply_gradients spends at 2 workers with GradientSync) /
+(the same without)), and rank 0's phase times per step: dtape's forward,
+gradient walk and apply_gradients (all-reduce wait + update), DDP's forward,
+backward (with its all-reduce) and optimizer.step.
 Under the hood it re-runs itself with `--worker`.
 """
 import argparse
@@ -35,6 +39,7 @@ SIZES = (784, 1024, 1024, 10)
 GLOBAL_BATCH = 256
 CHARLM_BATCH = 32  # sequences of 64 characters per global batch (charlm's default batch size)
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 def _init(torch):
@@ -47,48 +52,9 @@ def _init(torch):
     return params, data, labels
 
 
-def _slice(rank, world):
-    per = GLOBAL_BATCH // world
+def _slice(rank, world, batch):
+    per = batch // world
     return slice(rank * per, (rank + 1) * per)
-
-
-def _ddp_worker(steps, lr):
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    params, data, labels = _init(torch)
-    layers = []
-    for i in range(0, len(params), 2):
-        lin = torch.nn.Linear(SIZES[i // 2], SIZES[i // 2 + 1])
-        with torch.no_grad():
-            lin.weight.copy_(params[i].T)
-            lin.bias.copy_(params[i + 1])
-        layers += [lin, torch.nn.ReLU()]
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    part = _slice(rank, world)
-    return _ddp_time(model, opt, lambda k: F.cross_entropy(model(data[k % 4, part]), labels[k % 4, part]),
-                     steps, dist, world)
-
-
-def _ddp_time(model, opt, loss_fn, steps, dist, world):
-    """DDP steps timed by phase: forward, backward (with the bucketed all-reduce), optimizer step."""
-    phases = _Phases("forward", "backward", "optimizer")
-
-    def step(k):
-        opt.zero_grad(set_to_none=True)
-        with phases("forward"):
-            loss = loss_fn(k)
-        with phases("backward"):
-            loss.backward()
-        with phases("optimizer"):
-            opt.step()
-        return loss.detach() / world
-    result = _time(step, steps, dist, lambda v: dist.all_reduce(v) or v)
-    result.update(phases.medians())
-    return result
 
 
 class _Phases:
@@ -115,37 +81,64 @@ class _Timer:
         self.out.append(time.perf_counter() - self.t0)
 
 
-def _dtape_worker(steps, lr, sync=False):
-    import torch
-    import dtape
-    strategy = dtape.distribute.MultiWorkerMirroredStrategy()
-    rank, world = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
-    params, data, labels = _init(torch)
-    with strategy.scope():
-        variables = [dtape.Variable(p) for p in params]
-        opt = dtape.optimizers.SGD(lr)
-    part = _slice(rank, world)
-
-    def loss_fn(x, y):
-        h = x
-        for i in range(0, len(variables), 2):
-            h = dtape.matmul(h, variables[i]) + variables[i + 1]
-            if i + 2 < len(variables):
-                h = dtape.nn.relu(h)
-        return dtape.reduce_sum(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)) / GLOBAL_BATCH
-
-    def batch(k):
-        return dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
-    return _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync)
-
-
-def _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync):
-    """dtape steps timed by phase: forward, gradient walk, apply_gradients (all-reduce wait + update).
-
-    "gradient" + "apply" is what earlier versions reported as "gradient" (forward included) and "apply".
-    """
-    import dtape
+# -- DDP ----------------------------------------------------------------------------------
+def _ddp_case(model, opt, loss_fn, world):
+    """(step(k), phases) for DDP: forward, backward (with the bucketed all-reduce), optimizer step."""
     import torch.distributed as dist
+    phases = _Phases("forward", "backward", "optimizer")
+
+    def step(k):
+        opt.zero_grad(set_to_none=True)
+        with phases("forward"):
+            loss = loss_fn(k)
+        with phases("backward"):
+            loss.backward()
+        with phases("optimizer"):
+            opt.step()
+        loss = loss.detach() / world
+        dist.all_reduce(loss)
+        return float(loss)
+    return step, phases
+
+
+def _mlp_ddp(rank, world, lr):
+    import torch
+    import torch.nn.functional as F
+    params, data, labels = _init(torch)
+    layers = []
+    for i in range(0, len(params), 2):
+        lin = torch.nn.Linear(SIZES[i // 2], SIZES[i // 2 + 1])
+        with torch.no_grad():
+            lin.weight.copy_(params[i].T)
+            lin.bias.copy_(params[i + 1])
+        layers += [lin, torch.nn.ReLU()]
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    part = _slice(rank, world, GLOBAL_BATCH)
+    return _ddp_case(model, opt, lambda k: F.cross_entropy(model(data[k % 4, part]), labels[k % 4, part]), world)
+
+
+def _charlm_ddp(rank, world, lr):
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, HERE)
+    from bench import _TorchCharLM
+    charlm, data, labels = _charlm(torch)
+    values = [v.torch().clone() for v in charlm.build_model(0).trainable_variables]  # the same initial weights
+    model = torch.nn.parallel.DistributedDataParallel(_TorchCharLM(values, charlm))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7)
+    part = _slice(rank, world, CHARLM_BATCH)
+
+    def loss_fn(k):
+        logits = model(data[k % 4, part])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[k % 4, part].reshape(-1))
+    return _ddp_case(model, opt, loss_fn, world)
+
+
+# -- dtape --------------------------------------------------------------------------------
+def _dtape_case(strategy, variables, opt, loss_fn, batch, sync):
+    """(step(k), phases) for dtape: forward, gradient walk, apply_gradients (all-reduce wait + update)."""
+    import dtape
     gradient_sync = dtape.distribute.GradientSync() if sync else None
     phases = _Phases("forward", "walk", "apply")
 
@@ -159,12 +152,31 @@ def _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync):
         return loss
 
     def step(k):
-        return strategy.run(replica_step, args=batch(k))
-    result = _time(step, steps, dist,
-                   lambda v: strategy.reduce(dtape.distribute.ReduceOp.SUM, v, axis=None).torch())
-    result.update(phases.medians())
-    result["gradient_s"] = result["forward_s"] + result["walk_s"]
-    return result
+        loss = strategy.run(replica_step, args=batch(k))
+        return float(strategy.reduce(dtape.distribute.ReduceOp.SUM, loss, axis=None).torch())
+    return step, phases
+
+
+def _mlp_dtape(strategy, rank, world, lr, sync):
+    import torch
+    import dtape
+    params, data, labels = _init(torch)
+    with strategy.scope():
+        variables = [dtape.Variable(p) for p in params]
+        opt = dtape.optimizers.SGD(lr)
+    part = _slice(rank, world, GLOBAL_BATCH)
+
+    def loss_fn(x, y):
+        h = x
+        for i in range(0, len(variables), 2):
+            h = dtape.matmul(h, variables[i]) + variables[i + 1]
+            if i + 2 < len(variables):
+                h = dtape.nn.relu(h)
+        return dtape.reduce_sum(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)) / GLOBAL_BATCH
+
+    def batch(k):
+        return dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
+    return _dtape_case(strategy, variables, opt, loss_fn, batch, sync)
 
 
 def _charlm(torch):
@@ -176,115 +188,119 @@ def _charlm(torch):
     return charlm, x, y
 
 
-def _charlm_dtape_worker(steps, lr, sync=False):
+def _charlm_dtape(strategy, rank, world, lr, sync):
     import torch
     import dtape
     charlm, data, labels = _charlm(torch)
-    strategy = dtape.distribute.MultiWorkerMirroredStrategy()
-    rank, world = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
     with strategy.scope():
         model = charlm.build_model(0)
         opt = dtape.optimizers.Adam(lr)
     variables = list(model.trainable_variables)
-    part = slice(rank * (CHARLM_BATCH // world), (rank + 1) * (CHARLM_BATCH // world))
+    part = _slice(rank, world, CHARLM_BATCH)
 
     def loss_fn(x, y):
         return dtape.reduce_sum(charlm.per_example_loss(model, x, y)) / CHARLM_BATCH
 
     def batch(k):
         return dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
-    return _dtape_time(strategy, variables, opt, loss_fn, batch, steps, sync)
+    return _dtape_case(strategy, variables, opt, loss_fn, batch, sync)
 
 
-def _charlm_ddp_worker(steps, lr):
-    import torch
+# -- one launch: the cases take turns ------------------------------------------------------
+def _worker(model, steps):
+    """Runs dtape, dtape+GradientSync and DDP on `model` ("mlp" or "charlm"), step by step in turn."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     import dtape
-    sys.path.insert(0, HERE)
-    from bench import _TorchCharLM
-    charlm, data, labels = _charlm(torch)
-    values = [v.torch().clone() for v in charlm.build_model(0).trainable_variables]  # the same initial weights
     dist.init_process_group("gloo")
+    strategy = dtape.distribute.MultiWorkerMirroredStrategy()  # on the existing group
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = torch.nn.parallel.DistributedDataParallel(_TorchCharLM(values, charlm))
-    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7)
-    part = slice(rank * (CHARLM_BATCH // world), (rank + 1) * (CHARLM_BATCH // world))
-
-    def loss_fn(k):
-        logits = model(data[k % 4, part])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[k % 4, part].reshape(-1))
-    return _ddp_time(model, opt, loss_fn, steps, dist, world)
-
-
-def _time(step, steps, dist, global_loss):
-    first = float(global_loss(step(0)))
-    times = []
+    lr = 1e-3 if model == "charlm" else 0.01
+    make_dtape, make_ddp = (_charlm_dtape, _charlm_ddp) if model == "charlm" else (_mlp_dtape, _mlp_ddp)
+    cases = {"dtape": make_dtape(strategy, rank, world, lr, False),
+             "dtape_sync": make_dtape(strategy, rank, world, lr, True),
+             "ddp": make_ddp(rank, world, lr)}
+    names = list(cases)
+    first = {name: cases[name][0](0) for name in names}
+    times = {name: [] for name in names}
     for k in range(1, steps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(k)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    warm = times[len(times) // 5:]
-    return {"first_loss": first, "step_s": statistics.median(warm)}
+        for name in names[k % len(names):] + names[:k % len(names)]:  # rotate: no case always goes first
+            dist.barrier()
+            t0 = time.perf_counter()
+            cases[name][0](k)
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name in names:
+        out[name] = {"first_loss": first[name], "step_s": statistics.median(times[name][steps // 5:])}
+        out[name].update(cases[name][1].medians())
+    out["dtape_file"] = dtape.__file__
+    dist.barrier()
+    dist.destroy_process_group()  # ours to close: left to interpreter exit, gloo's threads may abort it
+    return out
 
 
-def _launch(mode, world, steps):
+def _launch(model, world, steps):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               __file__, "--worker", mode, "--steps", str(steps), "--out", out.name]
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=600)
+               __file__, "--worker", model, "--steps", str(steps), "--out", out.name]
+        # the workers run this file from scripts/: without the checkout first on their path they
+        # would import whatever dtape is installed (e.g. another checkout's), not this one
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)), PYTHONPATH=path)
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=900)
         return json.load(open(out.name))
+
+
+def _hidden_share(mlp1, mlp2):
+    """1 - (apply_gradients' extra time at 2 workers with GradientSync) / (the same without)."""
+    exposed_sync = max(mlp2["dtape_sync"]["apply_s"] - mlp1["dtape"]["apply_s"], 0.0)
+    exposed = mlp2["dtape"]["apply_s"] - mlp1["dtape"]["apply_s"]
+    return min(max(1 - exposed_sync / exposed, 0.0), 1.0) if exposed > 0 else float("nan")
+
+
+def _report(res):
+    for key, r in res.items():
+        print(f"{key:20s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:7.2f} ms   " + "  ".join(
+            f"{p} {r[p + '_s'] * 1e3:6.2f}" for p in ("forward", "walk", "apply", "backward", "optimizer")
+            if p + "_s" in r))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--worker", choices=["dtape", "dtape_sync", "ddp", "charlm_dtape", "charlm_dtape_sync",
-                                         "charlm_ddp"],
-                    help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["mlp", "charlm"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        workers = {"dtape": _dtape_worker, "dtape_sync": lambda n, lr: _dtape_worker(n, lr, sync=True),
-                   "ddp": _ddp_worker, "charlm_dtape": _charlm_dtape_worker,
-                   "charlm_dtape_sync": lambda n, lr: _charlm_dtape_worker(n, lr, sync=True),
-                   "charlm_ddp": _charlm_ddp_worker}
-        result = workers[args.worker](args.steps, 1e-3 if args.worker.startswith("charlm") else 0.01)
+        result = _worker(args.worker, args.steps)
         if int(os.environ.get("RANK", "0")) == 0:
             json.dump(result, open(args.out, "w"))
         return
-    res = {f"{m}_{w}": _launch(m, w, args.steps) for w in (1, 2) for m in ("dtape", "dtape_sync", "ddp")}
-    res.pop("dtape_sync_1")
-    res.update({f"{m}_2": _launch(m, 2, args.steps) for m in ("charlm_dtape", "charlm_dtape_sync", "charlm_ddp")})
-    for key, r in res.items():
-        print(f"{key:18s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:8.2f} ms")
-    assert abs(res["dtape_2"]["first_loss"] - res["ddp_2"]["first_loss"]) < 1e-5, "dtape and DDP disagree"
-    for key in ("charlm_dtape_2", "charlm_dtape_sync_2"):
-        assert abs(res[key]["first_loss"] - res["charlm_ddp_2"]["first_loss"]) < 1e-5, "charlm disagrees"
-    # apply_gradients waits for the reduction: with GradientSync only for what the walk did not hide.
-    exposed_sync = max(res["dtape_sync_2"]["apply_s"] - res["dtape_1"]["apply_s"], 0.0)
-    exposed = res["dtape_2"]["apply_s"] - res["dtape_1"]["apply_s"]
-    hidden = min(max(1 - exposed_sync / exposed, 0.0), 1.0) if exposed > 0 else float("nan")
-    for key, r in res.items():  # rank 0's phases (ms per step, medians)
-        print(f"{key:18s} " + "  ".join(f"{p} {r[p + '_s'] * 1e3:6.2f}" for p in
-                                        ("forward", "walk", "apply", "backward", "optimizer") if p + "_s" in r))
-    ratios = {"dtape/ddp at 2 workers": res["dtape_2"]["step_s"] / res["ddp_2"]["step_s"],
-              "dtape+GradientSync/ddp at 2": res["dtape_sync_2"]["step_s"] / res["ddp_2"]["step_s"],
-              "communication hidden (share)": hidden,
-              "charlm dtape/ddp at 2 workers": res["charlm_dtape_2"]["step_s"] / res["charlm_ddp_2"]["step_s"],
-              "charlm dtape+GradientSync/ddp": res["charlm_dtape_sync_2"]["step_s"] / res["charlm_ddp_2"]["step_s"],
-              "dtape/ddp at 1 worker": res["dtape_1"]["step_s"] / res["ddp_1"]["step_s"],
-              "dtape 2 workers / 1 worker": res["dtape_2"]["step_s"] / res["dtape_1"]["step_s"],
-              "ddp 2 workers / 1 worker": res["ddp_2"]["step_s"] / res["ddp_1"]["step_s"]}
+    runs = {(m, w): _launch(m, w, args.steps) for m, w in (("mlp", 1), ("mlp", 2), ("charlm", 2))}
+    dtape_file = {cases.pop("dtape_file") for cases in runs.values()}
+    print(f"dtape imported by the workers: {', '.join(dtape_file)}")
+    res = {f"{m}_{case}_{w}": r for (m, w), cases in runs.items() for case, r in cases.items()}
+    _report(res)
+    for m in ("mlp", "charlm"):
+        for case in ("dtape", "dtape_sync"):
+            assert abs(res[f"{m}_{case}_2"]["first_loss"] - res[f"{m}_ddp_2"]["first_loss"]) < 1e-5, \
+                f"{m}: {case} and DDP disagree"
+    ratio = {k: res[k]["step_s"] for k in res}
+    ratios = {"dtape/ddp at 2 workers": ratio["mlp_dtape_2"] / ratio["mlp_ddp_2"],
+              "dtape+GradientSync/ddp at 2": ratio["mlp_dtape_sync_2"] / ratio["mlp_ddp_2"],
+              "communication hidden (share)": _hidden_share(runs[("mlp", 1)], runs[("mlp", 2)]),
+              "charlm dtape/ddp at 2 workers": ratio["charlm_dtape_2"] / ratio["charlm_ddp_2"],
+              "charlm dtape+GradientSync/ddp": ratio["charlm_dtape_sync_2"] / ratio["charlm_ddp_2"],
+              "dtape/ddp at 1 worker": ratio["mlp_dtape_1"] / ratio["mlp_ddp_1"],
+              "dtape 2 workers / 1 worker": ratio["mlp_dtape_2"] / ratio["mlp_dtape_1"],
+              "ddp 2 workers / 1 worker": ratio["mlp_ddp_2"] / ratio["mlp_ddp_1"]}
     for k, v in ratios.items():
-        print(f"{k:28s} {v:.2f}x")
+        print(f"{k:30s} {v:.2f}x")
     print(f"load average {os.getloadavg()}")
     if args.json:
-        json.dump({"results": res, "ratios": ratios, "loadavg": os.getloadavg()}, open(args.json, "w"), indent=1)
+        json.dump({"results": res, "ratios": ratios, "loadavg": os.getloadavg(), "dtape": sorted(dtape_file)},
+                  open(args.json, "w"), indent=1)
 
 
 if __name__ == "__main__":

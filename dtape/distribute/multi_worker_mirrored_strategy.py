@@ -549,6 +549,8 @@ class _WorkerExtended(StrategyExtended):
         """
         reduce_op = check_reduce_op(reduce_op)
         locals_ = [None if v is None else _local_tensor(v) for v, _ in value_destination_pairs]
+        if self._strategy.num_replicas_in_sync == 1:  # one worker: its values are the sums and the means
+            return [None if t is None else Mirrored((t,)) for t in locals_]
         out = [None] * len(locals_)
         by_dtype = {}
         for i, t in enumerate(locals_):

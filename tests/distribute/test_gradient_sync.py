@@ -248,6 +248,54 @@ def test_plan_buckets_cap_and_dtypes():
     assert buckets[3].size() == 204 + 2     # values, then one presence flag per member
 
 
+def test_plan_buckets_first_bucket_has_its_own_cap():
+    # DDP's layout: the first bucket of each dtype closes at first_cap_bytes, the later ones at cap_bytes.
+    cpu = torch.device("cpu")
+    items = [(j, (256,), torch.float32, cpu) for j in range(6)] + [(6, (128,), torch.float64, cpu),
+                                                                   (7, (128,), torch.float64, cpu)]
+    buckets = plan_buckets(items, cap_bytes=4096, first_cap_bytes=1024)
+    layout = [(b.dtype, [m[0] for m in b.members]) for b in buckets]
+    assert layout == [(torch.float32, [0]), (torch.float32, [1, 2, 3, 4]), (torch.float32, [5]),
+                      (torch.float64, [6]), (torch.float64, [7])]
+
+
+def test_gradient_sync_first_bucket_cap_checked_and_never_above_the_cap():
+    with pytest.raises(ValueError, match="first_bucket_cap_mb"):
+        GradientSync(first_bucket_cap_mb=0)
+    sync = GradientSync(bucket_cap_mb=0.5, first_bucket_cap_mb=4)
+    assert sync.first_bucket_cap_bytes == sync.bucket_cap_bytes == 2**19
+    assert GradientSync().first_bucket_cap_bytes == 2**20   # DDP's 1 MB
+
+
+@pytest.mark.parametrize("first_mb,launches", [(1.0, 2), (25.0, 1)])
+def test_small_first_bucket_is_launched_before_the_walk_ends(first_mb, launches):
+    # Two 1 MB weights: with DDP's 1 MB first bucket, the last layer's gradients go out on their
+    # own from inside the walk (before the first layer's are computed); with one 25 MB cap,
+    # everything waits for the last gradient. Either way the reduction equals the per-variable one.
+    strategy = _strategy()
+    with strategy.scope():
+        model = dtape.layers.Sequential([dtape.layers.Dense(512, "tanh", input_dim=512, seed=1),
+                                         dtape.layers.Dense(512, input_dim=512, seed=2)])
+    calls = _count_launches(strategy)
+    seen = []
+
+    def fn():
+        x = dtape.constant(np.random.default_rng(_rid()).normal(size=(2, 512)), dtype=torch.float32)
+        with dtape.GradientTape(gradient_sync=GradientSync(first_bucket_cap_mb=first_mb, order="reverse")) as tape:
+            loss = dtape.reduce_sum(model(x) ** 2)
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        seen.append([g.numpy().copy() for g in grads])
+        return [g for g, _ in reduce_gradients(list(zip(grads, variables)))]
+    reduced = strategy.run(fn)
+    assert _per_replica(calls, 2) == [launches, launches]
+    assert all(inside for _, inside in calls)
+    for k, got in enumerate(reduced):   # the sum of both replicas' gradients (a + b == b + a exactly)
+        want = seen[0][k] + seen[1][k]
+        for part in strategy.experimental_local_results(got):
+            np.testing.assert_array_equal(part.numpy(), want)
+
+
 def test_a_gradient_shared_by_every_replica_is_not_summed():
     strategy = _strategy()
     with strategy.scope():

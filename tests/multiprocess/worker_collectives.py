@@ -2,6 +2,7 @@
 
 Each rank checks, against one-device values computed in the same process:
 differentiable all_reduce (SUM, weighted MEAN) and all_gather (unequal sizes);
+the flat all-reduce (in place only for buffers given away: scratch);
 an epoch of global batches 4, 4, 3, 1 (rank 1's last slice is empty) with
 compute_average_loss and strategy.reduce(MEAN, weights=counts), with and
 without GradientSync; gradient accumulation with one all-reduce per k.
@@ -43,6 +44,14 @@ def wm():
         t.watch(x); y = ctx().all_reduce("MEAN", x, weight=[3.0, 1.0][rank]); l = y * (rank + 1)
     return y, t.gradient(l, x)
 y, g = s.run(wm); assert float(y) == 1.25 and abs(float(g) - [2.25, 0.75][rank]) < 1e-12, (float(y), float(g))
+
+def flat(scratch):
+    # the flat all-reduce leaves the caller's tensor alone; only a buffer given away (scratch) is reduced in place
+    t = torch.full((3,), float(rank + 1))
+    (out,) = s.extended._all_reduce_flat_async("SUM", [t], scratch=scratch).wait()
+    return out, t
+out, t = s.run(flat, args=(False,)); assert out.tolist() == [3.0] * 3 and t.tolist() == [rank + 1.0] * 3, (out, t)
+out, t = s.run(flat, args=(True,)); assert out.tolist() == t.tolist() == [3.0] * 3, (out, t)  # reduced in t itself
 
 def model():
     return dtape.layers.Sequential([dtape.layers.Dense(4, "tanh", input_dim=3, seed=1, dtype=F64),
