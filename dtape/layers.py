@@ -488,10 +488,7 @@ class LayerNormalization(Layer):
         self.beta = self.add_weight("beta", (d,), "zeros")
 
     def call(self, x):
-        mean = _math.reduce_mean(x, axis=-1, keepdims=True)
-        centered = x - mean
-        var = _math.reduce_mean(centered * centered, axis=-1, keepdims=True)
-        return centered * _math.rsqrt(var + self.epsilon) * self.gamma + self.beta
+        return _nn.layer_norm(x, self.gamma, self.beta, epsilon=self.epsilon)
 
 
 class Dropout(Layer):
