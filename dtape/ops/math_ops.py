@@ -40,8 +40,8 @@ def subtract(x, y):
 
 
 @subtract.grad
-def _(dy, ans, x, y):
-    return dy, -dy
+def _(dy, ans, x, y, needs=(True, True)):
+    return dy, (-dy if needs[1] else None)
 
 
 @defop(n_in=2, torch_fns=(torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__),
@@ -52,8 +52,8 @@ def multiply(x, y):
 
 
 @multiply.grad
-def _(dy, ans, x, y):
-    return dy * y, dy * x
+def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product for the constant
+    return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
 
 
 @defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive)
@@ -63,9 +63,9 @@ def divide(x, y):
 
 
 @divide.grad
-def _(dy, ans, x, y):
+def _(dy, ans, x, y, needs=(True, True)):  # `scores / scale`: no gradient computed for the scale
     gx = dy / y
-    return gx, -gx * ans
+    return (gx if needs[0] else None), (-gx * ans if needs[1] else None)
 
 
 @defop(n_in=2)
