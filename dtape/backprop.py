@@ -162,13 +162,13 @@ def _walk(records, reach, grads, keep, raw, ready=None):
 
 def _backward_record(rec, dys, grads, reach, raw):
     """Runs one record's rule and adds its input gradients into `grads`."""
-    op, in_ids, saved = rec.op, rec.in_ids, rec.saved
+    op, in_ids = rec.op, rec.in_ids
     n = len(in_ids)
-    inputs, outputs = saved[:n], saved[n:]
+    inputs, outputs = rec.split()
     if not (raw and getattr(op, "raw_saved", False)):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
     if getattr(op, "takes_needs", False):
-        needs = tuple([i in reach for i in in_ids])
+        needs = (in_ids[0] in reach, in_ids[1] in reach) if n == 2 else tuple([i in reach for i in in_ids])
         if getattr(op, "saves", None) == "other_input":  # watched after the op ran: partner not kept
             needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
         in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw, needs)

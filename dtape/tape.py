@@ -144,6 +144,18 @@ class _Rec(_Ref):
         else:
             self.s0, self.s1, self.s2 = (saved + (None, None))[:3] if len(saved) < 3 else saved
 
+    def split(self):
+        """(saved inputs, saved outputs)."""
+        n = len(self.in_ids)
+        if self.s2 is _MANY:
+            return self.s0[:n], self.s0[n:]
+        if n == 2:
+            return (self.s0, self.s1), ((self.s2,) if len(self.out_ids) == 1 else ())
+        if n == 1:
+            return (self.s0,), (self.s1, self.s2)[:len(self.out_ids)]
+        saved = self.saved
+        return saved[:n], saved[n:]
+
     def drop(self):
         """Deletes the record's content (trace deletion, release)."""
         self.op = self.s0 = self.s1 = self.s2 = self.attrs = self.refs = None
@@ -683,7 +695,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             # record and its outputs' watch land in the same generation of the tape.
             if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
                 continue
-            if tape._pending:
+            if len(tape._pending) > 32:  # deaths are processed in batches (and before any read)
                 tape._drain()
             cb = tape._on_death  # the record is built inline: this is every recorded op's path
             rec = _Rec(outputs[0], cb)
@@ -695,17 +707,22 @@ def record(op, in_ids, inputs, outputs, attrs):
                 rec.s0, rec.s1, rec.s2 = saved[0], saved[1], None
             else:
                 rec.set_saved(saved)
-            if len(outputs) > 1:
-                rec.refs = tape._more_refs(outputs, out_ids)
             tape._recs.append(rec)
             usage, producer = tape._usage, tape._producer
             for i in in_ids:
                 if i is not None:
                     usage[i] = usage.get(i, 0) + 1
-            for o in out_ids:
+            if len(outputs) == 1:
+                o = out_ids[0]
                 usage[o] = usage.get(o, 0) + 1
                 producer[o] = rec
-            tape._watched.update(out_ids)
+                tape._watched.add(o)
+            else:
+                rec.refs = tape._more_refs(outputs, out_ids)
+                for o in out_ids:
+                    usage[o] = usage.get(o, 0) + 1
+                    producer[o] = rec
+                tape._watched.update(out_ids)
             tape._nrec += 1
 
 
