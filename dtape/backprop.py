@@ -130,7 +130,7 @@ def _widen_autocast_dy(dys, inputs, raw):
     return dys
 
 
-def _walk(records, reach, grads, keep, raw, ready=None):
+def _walk(records, reach, grads, keep, raw, ready=None, free=False):
     """Reverse walk: calls each record's backward once its outputs' gradients are summed.
 
     `records` are the pruned tape record objects (`op`, `in_ids`, `out_ids`,
@@ -141,7 +141,10 @@ def _walk(records, reach, grads, keep, raw, ready=None):
     record ops, and every op on a recorded walk, get dtape.Tensors with the
     recorded ids. `ready` (a `_Readiness`) hears of each record once it is
     processed. The loop reads record attributes directly and allocates
-    nothing that outlives one record (no GC pressure on long tapes).
+    nothing that outlives one record (no GC pressure on long tapes). `free`
+    (a non-persistent tape's only walk) drops each record's saved tensors
+    once its rule ran, so peak memory falls as the walk proceeds (as torch
+    frees saved tensors without retain_graph).
     """
     for rec in (records if ready is None else ready.iterate(records)):
         out_ids = rec.out_ids
@@ -149,6 +152,8 @@ def _walk(records, reach, grads, keep, raw, ready=None):
             i = out_ids[0]
             g = grads.get(i) if i in keep else grads.pop(i, None)
             if g is None:
+                if free:
+                    rec.drop()
                 continue
             dys = (g,)
             if g.dtype in _HALF:  # only autocast makes an output narrower than its inputs
@@ -156,8 +161,12 @@ def _walk(records, reach, grads, keep, raw, ready=None):
         else:
             dys = _gather_multi(rec, grads, keep, raw)
             if dys is None:
+                if free:
+                    rec.drop()
                 continue
         _backward_record(rec, dys, grads, reach, raw)
+        if free:
+            rec.drop()
 
 
 def _backward_record(rec, dys, grads, reach, raw):
@@ -263,7 +272,7 @@ class _Readiness:
             self._on_ready(k, g)
 
 
-def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None):
+def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None, free=False):
     """Gradients of the sum of `targets` w.r.t. `sources` from `tape`'s records.
 
     Args:
@@ -273,6 +282,7 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
       output_gradients: flat list (None entries allowed) of Tensors matching targets.
       on_ready: optional `f(source_position, grad)`, called once per source as
         soon as its gradient is final, during the walk (see `_Readiness`).
+      free: drop each record's saved tensors once used (the tape's last walk).
 
     Returns:
       A list with a gradient (dtape.Tensor) or None per source.
@@ -291,7 +301,7 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
             prev = grads.get(t._id)
             grads[t._id] = dy if prev is None else prev + dy
         ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
-        _walk(records, reach, grads, set(source_ids), raw, ready)
+        _walk(records, reach, grads, set(source_ids), raw, ready, free)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 
@@ -461,9 +471,10 @@ class GradientTape:
 
     def _gradients(self, targets, sources, dys, unconnected):
         session = None if self._gradient_sync is None else self._gradient_sync.start(sources)
+        free = not self._persistent  # the only walk of this tape: free saved tensors as it goes
         if session is None:
-            return tape_gradients(self._tape, targets, sources, dys, unconnected)
-        grads = tape_gradients(self._tape, targets, sources, dys, unconnected, on_ready=session.ready)
+            return tape_gradients(self._tape, targets, sources, dys, unconnected, free=free)
+        grads = tape_gradients(self._tape, targets, sources, dys, unconnected, on_ready=session.ready, free=free)
         session.finish(grads)
         return grads
 
@@ -510,13 +521,15 @@ class GradientTape:
         return _jacobian(self, target, source, unconnected_gradients, batch=True)
 
 
-def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE, on_ready=None):
+def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE, on_ready=None,
+                   free=False):
     """Gradients of flat `targets` w.r.t. flat `sources` (tensors or variables) from a raw tape.
 
     Integer/bool targets are dropped with a warning (with their output
     gradient); variable sources are expanded through the watch resolver and
     the gradients of their components summed (seed 2). `on_ready(j, grad)`
     hears during the walk of each source j that stands for one handle.
+    `free`: the tape's last walk (see `imperative_grad`).
     """
     if dys is not None and len(dys) != len(targets):
         raise ValueError(f"output_gradients has {len(dys)} entries but target has {len(targets)}; "
@@ -527,7 +540,7 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     expanded = [_source_handles(_check_source(s)) for s in sources]
     flat = [h for hs in expanded for h in hs]
     hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
-    raw = imperative_grad(tape, targets, flat, dys, hook) if targets else [None] * len(flat)
+    raw = imperative_grad(tape, targets, flat, dys, hook, free) if targets else [None] * len(flat)
     out, pos = [], 0
     for src, hs in zip(sources, expanded):
         parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
