@@ -285,6 +285,15 @@ def _is_float_like(x):
 
 
 def _takes_training(fn):
+    fn = getattr(fn, "__func__", fn)
+    try:
+        return _function_takes_training(fn)
+    except TypeError:  # an unhashable callable: not cached
+        return _function_takes_training.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=4096)  # per function, not per call: inspect.signature is slow
+def _function_takes_training(fn):
     try:
         return "training" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
