@@ -62,21 +62,21 @@ def _diff_dtype(dtype):
 
 def _prune(records, target_ids, source_ids):
     """Records on a path from a source to a target (reverse recording order), and the
-    ids reachable from a source."""
+    ids reachable from a source. `records` are the tape's record objects (`tape._live()`)."""
     reach = set(source_ids)
     forward = []
     for rec in records:
-        for i in rec[1]:
+        for i in rec.in_ids:
             if i in reach:
-                reach.update(rec[2])
+                reach.update(rec.out_ids)
                 forward.append(rec)
                 break
     needed = set(target_ids)
     kept = []
     for rec in reversed(forward):
-        for o in rec[2]:
+        for o in rec.out_ids:
             if o in needed:
-                needed.update(i for i in rec[1] if i is not None)
+                needed.update(rec.in_ids)
                 kept.append(rec)
                 break
     return kept, reach
@@ -88,7 +88,7 @@ def _unbroadcast(g, shape, rec, argnum):
         return g
     lead = len(gshape) - len(shape)
     if lead < 0 or any(s != 1 and s != gs for s, gs in zip(shape, gshape[lead:])):
-        raise ValueError(f"gradient of op {rec[0].name!r} for input {argnum} has shape {tuple(gshape)}, "
+        raise ValueError(f"gradient of op {rec.op.name!r} for input {argnum} has shape {tuple(gshape)}, "
                          f"which does not reduce to the input's shape {tuple(shape)}; the gradient rule is wrong")
     dims = list(range(lead)) + [lead + i for i, s in enumerate(shape) if s == 1 and gshape[lead + i] != 1]
     if dims:
@@ -103,15 +103,19 @@ def _zeros_for(t, raw):
 
 def _gather_multi(rec, grads, keep, raw):
     """Output gradients of a multi-output record (None if no output got one)."""
-    dys = [grads.get(i) if i in keep else grads.pop(i, None) for i in rec[2]]
+    dys = [grads.get(i) if i in keep else grads.pop(i, None) for i in rec.out_ids]
     if all(d is None for d in dys):
         return None
-    return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, rec[4]))
+    outputs = rec.saved[len(rec.in_ids):]
+    return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, outputs))
 
 
 def _rebuilt(saved, ids):
     """Saved torch tensors as the dtape.Tensors they were recorded from (same ids), the rest as is."""
     return tuple([_tp.rebuild(x, i) for x, i in zip(saved, ids)])
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _widen_autocast_dy(dys, inputs, raw):
@@ -126,49 +130,69 @@ def _widen_autocast_dy(dys, inputs, raw):
     return dys
 
 
-def _walk(records, reach, grads, keep, raw, ready=None):
+def _walk(records, reach, grads, keep, raw, ready=None, free=False):
     """Reverse walk: calls each record's backward once its outputs' gradients are summed.
 
-    `records` are pruned tape records `(op, in_ids, out_ids, saved_in,
-    saved_out, attrs)` in reverse recording order. Only inputs reachable from
-    a source get gradients; ops whose rule takes `needs` skip computing the
-    others (TF's skip_input_indices). On the raw walk a registered op gets
-    the saved torch tensors as they are; other record ops, and every op on a
-    recorded walk, get dtape.Tensors with the recorded ids. `ready` (a
-    `_Readiness`) hears of each record once it is processed.
+    `records` are the pruned tape record objects (`op`, `in_ids`, `out_ids`,
+    `saved`: saved inputs then outputs, `attrs`) in reverse recording order.
+    Only inputs reachable from a source get gradients; ops whose rule takes
+    `needs` skip computing the others (TF's skip_input_indices). On the raw
+    walk a registered op gets the saved torch tensors as they are; other
+    record ops, and every op on a recorded walk, get dtape.Tensors with the
+    recorded ids. `ready` (a `_Readiness`) hears of each record once it is
+    processed. The loop reads record attributes directly and allocates
+    nothing that outlives one record (no GC pressure on long tapes). `free`
+    (a non-persistent tape's only walk) drops each record's saved tensors
+    once its rule ran, so peak memory falls as the walk proceeds (as torch
+    frees saved tensors without retain_graph).
     """
     for rec in (records if ready is None else ready.iterate(records)):
-        op, in_ids, out_ids, inputs, outputs, attrs = rec
+        out_ids = rec.out_ids
         if len(out_ids) == 1:
             i = out_ids[0]
             g = grads.get(i) if i in keep else grads.pop(i, None)
             if g is None:
+                if free:
+                    rec.drop()
                 continue
             dys = (g,)
+            if g.dtype in _HALF:  # only autocast makes an output narrower than its inputs
+                dys = _widen_autocast_dy(dys, rec.saved, raw)
         else:
             dys = _gather_multi(rec, grads, keep, raw)
             if dys is None:
+                if free:
+                    rec.drop()
                 continue
-        if len(dys) == 1:
-            dys = _widen_autocast_dy(dys, inputs, raw)
-        if not (raw and getattr(op, "raw_saved", False)):
-            inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, out_ids)
-        if getattr(op, "takes_needs", False):
-            needs = tuple([i in reach for i in in_ids])
-            if getattr(op, "saves", None) == "other_input":  # watched after the op ran: partner not kept
-                needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
-            in_grads = op.backward(dys, outputs, inputs, attrs, raw, needs)
-        else:
-            in_grads = op.backward(dys, outputs, inputs, attrs, raw)
-        for argnum, i in enumerate(in_ids):
-            g = in_grads[argnum]
-            if g is None or i not in reach:
-                continue
-            shape = inputs[argnum].shape
-            if g.shape != shape:
-                g = _unbroadcast(g, shape, rec, argnum)
-            prev = grads.get(i)
-            grads[i] = g if prev is None else prev + g
+        _backward_record(rec, dys, grads, reach, raw)
+        if free:
+            rec.drop()
+
+
+def _backward_record(rec, dys, grads, reach, raw):
+    """Runs one record's rule and adds its input gradients into `grads`."""
+    op, in_ids = rec.op, rec.in_ids
+    n = len(in_ids)
+    inputs, outputs = rec.split()
+    if not (raw and getattr(op, "raw_saved", False)):
+        inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
+    if getattr(op, "takes_needs", False):
+        needs = (in_ids[0] in reach, in_ids[1] in reach) if n == 2 else tuple([i in reach for i in in_ids])
+        if getattr(op, "saves", None) == "other_input":  # watched after the op ran: partner not kept
+            needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
+        in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw, needs)
+    else:
+        in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw)
+    for argnum in range(n):
+        g = in_grads[argnum]
+        i = in_ids[argnum]
+        if g is None or i not in reach:
+            continue
+        shape = inputs[argnum].shape
+        if g.shape != shape:
+            g = _unbroadcast(g, shape, rec, argnum)
+        prev = grads.get(i)
+        grads[i] = g if prev is None else prev + g
 
 
 class _WalkInfo(threading.local):
@@ -200,7 +224,7 @@ def _walk_is_raw(records, target_ids, dys):
         if any(i in w for w in watched):
             return False
     for rec in records:
-        for ids in (rec[1], rec[2]):
+        for ids in (rec.in_ids, rec.out_ids):
             for i in ids:
                 if i is not None and any(i in w for w in watched):
                     return False
@@ -224,7 +248,7 @@ class _Readiness:
             self._positions.setdefault(i, []).append(k)
         self._left = dict.fromkeys(self._positions, 0)
         for rec in records:
-            for i in rec[1]:
+            for i in rec.in_ids:
                 if i in self._left:
                     self._left[i] += 1
         self._grads, self._on_ready = grads, on_ready
@@ -235,7 +259,7 @@ class _Readiness:
     def iterate(self, records):
         for rec in records:
             yield rec
-            for i in rec[1]:  # the walk is done with rec: its inputs have one consumer less
+            for i in rec.in_ids:  # the walk is done with rec: its inputs have one consumer less
                 n = self._left.get(i)
                 if n:
                     self._left[i] = n - 1
@@ -248,7 +272,7 @@ class _Readiness:
             self._on_ready(k, g)
 
 
-def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None):
+def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None, free=False):
     """Gradients of the sum of `targets` w.r.t. `sources` from `tape`'s records.
 
     Args:
@@ -258,6 +282,7 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
       output_gradients: flat list (None entries allowed) of Tensors matching targets.
       on_ready: optional `f(source_position, grad)`, called once per source as
         soon as its gradient is final, during the walk (see `_Readiness`).
+      free: drop each record's saved tensors once used (the tape's last walk).
 
     Returns:
       A list with a gradient (dtape.Tensor) or None per source.
@@ -276,7 +301,7 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
             prev = grads.get(t._id)
             grads[t._id] = dy if prev is None else prev + dy
         ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
-        _walk(records, reach, grads, set(source_ids), raw, ready)
+        _walk(records, reach, grads, set(source_ids), raw, ready, free)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 
@@ -446,9 +471,10 @@ class GradientTape:
 
     def _gradients(self, targets, sources, dys, unconnected):
         session = None if self._gradient_sync is None else self._gradient_sync.start(sources)
+        free = not self._persistent  # the only walk of this tape: free saved tensors as it goes
         if session is None:
-            return tape_gradients(self._tape, targets, sources, dys, unconnected)
-        grads = tape_gradients(self._tape, targets, sources, dys, unconnected, on_ready=session.ready)
+            return tape_gradients(self._tape, targets, sources, dys, unconnected, free=free)
+        grads = tape_gradients(self._tape, targets, sources, dys, unconnected, on_ready=session.ready, free=free)
         session.finish(grads)
         return grads
 
@@ -495,13 +521,15 @@ class GradientTape:
         return _jacobian(self, target, source, unconnected_gradients, batch=True)
 
 
-def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE, on_ready=None):
+def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGradients.NONE, on_ready=None,
+                   free=False):
     """Gradients of flat `targets` w.r.t. flat `sources` (tensors or variables) from a raw tape.
 
     Integer/bool targets are dropped with a warning (with their output
     gradient); variable sources are expanded through the watch resolver and
     the gradients of their components summed (seed 2). `on_ready(j, grad)`
     hears during the walk of each source j that stands for one handle.
+    `free`: the tape's last walk (see `imperative_grad`).
     """
     if dys is not None and len(dys) != len(targets):
         raise ValueError(f"output_gradients has {len(dys)} entries but target has {len(targets)}; "
@@ -512,7 +540,7 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     expanded = [_source_handles(_check_source(s)) for s in sources]
     flat = [h for hs in expanded for h in hs]
     hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
-    raw = imperative_grad(tape, targets, flat, dys, hook) if targets else [None] * len(flat)
+    raw = imperative_grad(tape, targets, flat, dys, hook, free) if targets else [None] * len(flat)
     out, pos = [], 0
     for src, hs in zip(sources, expanded):
         parts = [g for g in raw[pos:pos + len(hs)] if g is not None]

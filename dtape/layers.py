@@ -285,6 +285,15 @@ def _is_float_like(x):
 
 
 def _takes_training(fn):
+    fn = getattr(fn, "__func__", fn)
+    try:
+        return _function_takes_training(fn)
+    except TypeError:  # an unhashable callable: not cached
+        return _function_takes_training.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=4096)  # per function, not per call: inspect.signature is slow
+def _function_takes_training(fn):
     try:
         return "training" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -488,10 +497,7 @@ class LayerNormalization(Layer):
         self.beta = self.add_weight("beta", (d,), "zeros")
 
     def call(self, x):
-        mean = _math.reduce_mean(x, axis=-1, keepdims=True)
-        centered = x - mean
-        var = _math.reduce_mean(centered * centered, axis=-1, keepdims=True)
-        return centered * _math.rsqrt(var + self.epsilon) * self.gamma + self.beta
+        return _nn.layer_norm(x, self.gamma, self.beta, epsilon=self.epsilon)
 
 
 class Dropout(Layer):

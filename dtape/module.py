@@ -177,6 +177,8 @@ class Module:
 
     def _clear_losses(self):
         """Forgets the losses added on this thread to this module and every sub-module."""
+        if not _loss_state.by_module:  # nothing added on this thread: no walk over the sub-modules
+            return
         for m in (self,) + self.submodules:
             _loss_state.by_module.pop(m, None)
 

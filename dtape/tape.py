@@ -115,16 +115,50 @@ class _Ref(weakref.ref):
     __slots__ = ("tid",)
 
 
+_MANY = object()  # _Rec.s2 when the saved entries do not fit the three slots (then s0 holds their tuple)
+
+
 class _Rec(_Ref):
     """One record: a weak reference to the op's first output that also holds the record.
 
     One GC-tracked object per recorded op (issue 7 point 5): the op, input
-    and output ids, `saved` (what the rule reads of the inputs, then of the
-    outputs: torch tensors, or `_Meta` for the rest), attrs, and weak
-    references to further outputs. `op` is None once the record is deleted.
+    and output ids, what the rule reads of the inputs then of the outputs
+    (torch tensors, or `_Meta` for the rest) in the slots `s0`-`s2` (the
+    common ops save at most three entries; more go in a tuple in `s0`),
+    attrs, and weak references to further outputs. `op` is None once the
+    record is deleted.
     """
 
-    __slots__ = ("op", "in_ids", "out_ids", "saved", "attrs", "refs")
+    __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs")
+
+    @property
+    def saved(self):
+        """The saved entries: inputs then outputs."""
+        if self.s2 is _MANY:
+            return self.s0
+        return (self.s0, self.s1, self.s2)[:len(self.in_ids) + len(self.out_ids)]
+
+    def set_saved(self, saved):
+        if len(saved) > 3:
+            self.s0, self.s1, self.s2 = saved, None, _MANY
+        else:
+            self.s0, self.s1, self.s2 = (saved + (None, None))[:3] if len(saved) < 3 else saved
+
+    def split(self):
+        """(saved inputs, saved outputs)."""
+        n = len(self.in_ids)
+        if self.s2 is _MANY:
+            return self.s0[:n], self.s0[n:]
+        if n == 2:
+            return (self.s0, self.s1), ((self.s2,) if len(self.out_ids) == 1 else ())
+        if n == 1:
+            return (self.s0,), (self.s1, self.s2)[:len(self.out_ids)]
+        saved = self.saved
+        return saved[:n], saved[n:]
+
+    def drop(self):
+        """Deletes the record's content (trace deletion, release)."""
+        self.op = self.s0 = self.s1 = self.s2 = self.attrs = self.refs = None
 
 
 def _keep(x):
@@ -349,30 +383,21 @@ class Tape:
                     for j in rec.in_ids:
                         if j is not None:
                             stack.append(j)
-                    rec.op = rec.saved = rec.attrs = rec.refs = None
+                    rec.drop()
                     self._nrec -= 1
         if len(self._recs) > 256 and len(self._recs) > 2 * self._nrec:
             self._recs = [r for r in self._recs if r.op is not None]
 
-    @property
-    def _records(self):
-        """The live records as tuples (op, in_ids, out_ids, saved_in, saved_out, attrs), in order.
-
-        No lock taken: the caller holds `_lock` (or accepts a racy view).
-        """
-        out = []
-        for r in self._recs:
-            if r.op is not None:
-                n = len(r.in_ids)
-                out.append((r.op, r.in_ids, r.out_ids, r.saved[:n], r.saved[n:], r.attrs))
-        return out
-
     def _live(self):
-        """`_records` after deleting the traces of dead outputs, under the lock."""
+        """The live record objects in recording order, after deleting the traces of dead outputs.
+
+        A list of the tape's own `_Rec`s (no per-record allocation: the walk
+        reads their attributes).
+        """
         with self._lock:
             if self._pending:
                 self._drain()
-            return self._records
+            return [r for r in self._recs if r.op is not None]
 
     def records(self):
         """A snapshot of the records, in recording order: tuples (op, in_ids, out_ids, inputs, outputs, attrs).
@@ -380,9 +405,12 @@ class Tape:
         Saved tensors come back as dtape.Tensors with their recorded ids; what
         the op's rule does not read comes back as shape/dtype/device metadata.
         """
-        return [(op, in_ids, out_ids, tuple([_view(x, i) for x, i in zip(ins, in_ids)]),
-                 tuple([_view(o, i) for o, i in zip(outs, out_ids)]), attrs)
-                for op, in_ids, out_ids, ins, outs, attrs in self._live()]
+        out = []
+        for r in self._live():
+            n = len(r.in_ids)
+            out.append((r.op, r.in_ids, r.out_ids, tuple([_view(x, i) for x, i in zip(r.saved[:n], r.in_ids)]),
+                        tuple([_view(o, i) for o, i in zip(r.saved[n:], r.out_ids)]), r.attrs))
+        return out
 
     def reset(self):
         """Forgets all records and watches; the tape stays in the active set."""
@@ -413,7 +441,7 @@ class Tape:
         """
         seen = {}
         for rec in self._live():
-            for x in rec[3] + rec[4]:
+            for x in rec.saved:
                 if type(x) is torch.Tensor:
                     st = x.untyped_storage()
                     seen[(x.device, st.data_ptr())] = st.nbytes()
@@ -661,28 +689,40 @@ def record(op, in_ids, inputs, outputs, attrs):
         if out_ids is None:
             out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
             saved = _save(op, in_ids, inputs, outputs)
+            n_saved = len(saved)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
             if tape._watched is not watched and not any(i in tape._watched for i in in_ids):
                 continue
-            if tape._pending:
+            if len(tape._pending) > 32:  # deaths are processed in batches (and before any read)
                 tape._drain()
             cb = tape._on_death  # the record is built inline: this is every recorded op's path
             rec = _Rec(outputs[0], cb)
-            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.saved, rec.attrs, rec.refs = \
-                out_ids[0], op, in_ids, out_ids, saved, attrs, None
-            if len(outputs) > 1:
-                rec.refs = tape._more_refs(outputs, out_ids)
+            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.attrs, rec.refs = \
+                out_ids[0], op, in_ids, out_ids, attrs, None
+            if n_saved == 3:
+                rec.s0, rec.s1, rec.s2 = saved
+            elif n_saved == 2:
+                rec.s0, rec.s1, rec.s2 = saved[0], saved[1], None
+            else:
+                rec.set_saved(saved)
             tape._recs.append(rec)
             usage, producer = tape._usage, tape._producer
             for i in in_ids:
                 if i is not None:
                     usage[i] = usage.get(i, 0) + 1
-            for o in out_ids:
+            if len(outputs) == 1:
+                o = out_ids[0]
                 usage[o] = usage.get(o, 0) + 1
                 producer[o] = rec
-            tape._watched.update(out_ids)
+                tape._watched.add(o)
+            else:
+                rec.refs = tape._more_refs(outputs, out_ids)
+                for o in out_ids:
+                    usage[o] = usage.get(o, 0) + 1
+                    producer[o] = rec
+                tape._watched.update(out_ids)
             tape._nrec += 1
 
 

@@ -60,7 +60,7 @@ def test_tapes_pushed_and_popped_on_many_threads_none_lost_none_leaked(fast_swit
 def _snapshot(tape):
     """Records, watched ids and watched-variable ids, read atomically under the tape's lock."""
     with tape._lock:
-        records, watched, variables = list(tape._records), set(tape._watched), tuple(tape._watched_vars.values())
+        records, watched, variables = [r for r in tape._recs if r.op is not None], set(tape._watched), tuple(tape._watched_vars.values())
     return records, watched, {v._handle()._id for v in variables}
 
 
@@ -69,12 +69,12 @@ def _check_consistent(snapshot, explicit):
     watched outputs, and each watched id is explicitly watched, a listed variable's or the
     output of a kept record."""
     records, watched, var_ids = snapshot
-    outs = {o for rec in records for o in rec[2]}
+    outs = {o for rec in records for o in rec.out_ids}
     assert outs <= watched, f"{len(outs - watched)} recorded outputs are not watched (record split by reset)"
     stray = watched - outs - var_ids - explicit
     assert not stray, f"{len(stray)} watched ids belong to no record nor listed variable (update split by reset)"
     for rec in records:
-        assert any(i in watched for i in rec[1]), f"record {rec[0].name} has no watched input (landed after reset)"
+        assert any(i in watched for i in rec.in_ids), f"record {rec.op.name} has no watched input (landed after reset)"
 
 
 def test_reset_concurrent_with_records_and_variable_watches_keeps_tape_consistent(fast_switch):

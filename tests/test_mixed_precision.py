@@ -164,3 +164,22 @@ def test_float16_autocast_with_dynamic_loss_scaling_on_cuda():
     torch.testing.assert_close(grad.torch(), ref, rtol=2e-2, atol=2e-3)
     opt.apply_gradients([(grad, w)])
     assert float(opt.loss_scale) == 2.0 ** 15 and int(opt.iterations.numpy()) == 1
+
+
+def test_layer_norm_bfloat16_activations_float32_weights_match_torch_autograd():
+    """The fused layer-norm rule on half activations beside float32 weights (the walk widens dy to float32)."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 5, 8, generator=g).to(torch.bfloat16)
+    w0, b0, dy0 = torch.randn(8, generator=g), torch.randn(8, generator=g), torch.randn(2, 5, 8, generator=g)
+    x, w, b = dtape.constant(x0), dtape.Variable(w0), dtape.Variable(b0)
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        y = dtape.nn.layer_norm(x, w, b, epsilon=1e-3)
+    got = tape.gradient(y, [x, w, b], output_gradients=dtape.constant(dy0.to(torch.bfloat16)))
+    tx, tw, tb = (t.clone().requires_grad_() for t in (x0, w0, b0))
+    ty = torch.nn.functional.layer_norm(tx, (8,), tw, tb, eps=1e-3)
+    want = torch.autograd.grad(ty, [tx, tw, tb], dy0.to(torch.bfloat16))
+    assert torch.equal(y.torch(), ty.detach())
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a.torch(), e, rtol=0, atol=0)

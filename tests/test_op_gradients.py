@@ -271,6 +271,11 @@ def _bias_add(value, bias, data_format="NHWC"):
     return _np(value) + b
 
 
+def _layer_norm(x, gamma, beta, epsilon=1e-3):
+    a = _np(x)
+    return (a - a.mean(-1, keepdims=True)) / np.sqrt(a.var(-1, keepdims=True) + epsilon) * _np(gamma) + _np(beta)
+
+
 def _sigmoid(x):
     return 1 / (1 + np.exp(-_np(x)))
 
@@ -327,7 +332,7 @@ REFERENCES = {
         _np(labels) * _log_softmax(logits, axis), axis=axis),
     "sigmoid_cross_entropy_with_logits": lambda labels, logits: -_np(labels) * np.log(_sigmoid(logits))
     - (1 - _np(labels)) * np.log(1 - _sigmoid(logits)),
-    "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "bias_add": _bias_add,
+    "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "bias_add": _bias_add, "layer_norm": _layer_norm,
     "moments": _moments, "copy_to_device": lambda x, device: _np(x),
 }
 # Transposes of gather/getitem: their values are the gradients of their primal

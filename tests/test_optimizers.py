@@ -62,7 +62,7 @@ def test_optimizer_writes_through_update_value():
 def test_new_variable_never_inherits_a_dead_variables_momentum():
     opt = dtape.optimizers.SGD(0.1, momentum=0.9)
     g = dtape.constant(1.0)
-    for _ in range(20):  # until CPython gives the new variable the dead one's address
+    for _ in range(200):  # until CPython gives the new variable the dead one's address (usually at once)
         old = dtape.Variable(0.0)
         opt.apply_gradients([(g, old)])   # velocity -0.1 stored for `old`
         old_id = id(old)

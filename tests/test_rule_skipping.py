@@ -163,3 +163,32 @@ def test_conv2d_kernel_gradient_after_a_bfloat16_autocast_forward(walk_inside_au
     assert gx.dtype == gk.dtype == torch.float32
     torch.testing.assert_close(gx.torch(), rx, rtol=0.05, atol=0.5)  # bfloat16 forward and walk
     torch.testing.assert_close(gk.torch(), rk, rtol=0.05, atol=0.5)
+
+
+class _AtenCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run inside the block, by overload packet name ('mul', 'neg', ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_arithmetic_with_a_constant_computes_no_gradient_for_the_constant():
+    g = torch.Generator().manual_seed(0)
+    x0, c0 = torch.randn(3, 4, generator=g, dtype=D), torch.randn(3, 4, generator=g, dtype=D)
+    x, c = dtape.Variable(x0), dtape.constant(c0)
+    with dtape.GradientTape() as tape:
+        y = dtape.reduce_sum((x * c) / 3.0 - c)
+    with _AtenCounts() as seen:
+        got = tape.gradient(y, x)
+    tx = x0.clone().requires_grad_()
+    want, = torch.autograd.grad(torch.sum((tx * c0) / 3.0 - c0), tx)
+    torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=0)
+    # dy * c for x, dy / 3 for the product; nothing for c (a constant) or for 3.0 (a Python number)
+    assert seen.counts.get("mul", 0) == 1 and seen.counts.get("div", 0) == 1, seen.counts
+    assert seen.counts.get("neg", 0) == 0, seen.counts

@@ -180,7 +180,7 @@ def install_operators(ops):
     binary = {"add": ops.add, "sub": ops.subtract, "mul": ops.multiply, "truediv": ops.divide,
               "floordiv": ops.floordiv, "mod": ops.floormod, "pow": ops.pow, "matmul": ops.matmul}
     for name, fn in binary.items():
-        table[f"__{name}__"] = _method(fn)
+        table[f"__{name}__"] = fn  # the op itself: `x * y` is `multiply(x, y)`, one Python call
         table[f"__r{name}__"] = _rmethod(fn)
     for name, fn in {"lt": ops.less, "le": ops.less_equal, "gt": ops.greater,
                      "ge": ops.greater_equal, "eq": ops.equal, "ne": ops.not_equal}.items():

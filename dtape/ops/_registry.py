@@ -79,8 +79,10 @@ class OpDef:
         if self.list_input:
             inputs = (list(inputs),)
         if needs is not None:
-            attrs = dict(attrs or (), needs=needs)
-        grads = self.grad_fn(dy, ans, *inputs, **attrs) if attrs else self.grad_fn(dy, ans, *inputs)
+            grads = self.grad_fn(dy, ans, *inputs, needs=needs, **attrs) if attrs else \
+                self.grad_fn(dy, ans, *inputs, needs=needs)
+        else:
+            grads = self.grad_fn(dy, ans, *inputs, **attrs) if attrs else self.grad_fn(dy, ans, *inputs)
         return (grads,) if self.n_in == 1 and not self.list_input else grads
 
     def __repr__(self):

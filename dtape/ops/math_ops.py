@@ -40,8 +40,8 @@ def subtract(x, y):
 
 
 @subtract.grad
-def _(dy, ans, x, y):
-    return dy, -dy
+def _(dy, ans, x, y, needs=(True, True)):
+    return dy, (-dy if needs[1] else None)
 
 
 @defop(n_in=2, torch_fns=(torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__),
@@ -52,8 +52,8 @@ def multiply(x, y):
 
 
 @multiply.grad
-def _(dy, ans, x, y):
-    return dy * y, dy * x
+def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product for the constant
+    return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
 
 
 @defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive)
@@ -63,9 +63,9 @@ def divide(x, y):
 
 
 @divide.grad
-def _(dy, ans, x, y):
+def _(dy, ans, x, y, needs=(True, True)):  # `scores / scale`: no gradient computed for the scale
     gx = dy / y
-    return gx, -gx * ans
+    return (gx if needs[0] else None), (-gx * ans if needs[1] else None)
 
 
 @defop(n_in=2)
@@ -353,12 +353,22 @@ def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
             ga = torch.matmul(b, t(dy)) if not transpose_b else torch.matmul(t(b), t(dy))
         else:
             ga = torch.matmul(dy, t(b)) if not transpose_b else torch.matmul(dy, b)
-    if needs[1]:
+    if needs[1] and b.ndim == 2 and a.ndim > 2:
+        gb = _shared_weight_grad(dy, t(a) if transpose_a else a, transpose_b)
+    elif needs[1]:
         if transpose_a:
             gb = torch.matmul(a, dy) if not transpose_b else torch.matmul(t(dy), t(a))
         else:
             gb = torch.matmul(t(a), dy) if not transpose_b else torch.matmul(t(dy), a)
     return ga, gb
+
+
+def _shared_weight_grad(dy, a, transpose_b):
+    """Gradient of a 2-D `b` shared by every batch of `a @ b` (a: [..., m, k]): one matmul with the
+    batch dims folded into rows (as torch's autograd does), not a batched product then a sum."""
+    a2 = torch.reshape(a, (-1, a.shape[-1]))
+    dy2 = torch.reshape(dy, (-1, dy.shape[-1]))
+    return torch.matmul(_t(dy2), a2) if transpose_b else torch.matmul(_t(a2), dy2)
 
 
 def _t(m):

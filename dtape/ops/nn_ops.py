@@ -18,7 +18,7 @@ from dtape.tensor import Tensor, convert_to_tensor
 
 __all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
            "sparse_softmax_cross_entropy_with_logits", "softmax_cross_entropy_with_logits",
-           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "bias_add", "moments",
+           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "bias_add", "moments", "layer_norm",
            "embedding_lookup"]
 
 
@@ -99,6 +99,8 @@ def gelu(features, approximate=False):
 @gelu.grad
 def _(dy, ans, features, approximate=False):
     x = features
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+        return torch.ops.aten.gelu_backward(dy, x, approximate="tanh" if approximate else "none")
     if approximate:
         t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
         d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
@@ -143,6 +145,8 @@ def softmax(logits, axis=-1):
 
 @softmax.grad
 def _(dy, ans, logits, axis=-1):
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+        return torch._softmax_backward_data(dy, ans, axis, ans.dtype)
     return ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True))
 
 
@@ -154,6 +158,8 @@ def log_softmax(logits, axis=-1):
 
 @log_softmax.grad
 def _(dy, ans, logits, axis=-1):
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+        return torch._log_softmax_backward_data(dy, ans, axis, ans.dtype)
     return dy - torch.exp(ans) * torch.sum(dy, dim=axis, keepdim=True)
 
 
@@ -497,6 +503,43 @@ def _(dys, ans, x, axes, keepdims=False):
     mean = expand_back(ans[0], x, axes, keepdims)
     centred = x - mean
     return (expand_back(dmean, x, axes, keepdims) + expand_back(dvar, x, axes, keepdims) * 2 * centred) / count
+
+
+def _layer_norm_samples(rng):
+    return [((S.randn(rng, 3, 4), S.randn(rng, 4), S.randn(rng, 4)), {}),
+            ((S.randn(rng, 2, 3, 5), S.randn(rng, 5), S.randn(rng, 5)), {"epsilon": 0.1})]
+
+
+@defop(n_in=3, samples=_layer_norm_samples, saves="inputs")
+def layer_norm(x, gamma, beta, epsilon=1e-3):
+    """Normalises the last axis: `gamma * (x - mean) / sqrt(var + epsilon) + beta` (population variance).
+
+    Args:
+      x: floating tensor [..., d]; any device.
+      gamma, beta: [d], x's dtype and device.
+      epsilon: added to the variance.
+
+    Returns:
+      x's shape and dtype. One fused torch kernel each way (`torch.native_layer_norm`
+      and its backward on the raw walk). Source: tf.keras.layers.LayerNormalization(axis=-1).
+    """
+    return torch.native_layer_norm(x, (x.shape[-1],), gamma, beta, epsilon)[0]
+
+
+@layer_norm.grad
+def _(dy, ans, x, gamma, beta, epsilon=1e-3, needs=(True, True, True)):
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (mean and 1/std recomputed: cheap)
+        shape = (x.shape[-1],)
+        _, mean, rstd = torch.native_layer_norm(x, shape, gamma, beta, epsilon)
+        # dy in x's dtype: the walk widens a half-precision dy next to float32 weights (autocast)
+        return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta,
+                                                         list(needs))
+    centred = x - torch.mean(x, dim=-1, keepdim=True)
+    rstd = torch.rsqrt(torch.mean(centred * centred, dim=-1, keepdim=True) + epsilon)
+    xhat = centred * rstd
+    g = dy * gamma
+    dx = rstd * (g - torch.mean(g, dim=-1, keepdim=True) - xhat * torch.mean(g * xhat, dim=-1, keepdim=True))
+    return dx, dy * xhat, dy  # gamma's and beta's gradients are summed to [d] by the walk
 
 
 def embedding_lookup(params, ids, max_norm=None):
