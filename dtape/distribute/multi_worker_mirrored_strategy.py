@@ -35,13 +35,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtape import _config, nest
+from dtape import _config
 from dtape import tape as _tp
 from dtape.distribute import collective_ops, context, cross_device_ops, input_lib, replica_scope
 from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended, check_reduce_op
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica, SyncOnReadVariable,
-                                     split_sum, select_replica)
+                                     map_leaves, split_sum, select_replica)
 from dtape.random import generator_scope
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 from dtape.tensor import device as device_scope
@@ -478,7 +478,7 @@ def _as_worker_values(structure):
         if isinstance(x, (Tensor, torch.Tensor)) and not isinstance(x, Variable):
             return PerReplica((x,))
         return x
-    return nest.map_structure(wrap, structure)
+    return map_leaves(wrap, structure)
 
 
 class _WorkerExtended(StrategyExtended):

@@ -333,7 +333,24 @@ def select_replica(replica_id, structure):
         if isinstance(x, DistributedValues) and not isinstance(x, DistributedVariable):
             return x.values[replica_id]
         return x
-    return nest.map_structure(pick, structure)
+    return map_leaves(pick, structure)
+
+
+def map_leaves(fn, structure):
+    """`nest.map_structure(fn, structure)` for one structure, in one recursive pass.
+
+    Same result (lists, tuples, namedtuples and dicts rebuilt as their type,
+    dicts in sorted key order); it skips map_structure's flatten-then-pack,
+    which every `run`, `merge_call` and update pays on its arguments.
+    """
+    if not nest.is_nested(structure):
+        return fn(structure)
+    if isinstance(structure, dict):
+        return type(structure)((k, map_leaves(fn, structure[k])) for k in sorted(structure))
+    children = [map_leaves(fn, x) for x in structure]
+    if isinstance(structure, tuple) and hasattr(type(structure), "_fields"):  # namedtuple
+        return type(structure)(*children)
+    return type(structure)(children)
 
 
 def regroup(per_replica_structures):

@@ -359,3 +359,22 @@ def test_gradient_with_respect_to_components_is_each_components_own():
             total = strategy.reduce("SUM", strategy.run(lambda: v * 3.0), axis=None)
         by_component = tape.gradient(total, list(v.values) + [v])
     assert [float(g) for g in by_component] == [3.0, 3.0, 6.0]
+
+
+def test_map_leaves_equals_nest_map_structure():
+    # select_replica (every run, merge_call and update) maps in one pass; the result must be
+    # map_structure's: same values, same container types, dicts in sorted key order.
+    import collections
+    from dtape import nest
+    from dtape.distribute.values import map_leaves
+    Pair = collections.namedtuple("Pair", "a b")
+    structure = [1, (2, Pair(3, [4, {"z": 5, "a": (6,)}])), collections.OrderedDict([("y", 7), ("b", 8)]), {}, ()]
+    got = map_leaves(lambda x: x * 10, structure)
+    want = nest.map_structure(lambda x: x * 10, structure)
+    assert got == want
+
+    def types(s):
+        return [type(s)] + [t for c in (s.values() if isinstance(s, dict) else s) if nest.is_nested(c)
+                            for t in types(c)] if nest.is_nested(s) else []
+    assert types(got) == types(want)
+    assert list(got[2]) == list(want[2]) == ["b", "y"]
