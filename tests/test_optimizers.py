@@ -210,8 +210,8 @@ def test_batched_update_equals_per_variable_formula_bit_for_bit(name, kw):
     variables = [dtape.Variable(t.clone()) for t in init]
     opt = getattr(dtape.optimizers, name)(0.05, **kw)
     initial = {"accumulator": 0.1} if name == "Adagrad" else {}
-    ref = [dict((n, torch.zeros_like(t) + initial.get(n, 0.0)) for n in
-                ("m", "v", "momentum", "velocity", "average_gradient", "accumulator")) for t in init]
+    ref = [{n: torch.zeros_like(t) + initial.get(n, 0.0)
+            for n in ("m", "v", "momentum", "velocity", "average_gradient", "accumulator")} for t in init]
     ws = [t.clone() for t in init]
     for step in range(1, 4):
         grads = [torch.randn(s, generator=gen, dtype=gd) for s, _, gd in specs]

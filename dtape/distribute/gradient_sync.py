@@ -177,7 +177,7 @@ def plan_buckets(items, cap_bytes, first_cap_bytes=None):
 
 def _flat(member, g, bucket):
     """Gradient `g` (torch/dtape tensor; None: zeros) as a 1-D tensor of the bucket's dtype and device."""
-    index, offset, n, shape, dtype = member
+    _, _, n, _, dtype = member
     if g is None:
         return torch.zeros(n, dtype=bucket.dtype, device=bucket.device)
     t = g.torch() if isinstance(g, Tensor) else g

@@ -1,12 +1,16 @@
 """Reductions that cannot depend on object identity, SyncOnRead in the cross-replica context,
 low-precision accumulation, per-replica collective results, and the standard loop on every strategy."""
 
+import collections
+
 import numpy as np
 import pytest
 import torch
 
 import dtape
 from dtape import distribute as ds
+from dtape import nest
+from dtape.distribute.values import map_leaves
 from _interleave import interleaved, run_threads
 
 SUM, MEAN = ds.ReduceOp.SUM, ds.ReduceOp.MEAN
@@ -364,9 +368,6 @@ def test_gradient_with_respect_to_components_is_each_components_own():
 def test_map_leaves_equals_nest_map_structure():
     # select_replica (every run, merge_call and update) maps in one pass; the result must be
     # map_structure's: same values, same container types, dicts in sorted key order.
-    import collections
-    from dtape import nest
-    from dtape.distribute.values import map_leaves
     Pair = collections.namedtuple("Pair", "a b")
     structure = [1, (2, Pair(3, [4, {"z": 5, "a": (6,)}])), collections.OrderedDict([("y", 7), ("b", 8)]), {}, ()]
     got = map_leaves(lambda x: x * 10, structure)
