@@ -28,7 +28,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import dtape
+# This checkout's dtape, not an installed one (python puts scripts/ first on sys.path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dtape  # noqa: E402
 
 
 def timer(device):
@@ -544,7 +546,7 @@ def main():
     threads = os.cpu_count()
     torch.set_num_threads(threads)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, device {device}, "
+    print(f"dtape from {os.path.dirname(dtape.__file__)}; torch {torch.__version__}, Python {platform.python_version()}, device {device}, "
           f"torch.set_num_threads({threads}), load average at start {load}")
     run = timer(device)
     q = args.quick
