@@ -362,9 +362,7 @@ class Dense(Layer):
         lead = tuple(x.shape[:-1])
         if len(lead) != 1:
             x = _array.reshape(x, (-1, x.shape[-1]))
-        y = _math.matmul(x, self.kernel)
-        if self.use_bias:
-            y = y + self.bias
+        y = _nn.xw_plus_b(x, self.kernel, self.bias) if self.use_bias else _math.matmul(x, self.kernel)
         if len(lead) != 1:
             y = _array.reshape(y, lead + (self.units,))
         return self.activation(y)

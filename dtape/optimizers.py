@@ -366,7 +366,7 @@ def _add(a, b, alpha):
     return _Batch(torch._foreach_add(a.ts, b.ts, alpha=alpha))
 
 
-def _write_all(variables, fn, *operands):
+def _write_all(variables, fn, *operands, inplace=None):
     """Sets each variable k to `fn(value_k, *operands_k)`, computed for all at once; returns the new values.
 
     `fn` is written for single tensors and gets `_Batch`es (operands: lists of
@@ -375,12 +375,26 @@ def _write_all(variables, fn, *operands):
     path (`_update_value`, under its lock). A variable written by someone
     else since the snapshot gets `fn` of its current value instead, alone:
     no concurrent write is lost, exactly as with one update per variable.
+
+    `inplace(value, *operands_k)`, when given, writes the same result into
+    `value` with the same torch ops in the same order (bit-identical). Then
+    each variable is updated alone, in place when nothing else holds its
+    tensor (see `Variable._update_value`): no new weights and slots are
+    allocated per step, as with torch's optimizers.
     """
+    if inplace is not None:
+        return [v._update_value(functools.partial(_commit, None, None, fn, [o[k] for o in operands]),
+                                "optimizer update", inplace=functools.partial(_in_place, inplace, [o[k] for o in operands]))
+                for k, v in enumerate(variables)]
     olds = [v.torch() for v in variables]
     news = fn(_Batch(olds), *(_Batch(list(o)) for o in operands)).ts
     return [v._update_value(functools.partial(_commit, olds[k], news[k], fn, [o[k] for o in operands]),
                             "optimizer update")
             for k, v in enumerate(variables)]
+
+
+def _in_place(inplace, operands, current):
+    inplace(current, *operands)
 
 
 def _commit(old, new, fn, operands, current):
@@ -451,11 +465,12 @@ class SGD(Optimizer):
     def _update_many(self, variables, grads, slots, step):
         lr, mu = self._lr(), self.momentum
         if not mu:
-            _write_all(variables, lambda w, g: _add(w, g, -lr), grads)
+            _write_all(variables, lambda w, g: _add(w, g, -lr), grads, inplace=lambda w, g: w.add_(g, alpha=-lr))
             return
-        velocity = _write_all([s["momentum"] for s in slots], lambda m, g: _add(mu * m, g, -lr), grads)
+        velocity = _write_all([s["momentum"] for s in slots], lambda m, g: _add(mu * m, g, -lr), grads,
+                              inplace=lambda m, g: m.mul_(mu).add_(g, alpha=-lr))
         delta = _add(mu * _Batch(velocity), _Batch(grads), -lr).ts if self.nesterov else velocity
-        _write_all(variables, lambda w, d: w + d, delta)
+        _write_all(variables, lambda w, d: w + d, delta, inplace=lambda w, d: w.add_(d))
 
 
 class Adam(Optimizer):
@@ -475,9 +490,13 @@ class Adam(Optimizer):
     def _update_many(self, variables, grads, slots, step):
         b1, b2, eps, lr = self.beta_1, self.beta_2, self.epsilon, self._lr()
         lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
-        m = _write_all([s["m"] for s in slots], lambda m, g: m * b1 + (1 - b1) * g, grads)
-        v = _write_all([s["v"] for s in slots], lambda v, g: v * b2 + (1 - b2) * g * g, grads)
-        _write_all(variables, lambda w, m, v: self._decay(w, lr) - lr_t * m / (_sqrt(v) + eps), m, v)
+        m = _write_all([s["m"] for s in slots], lambda m, g: m * b1 + (1 - b1) * g, grads,
+                       inplace=lambda m, g: m.mul_(b1).add_((1 - b1) * g))
+        v = _write_all([s["v"] for s in slots], lambda v, g: v * b2 + (1 - b2) * g * g, grads,
+                       inplace=lambda v, g: v.mul_(b2).add_((1 - b2) * g * g))
+        plain = type(self)._decay is Adam._decay  # w - update, in place (AdamW's decay reads w twice)
+        _write_all(variables, lambda w, m, v: self._decay(w, lr) - lr_t * m / (_sqrt(v) + eps), m, v,
+                   inplace=(lambda w, m, v: w.sub_(lr_t * m / (torch.sqrt(v) + eps))) if plain else None)
 
     def _decay(self, w, lr):
         return w  # Adam: no decay (w - 0.0 would be w exactly)

@@ -6,6 +6,7 @@ input is that id, so the gradient w.r.t. a variable is the sum over its reads.
 """
 import enum
 import itertools
+import sys
 import threading
 
 import torch
@@ -140,6 +141,20 @@ def _normalize_args(initial_value=None, trainable=True, name=None, dtype=None, d
                 device=device, synchronization=synchronization, aggregation=aggregation)
 
 
+# References to a variable's tensor, seen in `_sole_owner(self._t)`, when only the variable holds
+# it: the variable's attribute, `_sole_owner`'s argument and getrefcount's argument.
+_SOLE_REFS = 3
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owner(t):
+    """True if no Python object but the variable refers to `t` and no other tensor shares its storage."""
+    if _storage_use_count is None or sys.getrefcount(t) != _SOLE_REFS:
+        return False
+    # one use by `t` itself, one by the temporary UntypedStorage object asked for here
+    return _storage_use_count(t.untyped_storage()._cdata) == 2
+
+
 class Variable(metaclass=_VariableMeta):
     """A mutable tensor-valued state, differentiable through its reads.
 
@@ -258,7 +273,7 @@ class Variable(metaclass=_VariableMeta):
                                  f"match the variable's shape {tuple(self._t.shape)}") from None
         return t.to(device=self._t.device, dtype=self._t.dtype)
 
-    def _update_value(self, fn, what="update"):
+    def _update_value(self, fn, what="update", inplace=None):
         """Atomically replaces the value with `fn(current)`; returns the new torch.Tensor.
 
         The one write path of a variable: `assign*` and the optimizers go
@@ -269,10 +284,20 @@ class Variable(metaclass=_VariableMeta):
         to the variable's dtype and device and then owned by the variable
         (reads taken before keep their old value).
 
+        `inplace(current)`, when given, writes `fn(current)` into `current`
+        bit for bit (same torch ops, same order). It is used instead of `fn`
+        when nothing but the variable holds the current tensor (no read,
+        record, view, numpy array or DLPack export of it is alive), so that
+        no read can see the change; then a training step allocates no new
+        weights (torch's optimizers also update in place).
+
         Raises:
           ValueError: if `fn`'s result has another shape.
         """
         with self._lock:
+            if inplace is not None and _sole_owner(self._t):
+                inplace(self._t)
+                return self._t
             new = fn(self._t)
             if new.shape != self._t.shape:
                 raise ValueError(f"{what} of variable {self._name!r} produced shape {tuple(new.shape)}, "

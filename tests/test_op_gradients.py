@@ -333,6 +333,7 @@ REFERENCES = {
     "sigmoid_cross_entropy_with_logits": lambda labels, logits: -_np(labels) * np.log(_sigmoid(logits))
     - (1 - _np(labels)) * np.log(1 - _sigmoid(logits)),
     "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "bias_add": _bias_add, "layer_norm": _layer_norm,
+    "xw_plus_b": lambda x, w, b: _np(x) @ _np(w) + _np(b),
     "moments": _moments, "copy_to_device": lambda x, device: _np(x),
 }
 # Transposes of gather/getitem: their values are the gradients of their primal

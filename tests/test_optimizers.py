@@ -47,9 +47,9 @@ def test_optimizer_writes_through_update_value():
     v = dtape.Variable(torch.ones(2))
     original = dtape.Variable._update_value
 
-    def spy(self, fn, what="update"):
+    def spy(self, fn, what="update", inplace=None):
         calls.append(what)
-        return original(self, fn, what)
+        return original(self, fn, what, inplace)
     opt = dtape.optimizers.Adam(0.1)
     dtape.Variable._update_value = spy
     try:
@@ -258,3 +258,39 @@ def test_apply_gradients_batched_under_mirrored_strategy_equals_default(strategy
     for p, m in zip(plain, mirrored):
         for c in m.values:
             assert torch.equal(c.torch(), p.torch())
+
+
+@pytest.mark.parametrize("make", [lambda: dtape.optimizers.SGD(0.1), lambda: dtape.optimizers.SGD(0.1, momentum=0.9),
+                                  lambda: dtape.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+                                  lambda: dtape.optimizers.Adam(0.01), lambda: dtape.optimizers.AdamW(0.01)],
+                         ids=["sgd", "momentum", "nesterov", "adam", "adamw"])
+def test_updates_in_place_when_only_the_variable_holds_its_tensor(make):
+    """In place (no new weights per step) with nothing else holding the tensor; copy-on-write while a read lives;
+    both paths give the same bits."""
+    g = torch.Generator().manual_seed(0)
+    init, grads = torch.randn(5, 3, generator=g), [torch.randn(5, 3, generator=g) for _ in range(4)]
+    free, held = dtape.Variable(init.clone()), dtape.Variable(init.clone())
+    opt_free, opt_held = make(), make()
+    ptr = free.torch().data_ptr()
+    for k, gr in enumerate(grads):
+        opt_free.apply_gradients([(dtape.constant(gr), free)])
+        before = held.read_value()  # a live read: the update must not change it
+        snapshot = before.numpy().copy()
+        opt_held.apply_gradients([(dtape.constant(gr), held)])
+        np.testing.assert_array_equal(before.numpy(), snapshot)
+        assert torch.equal(free.torch(), held.torch()), f"step {k}: in-place and copy-on-write updates differ"
+    in_place = free.torch().data_ptr() == ptr
+    assert in_place == (not isinstance(opt_free, dtape.optimizers.AdamW)), "AdamW's decay reads w twice: copies"
+
+
+def test_update_never_changes_a_numpy_view_a_torch_reference_or_a_dlpack_export():
+    v = dtape.Variable(torch.zeros(4))
+    opt = dtape.optimizers.SGD(1.0)
+    arr, t, exported = np.asarray(v), v.torch(), np.from_dlpack(v)
+    opt.apply_gradients([(dtape.constant(torch.ones(4)), v)])
+    assert arr.tolist() == [0.0] * 4 and t.tolist() == [0.0] * 4 and exported.tolist() == [0.0] * 4
+    assert v.numpy().tolist() == [-1.0] * 4
+    del arr, t, exported
+    ptr = v.torch().data_ptr()
+    opt.apply_gradients([(dtape.constant(torch.ones(4)), v)])
+    assert v.torch().data_ptr() == ptr and v.numpy().tolist() == [-2.0] * 4

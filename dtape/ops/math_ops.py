@@ -331,11 +331,11 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
         return torch.matmul(a, b)
     except RuntimeError:
         if a.dtype != b.dtype:  # checked only on failure: the fast path stays one torch call
-            raise TypeError(_mixed_dtype_message(a.dtype, b.dtype)) from None
+            raise TypeError(mixed_dtype_message(a.dtype, b.dtype)) from None
         raise
 
 
-def _mixed_dtype_message(da, db):
+def mixed_dtype_message(da, db):
     """matmul's error for two dtypes: names both and the cast that fixes it (to the floating one)."""
     if db.is_floating_point and not da.is_floating_point:
         fix = f"dtape.cast(a, {db})"

@@ -13,12 +13,12 @@ from dtape import random as _random
 from dtape.ops import _samples as S
 from dtape.ops._registry import defop
 from dtape.ops.array_ops import gather, one_hot
-from dtape.ops.math_ops import reduction_axes, expand_back, multiply
+from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message
 from dtape.tensor import Tensor, convert_to_tensor
 
 __all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
            "sparse_softmax_cross_entropy_with_logits", "softmax_cross_entropy_with_logits",
-           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "bias_add", "moments", "layer_norm",
+           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "bias_add", "moments", "layer_norm", "xw_plus_b",
            "embedding_lookup"]
 
 
@@ -436,6 +436,47 @@ def _conv_grad_filter(g, x, w, s, d, pads, filters):
 
 
 # -- bias, moments, embeddings ------------------------------------------------
+def _xw_plus_b_samples(rng):
+    return [((S.randn(rng, 3, 4), S.randn(rng, 4, 2), S.randn(rng, 2)), {})]
+
+
+@defop(n_in=3, samples=_xw_plus_b_samples, saves="inputs")
+def xw_plus_b(x, weights, biases):
+    """x @ weights + biases in one fused kernel (`torch.addmm`): what `layers.Dense` computes.
+
+    Args:
+      x: floating tensor [batch, in]; any device.
+      weights: [in, out], x's dtype and device.
+      biases: [out].
+
+    Returns:
+      [batch, out]. Raises TypeError for two dtypes (as `matmul`).
+    Source: tf.compat.v1.nn.xw_plus_b.
+    """
+    try:
+        if _autocast_on(x.device):  # the product in low precision, the bias added after (as matmul + bias)
+            return torch.matmul(x, weights) + biases
+        return torch.addmm(biases, x, weights)
+    except RuntimeError:
+        if x.dtype != weights.dtype:
+            raise TypeError(mixed_dtype_message(x.dtype, weights.dtype)) from None
+        raise
+
+
+def _autocast_on(device):
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except TypeError:  # torch < 2.4: one function per device type
+        return torch.is_autocast_cpu_enabled() if device.type == "cpu" else torch.is_autocast_enabled()
+
+
+@xw_plus_b.grad
+def _(dy, ans, x, weights, biases, needs=(True, True, True)):
+    gx = torch.matmul(dy, torch.transpose(weights, 0, 1)) if needs[0] else None
+    gw = torch.matmul(torch.transpose(x, 0, 1), dy) if needs[1] else None
+    return gx, gw, (torch.sum(dy, dim=0) if needs[2] else None)
+
+
 def _bias_samples(rng):
     return [((S.randn(rng, 2, 3, 4), S.randn(rng, 4)), {}),
             ((S.randn(rng, 2, 3, 4, 2), S.randn(rng, 3)), {"data_format": "NCHW"})]
