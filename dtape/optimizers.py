@@ -34,7 +34,7 @@ from dtape.backprop import GradientTape
 from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
-from dtape.variables import Variable, VariableAggregation
+from dtape.variables import Variable, VariableAggregation, update_in_place_together
 
 
 class Optimizer:
@@ -352,6 +352,22 @@ class _Batch:
     __radd__ = __add__  # number + batch: IEEE addition and multiplication are commutative, so exact
     __rmul__ = __mul__
 
+    # in place (the `inplace` formulas of `_write_all`): the same foreach ops, written into self
+    def add_(self, o, alpha=None):
+        if alpha is None:
+            torch._foreach_add_(self.ts, _operand(o))
+        else:
+            torch._foreach_add_(self.ts, _operand(o), alpha=alpha)
+        return self
+
+    def sub_(self, o):
+        torch._foreach_sub_(self.ts, _operand(o))
+        return self
+
+    def mul_(self, o):
+        torch._foreach_mul_(self.ts, _operand(o))
+        return self
+
 
 def _operand(o):
     return o.ts if isinstance(o, _Batch) else o
@@ -376,13 +392,19 @@ def _write_all(variables, fn, *operands, inplace=None):
     else since the snapshot gets `fn` of its current value instead, alone:
     no concurrent write is lost, exactly as with one update per variable.
 
-    `inplace(value, *operands_k)`, when given, writes the same result into
-    `value` with the same torch ops in the same order (bit-identical). Then
-    each variable is updated alone, in place when nothing else holds its
-    tensor (see `Variable._update_value`): no new weights and slots are
-    allocated per step, as with torch's optimizers.
+    `inplace(values, *operands)`, when given, writes the same results into
+    the values (`_Batch`es; its `add_`/`sub_`/`mul_`) with the same torch ops
+    in the same order (bit-identical). It runs on every variable at once
+    when no variable's tensor is held by anything but its variable (see
+    `variables.update_in_place_together`), else variable by variable, in
+    place where possible: no new weights and slots are allocated per step,
+    as with torch's optimizers.
     """
     if inplace is not None:
+        done = update_in_place_together(
+            variables, lambda ts: inplace(_Batch(ts), *(_Batch(list(o)) for o in operands)))
+        if done is not None:
+            return done
         return [v._update_value(functools.partial(_commit, None, None, fn, [o[k] for o in operands]),
                                 "optimizer update", inplace=functools.partial(_in_place, inplace, [o[k] for o in operands]))
                 for k, v in enumerate(variables)]
@@ -394,7 +416,7 @@ def _write_all(variables, fn, *operands, inplace=None):
 
 
 def _in_place(inplace, operands, current):
-    inplace(current, *operands)
+    inplace(_Batch([current]), *(_Batch([o]) for o in operands))
 
 
 def _commit(old, new, fn, operands, current):
@@ -496,7 +518,7 @@ class Adam(Optimizer):
                        inplace=lambda v, g: v.mul_(b2).add_((1 - b2) * g * g))
         plain = type(self)._decay is Adam._decay  # w - update, in place (AdamW's decay reads w twice)
         _write_all(variables, lambda w, m, v: self._decay(w, lr) - lr_t * m / (_sqrt(v) + eps), m, v,
-                   inplace=(lambda w, m, v: w.sub_(lr_t * m / (torch.sqrt(v) + eps))) if plain else None)
+                   inplace=(lambda w, m, v: w.sub_(lr_t * m / (_sqrt(v) + eps))) if plain else None)
 
     def _decay(self, w, lr):
         return w  # Adam: no decay (w - 0.0 would be w exactly)

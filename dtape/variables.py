@@ -155,6 +155,32 @@ def _sole_owner(t):
     return _storage_use_count(t.untyped_storage()._cdata) == 2
 
 
+def update_in_place_together(variables, inplace):
+    """Runs `inplace(tensors)` on the variables' tensors under all their locks, if each variable is the
+    sole holder of its tensor (see `Variable._update_value`); returns the tensors, or None (nothing done).
+
+    Locks are taken in a fixed order (by id), so two callers cannot deadlock;
+    a variable listed twice is not in-place safe (None). `inplace` must
+    write the same values the variables' functional update would.
+    """
+    ordered = sorted(set(variables), key=id)
+    if len(ordered) != len(variables):
+        return None
+    taken = []
+    try:
+        for v in ordered:
+            v._lock.acquire()
+            taken.append(v)
+        if not all(_sole_owner(v._t) for v in variables):
+            return None
+        tensors = [v._t for v in variables]
+        inplace(tensors)
+        return tensors
+    finally:
+        for v in taken:
+            v._lock.release()
+
+
 class Variable(metaclass=_VariableMeta):
     """A mutable tensor-valued state, differentiable through its reads.
 

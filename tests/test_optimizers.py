@@ -42,21 +42,31 @@ def test_optimizer_update_and_assign_add_from_threads_lose_nothing(fast_switchin
     assert float(v) == 4 * n
 
 
-def test_optimizer_writes_through_update_value():
+def test_optimizer_writes_through_update_value(monkeypatch):
+    """Every write goes through a variable's lock: `_update_value`, or all at once `update_in_place_together`."""
     calls = []
-    v = dtape.Variable(torch.ones(2))
-    original = dtape.Variable._update_value
+    original, together = dtape.Variable._update_value, dtape.optimizers.update_in_place_together
 
     def spy(self, fn, what="update", inplace=None):
         calls.append(what)
         return original(self, fn, what, inplace)
-    opt = dtape.optimizers.Adam(0.1)
-    dtape.Variable._update_value = spy
-    try:
-        opt.apply_gradients([(dtape.constant([1.0, 1.0]), v)])
-    finally:
-        dtape.Variable._update_value = original
-    assert calls.count("optimizer update") == 3  # m, v and the variable
+
+    def spy_together(variables, inplace):
+        done = together(variables, inplace)
+        calls.extend(["in place"] * (0 if done is None else len(variables)))
+        return done
+    monkeypatch.setattr(dtape.Variable, "_update_value", spy)
+    monkeypatch.setattr(dtape.optimizers, "update_in_place_together", spy_together)
+    for held in (False, True):  # sole holder: in place, all at once; a live read: one by one, copy-on-write
+        calls.clear()
+        v = dtape.Variable(torch.ones(2))
+        read = v.read_value() if held else None
+        dtape.optimizers.Adam(0.1).apply_gradients([(dtape.constant([1.0, 1.0]), v)])
+        if held:  # the slots (m, v) in place, the variable copy-on-write
+            assert calls.count("in place") == 2 and calls.count("optimizer update") == 1, calls
+            assert read.numpy().tolist() == [1.0, 1.0]
+        else:  # m, v and the variable
+            assert calls.count("in place") == 3 and calls.count("optimizer update") == 0, calls
 
 
 def test_new_variable_never_inherits_a_dead_variables_momentum():
