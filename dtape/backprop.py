@@ -7,6 +7,7 @@ watched-variable resolver and the gradients of its components are summed.
 import contextlib
 import enum
 import inspect
+import sys
 import threading
 import warnings
 import weakref
@@ -192,7 +193,29 @@ def _backward_record(rec, dys, grads, reach, raw):
         if g.shape != shape:
             g = _unbroadcast(g, shape, rec, argnum)
         prev = grads.get(i)
-        grads[i] = g if prev is None else prev + g
+        if prev is None:
+            grads[i] = g
+        elif raw and _sole_sum(prev, g):
+            prev.add_(g)  # the same kernel as prev + g, without a new buffer (as torch accumulates)
+        else:
+            grads[i] = prev + g
+
+
+# References to a running gradient sum `prev` seen in `_sole_sum(prev, g)` when only the walk holds it:
+# the `grads` dict, `_backward_record`'s local, `_sole_sum`'s argument and getrefcount's argument.
+_SUM_REFS = 4
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_sum(prev, g):
+    """True if the raw walk may add `g` into `prev` in place: same dtype (no promotion), `prev` a dense
+    tensor of its own storage (not an expanded or shared view) that nothing but the walk holds (not a
+    user's output gradient, a saved tensor or another id's gradient)."""
+    if prev.dtype != g.dtype or prev.device != g.device or _storage_use_count is None:
+        return False
+    if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous():
+        return False
+    return _storage_use_count(prev.untyped_storage()._cdata) == 2  # prev itself + the temporary storage object
 
 
 class _WalkInfo(threading.local):

@@ -218,3 +218,38 @@ def test_matmul_keeps_an_input_only_for_a_watched_partner():
     torch.testing.assert_close(t.gradient(y, w).torch(), x.torch().sum(0)[:, None].expand(16, 4))
     torch.testing.assert_close(t.gradient(z, x).torch(), torch.full((8, 16), 4.0, dtype=D))
     assert t.gradient(y, x) is None  # watched only after y's matmul ran (w was not kept for it)
+
+
+def test_raw_walk_accumulates_gradients_in_place_but_never_into_a_tensor_it_does_not_own():
+    """Sums of gradients reuse the walk's own buffer (torch's accumulation); a user's output gradient,
+    a saved tensor or a broadcast view is never written."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x0 = torch.linspace(-1.0, 1.0, 16, dtype=D).reshape(4, 4)
+    x = _c(x0)
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        z = x * 2.0                 # processed second: its gradient adds into the first term
+        y = dtape.identity(x)       # processed first: its gradient is the caller's tensor itself
+    du, dv = _c(torch.full((4, 4), 3.0, dtype=D)), _c(torch.full((4, 4), 5.0, dtype=D))
+    g = t.gradient([y, z], x, output_gradients=[du, dv])
+    assert torch.equal(du.torch(), torch.full((4, 4), 3.0, dtype=D)), "the caller's output gradient was written"
+    assert torch.equal(g.torch(), torch.full((4, 4), 13.0, dtype=D))
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        loss = dtape.reduce_sum(x * 2.0 + x * 3.0 + dtape.tanh(x))
+    with Ops() as seen:
+        g = t.gradient(loss, x)
+    tx = x0.clone().requires_grad_()
+    want, = torch.autograd.grad(torch.sum(tx * 2.0 + tx * 3.0 + torch.tanh(tx)), tx)
+    torch.testing.assert_close(g.torch(), want, rtol=1e-12, atol=0)
+    assert seen.names.count("add_") == 2 and seen.names.count("add") == 0, seen.names
