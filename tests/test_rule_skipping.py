@@ -192,3 +192,26 @@ def test_arithmetic_with_a_constant_computes_no_gradient_for_the_constant():
     # dy * c for x, dy / 3 for the product; nothing for c (a constant) or for 3.0 (a Python number)
     assert seen.counts.get("mul", 0) == 1 and seen.counts.get("div", 0) == 1, seen.counts
     assert seen.counts.get("neg", 0) == 0, seen.counts
+
+
+def test_transpose_materialises_above_two_dimensions_so_batched_matmuls_copy_nothing():
+    g = torch.Generator().manual_seed(0)
+    x0, y0 = torch.randn(2, 5, 3, 4, generator=g, dtype=D), torch.randn(2, 5, 3, 4, generator=g, dtype=D)
+    m = dtape.constant(torch.randn(3, 4, dtype=D))
+    assert dtape.transpose(m).torch().data_ptr() == m.torch().data_ptr()  # 2-D: a view
+    x, y = dtape.constant(x0), dtape.constant(y0)
+    with dtape.GradientTape() as tape:
+        tape.watch([x, y])
+        q, k = dtape.transpose(x, [0, 2, 1, 3]), dtape.transpose(y, [0, 2, 1, 3])
+        assert q.torch().is_contiguous() and k.torch().is_contiguous()
+        scores = dtape.matmul(q, k, transpose_b=True)
+        loss = dtape.reduce_sum(scores * scores)
+    with _AtenCounts() as seen:
+        got = tape.gradient(loss, [x, y])
+    # the two transposes' gradients are laid out once each; matmul's rule copies neither operand
+    assert seen.counts.get("clone", 0) == 2, seen.counts
+    tx, ty = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+    s = tx.permute(0, 2, 1, 3) @ ty.permute(0, 2, 1, 3).transpose(-1, -2)
+    want = torch.autograd.grad(torch.sum(s * s), [tx, ty])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.torch(), b, rtol=1e-12, atol=1e-12)

@@ -40,15 +40,22 @@ def _invert(perm):
 @defop(torch_fns=((torch.permute, lambda x, dims: transpose(x, list(dims))),),
        samples=lambda rng: [((S.randn(rng, 2, 3, 4),), {"perm": (2, 0, 1)}), ((S.randn(rng, 3, 4),), {})], saves="none")
 def transpose(a, perm=None):
-    """Permutes dimensions; perm=None reverses them. Source: tf.transpose."""
+    """Permutes dimensions; perm=None reverses them. Source: tf.transpose.
+
+    A result of more than two dimensions is laid out contiguously, as TF's
+    transpose materialises: batched matmuls and reshapes after it then copy
+    nothing, forward or backward (a 2-D transpose stays a view: matrix
+    products read transposed strides directly).
+    """
     perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
-    return torch.permute(a, perm)
+    out = torch.permute(a, perm)
+    return out.contiguous() if out.ndim > 2 else out
 
 
 @transpose.grad
 def _(dy, ans, a, perm=None):
     perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
-    return torch.permute(dy, _invert(perm))
+    return transpose.any(dy, _invert(perm))
 
 
 def _torch_transpose(x, dim0, dim1):
