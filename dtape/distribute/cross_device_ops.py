@@ -131,6 +131,12 @@ def fold_sum(tensors, device):
     return total
 
 
+def _same_memory(a, b):
+    """True for two CPU devices ("cpu:0", "cpu:1" are one memory): the replicas share the
+    (immutable) result instead of a copy each."""
+    return a.type == "cpu" and b.type == "cpu"
+
+
 class DoneHandle:
     """A handle whose result is already there (one replica: nothing to wait for)."""
 
@@ -237,7 +243,8 @@ class ThreadCollectives:
             total = total.to(column[0].dtype)
             for r in range(self._n):
                 dev = self._devices[r]
-                out[r].append(total if r == 0 and total.device == dev else total.to(dev, copy=True))
+                out[r].append(total if r == 0 and total.device == dev or _same_memory(total.device, dev)
+                              else total.to(dev, copy=True))
         return out
 
     def wait(self, slot, replica_id, timeout):

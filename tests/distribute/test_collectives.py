@@ -225,3 +225,23 @@ def test_failure_on_one_replica_wakes_a_replica_waiting_in_an_all_reduce(strateg
         return ext._all_reduce_flat(ReduceOp.SUM, [torch.ones(3)])
     with pytest.raises(KeyError, match="boom on replica 1"):
         strategy.run(fn)
+
+
+def test_cpu_replicas_share_the_reduced_buffer_and_accumulating_into_it_changes_neither(strategy):
+    """CPU replicas get one (immutable) reduced buffer, not a copy each; a walk that adds another
+    gradient to it makes its own sum (the other replica's gradient is untouched)."""
+    def fn():
+        r = _rid()
+        x = dtape.constant([float(r + 1), 10.0 * (r + 1)])
+        with dtape.GradientTape() as tape:
+            tape.watch(x)
+            x2 = x * 1.0
+            t = x2 * 4.0                                           # recorded first: processed last
+            s = dtape.distribute.get_replica_context().all_reduce(ReduceOp.SUM, x2)
+            loss = dtape.reduce_sum(s * 2.0 + t)
+        shared = s.torch().data_ptr()
+        return tape.gradient(loss, x), dtape.constant(float(shared))
+    grads, ptrs = strategy.run(fn)
+    # d/dx of sum_r loss_r: 2 * N (the all-reduce's transpose sums every replica's 2) + 4
+    assert [v.tolist() for v in _locals(strategy, grads)] == [[2.0 * N + 4.0] * 2] * N
+    assert len({float(p) for p in strategy.experimental_local_results(ptrs)}) == 1
