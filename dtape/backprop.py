@@ -179,7 +179,8 @@ def _backward_record(rec, dys, grads, reach, raw):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
     if getattr(op, "takes_needs", False):
         needs = (in_ids[0] in reach, in_ids[1] in reach) if n == 2 else tuple([i in reach for i in in_ids])
-        if getattr(op, "saves", None) == "other_input":  # watched after the op ran: partner not kept
+        saves = getattr(op, "saves", None)
+        if saves == "other_input" or saves == "denominator":  # watched after the op ran: partner not kept
             needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
         in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw, needs)
     else:

@@ -196,7 +196,9 @@ def _save(op, in_ids, inputs, outputs):
     an "inputs" op is saved as None (multi-output ops keep metadata: the walk
     makes zero gradients from it). "other_input" (binary rules taking
     `needs`, like matmul) keeps an input only if a tape watches the other
-    one, as torch saves `W` of `x @ W` only if `x` requires grad.
+    one, as torch saves `W` of `x @ W` only if `x` requires grad;
+    "denominator" (divide) keeps the second input, and the first only if a
+    tape watches the second (only the second's gradient reads it).
     """
     saves = getattr(op, "saves", "all")
     if len(outputs) == 1 and len(inputs) <= 2:  # the common shapes, without comprehensions (point 5)
@@ -216,13 +218,13 @@ def _save(op, in_ids, inputs, outputs):
                 return (kx, ky, None)
             if saves == "none":
                 return (_meta(x), _meta(y), _meta(outputs[0]))
-            if saves == "other_input":  # input k is read only for the other input's gradient
+            if saves == "other_input" or saves == "denominator":  # an input read only for the other's gradient
                 wx = wy = False
                 for t in _tape_set:
                     w = t._watched
                     wx, wy = wx or in_ids[0] in w, wy or in_ids[1] in w
-                return (kx if wy else _meta(x), ky if wx else _meta(y), None)
-    if saves == "inputs" or saves == "other_input":
+                return (kx if wy else _meta(x), ky if wx or saves == "denominator" else _meta(y), None)
+    if saves == "inputs" or saves == "other_input" or saves == "denominator":
         return tuple([_keep(x) for x in inputs] + [_meta(o) for o in outputs])
     if saves == "all":
         return tuple([_keep(x) for x in inputs] + [_keep(o) for o in outputs])

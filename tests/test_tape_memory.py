@@ -220,6 +220,21 @@ def test_matmul_keeps_an_input_only_for_a_watched_partner():
     assert t.gradient(y, x) is None  # watched only after y's matmul ran (w was not kept for it)
 
 
+def test_divide_keeps_the_numerator_only_for_a_watched_denominator():
+    x, s = _c(torch.linspace(1.0, 2.0, 64).reshape(8, 8)), _c(torch.full((8, 8), 4.0))
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        y = x / 3.0                 # scores / scale: nothing kept (the scale is a number)
+        z = x / s                   # s not watched: only s is kept (x's gradient reads s alone)
+        assert t.nbytes() == s.torch().untyped_storage().nbytes()
+        t.watch(s)
+        q = x / s                   # both watched: x kept too (s's gradient reads it)
+        assert t.nbytes() == x.torch().untyped_storage().nbytes() + s.torch().untyped_storage().nbytes()
+    torch.testing.assert_close(t.gradient(y, x).torch(), torch.full((8, 8), 1 / 3.0, dtype=D))
+    torch.testing.assert_close(t.gradient(z, x).torch(), torch.full((8, 8), 0.25, dtype=D))
+    torch.testing.assert_close(t.gradient(q, s).torch(), -x.torch() / 16.0)
+
+
 def test_raw_walk_accumulates_gradients_in_place_but_never_into_a_tensor_it_does_not_own():
     """Sums of gradients reuse the walk's own buffer (torch's accumulation); a user's output gradient,
     a saved tensor or a broadcast view is never written."""

@@ -23,8 +23,9 @@ TORCH_TABLE = {}       # torch callable -> handler taking torch's own arguments
 _SCALARS = (int, float, bool)
 # What a gradient rule reads, so what a record keeps alive (PyTorch's derivatives.yaml): "all" inputs
 # and outputs, only the "inputs", only the "output(s)", or "none" (shapes, dtypes and devices only).
-# "other_input": a binary rule taking `needs` reads each input only for the other's gradient.
-_SAVES = ("all", "inputs", "output", "none", "other_input")
+# "other_input": a binary rule taking `needs` reads each input only for the other's gradient;
+# "denominator": the second input for both gradients, the first only for the second's (divide).
+_SAVES = ("all", "inputs", "output", "none", "other_input", "denominator")
 
 
 class OpDef:
@@ -230,7 +231,10 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
       second_order: False when the rule is not differentiable again.
       multi_output: forward returns a tuple of tensors.
       saves: what the gradient rule reads of the tensors: "all", "inputs",
-        "output" or "none"; the rest reaches the rule as an object with only
+        "output" or "none"; for binary rules taking `needs`, "other_input"
+        (each input only if a tape watches the other: matmul) or
+        "denominator" (the second input, the first only if a tape watches
+        the second: divide). The rest reaches the rule as an object with only
         `shape`, `dtype`, `device` and `ndim` (issue 7 point 1).
 
     The returned function has `.opdef`, `.grad` (decorator for the rule) and

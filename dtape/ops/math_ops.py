@@ -56,16 +56,19 @@ def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product f
     return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
 
 
-@defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive)
+@defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive,
+       saves="denominator")
 def divide(x, y):
     """x / y (true division; ints give float), broadcasting. Source: tf.math.divide."""
     return torch.div(x, y)
 
 
 @divide.grad
-def _(dy, ans, x, y, needs=(True, True)):  # `scores / scale`: no gradient computed for the scale
+def _(dy, ans, x, y, needs=(True, True)):
+    # `scores / scale`: x is kept only if the tape watches y (as torch's DivBackward), and no
+    # gradient is computed for a constant scale
     gx = dy / y
-    return (gx if needs[0] else None), (-gx * ans if needs[1] else None)
+    return (gx if needs[0] else None), (-gx * x / y if needs[1] else None)
 
 
 @defop(n_in=2)
