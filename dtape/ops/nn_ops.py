@@ -188,6 +188,11 @@ def sparse_softmax_cross_entropy_with_logits(labels, logits):
 
 @sparse_softmax_cross_entropy_with_logits.grad
 def _(dy, ans, labels, logits):
+    if type(dy) is torch.Tensor:  # raw walk: softmax, minus 1 at the label (p - 1, as p - one_hot), times dy
+        g = torch.softmax(logits, dim=-1)
+        index = torch.unsqueeze(labels.long(), -1)
+        g.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=g.dtype, device=g.device))
+        return None, g.mul_(torch.unsqueeze(dy, -1))
     hot = one_hot.any(labels, logits.shape[-1], dtype=logits.dtype)
     return None, torch.unsqueeze(dy, -1) * (softmax.any(logits) - hot)
 
