@@ -210,13 +210,14 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 def _sole_sum(prev, g):
     """True if the raw walk may add `g` into `prev` in place: same dtype (no promotion), `prev` a dense
-    tensor of its own storage (not an expanded or shared view) that nothing but the walk holds (not a
-    user's output gradient, a saved tensor or another id's gradient)."""
+    tensor of its own storage (not an expanded or shared view, not numpy/DLPack or shared memory) that
+    nothing but the walk holds (not a user's output gradient, a saved tensor or another id's gradient)."""
     if prev.dtype != g.dtype or prev.device != g.device or _storage_use_count is None:
         return False
-    if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous():
+    if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous() or prev.is_shared():
         return False
-    return _storage_use_count(prev.untyped_storage()._cdata) == 2  # prev itself + the temporary storage object
+    storage = prev.untyped_storage()  # not outside memory (numpy, DLPack), and no other tensor on it
+    return storage.resizable() and _storage_use_count(storage._cdata) == 2  # prev + `storage`
 
 
 class _WalkInfo(threading.local):

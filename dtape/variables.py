@@ -148,8 +148,13 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _sole_owner(t):
-    """True if no Python object but the variable refers to `t` and no other tensor shares its storage."""
-    if _storage_use_count is None or sys.getrefcount(t) != _SOLE_REFS:
+    """True if no Python object but the variable refers to `t` and no other tensor shares its storage.
+
+    A variable's tensor is always dtape's own memory (the constructor and
+    `assign` copy); one moved to shared memory (sent to another process)
+    is never written in place.
+    """
+    if _storage_use_count is None or sys.getrefcount(t) != _SOLE_REFS or t.is_shared():
         return False
     # one use by `t` itself, one by the temporary UntypedStorage object asked for here
     return _storage_use_count(t.untyped_storage()._cdata) == 2
@@ -171,6 +176,8 @@ def update_in_place_together(variables, inplace):
         for v in ordered:
             v._lock.acquire()
             taken.append(v)
+        for v in ordered:
+            v._writing = True  # before the checks: see Variable._writing
         if not all(_sole_owner(v._t) for v in variables):
             return None
         tensors = [v._t for v in variables]
@@ -178,6 +185,7 @@ def update_in_place_together(variables, inplace):
         return tensors
     finally:
         for v in taken:
+            v._writing = False
             v._lock.release()
 
 
@@ -263,6 +271,8 @@ class Variable(metaclass=_VariableMeta):
     def read_value(self):
         """The current value as a Tensor; notifies the tapes and is recorded."""
         t = self._t
+        if self._writing:
+            t = self._after_write()
         if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
             t = _read_hook.fn(self, t)
         out = Tensor(t)
@@ -276,7 +286,7 @@ class Variable(metaclass=_VariableMeta):
     _dtape_read = read_value
 
     def numpy(self):
-        return self._t.detach().cpu().numpy()
+        return self.torch().detach().cpu().numpy()
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
@@ -284,7 +294,20 @@ class Variable(metaclass=_VariableMeta):
 
     def torch(self):
         """The current torch.Tensor (no copy, not recorded)."""
-        return self._t
+        t = self._t
+        if self._writing:
+            t = self._after_write()
+        return t
+
+    # An in-place update is running (`_update_value(inplace=...)`): a read taken now waits for it.
+    # The writer sets this before it checks that nobody holds the tensor, and a read takes the
+    # tensor before it looks at this: a read either holds the tensor in time for the check (the
+    # update then copies) or waits here for the finished value.
+    _writing = False
+
+    def _after_write(self):
+        with self._lock:
+            return self._t
 
     # -- writes -------------------------------------------------------------
     def _coerce(self, value, what):
@@ -321,8 +344,7 @@ class Variable(metaclass=_VariableMeta):
           ValueError: if `fn`'s result has another shape.
         """
         with self._lock:
-            if inplace is not None and _sole_owner(self._t):
-                inplace(self._t)
+            if inplace is not None and self._update_in_place(inplace):
                 return self._t
             new = fn(self._t)
             if new.shape != self._t.shape:
@@ -330,6 +352,17 @@ class Variable(metaclass=_VariableMeta):
                                  f"expected the variable's shape {tuple(self._t.shape)}")
             self._t = new.to(device=self._t.device, dtype=self._t.dtype)
             return self._t
+
+    def _update_in_place(self, inplace):
+        """Runs `inplace(tensor)` if nothing but this variable holds its tensor (caller holds the lock)."""
+        self._writing = True
+        try:
+            if not _sole_owner(self._t):
+                return False
+            inplace(self._t)
+            return True
+        finally:
+            self._writing = False
 
     def assign(self, value, read_value=False):
         """Sets the value (same shape; cast to the variable's dtype and device). Returns the variable.

@@ -515,3 +515,16 @@ def test_second_order_gradient_has_source_dtype_under_autocast():
             s = dtape.reduce_sum(g * g)
         h = outer.gradient(s, x)
     assert h.dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["x_weights", "bias", "layer_norm"])
+def test_fused_dense_and_layer_norm_name_the_mixed_dtype(case):
+    x32, w64 = dtape.constant(torch.ones(2, 3)), dtape.constant(torch.ones(3, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"float64.*cast|cast.*float64|dtape.cast"):
+        if case == "x_weights":
+            dtape.nn.xw_plus_b(x32, w64, dtape.constant(torch.ones(4, dtype=torch.float64)))
+        elif case == "bias":
+            dtape.nn.xw_plus_b(x32, dtape.constant(torch.ones(3, 4)), dtape.constant(torch.ones(4, dtype=torch.float64)))
+        else:
+            dtape.nn.layer_norm(x32, dtape.constant(torch.ones(3, dtype=torch.float64)),
+                                dtape.constant(torch.zeros(3, dtype=torch.float64)))

@@ -1,6 +1,7 @@
 """Optimizers: writes through the variable's lock, slots keyed by never-reused ids, partial gradients."""
 import gc
 import threading
+import time
 import warnings
 import weakref
 
@@ -304,3 +305,41 @@ def test_update_never_changes_a_numpy_view_a_torch_reference_or_a_dlpack_export(
     ptr = v.torch().data_ptr()
     opt.apply_gradients([(dtape.constant(torch.ones(4)), v)])
     assert v.torch().data_ptr() == ptr and v.numpy().tolist() == [-2.0] * 4
+
+
+def test_a_read_on_another_thread_never_sees_an_in_place_update_midway(fast_switching):
+    """torch releases the GIL inside the update kernel: a read taken then waits for the finished value."""
+    v = dtape.Variable(torch.zeros(4_000_000))
+    g = dtape.constant(torch.ones(4_000_000))
+    opt = dtape.optimizers.SGD(1.0)
+    stop, changed = threading.Event(), []
+
+    def reader():
+        while not stop.is_set():
+            r = v.read_value()
+            first = r.torch().clone()
+            time.sleep(0.001)  # an update may run now: r must not change
+            if not torch.equal(first, r.torch()) or first.min() != first.max():
+                changed.append((first.min().item(), first.max().item()))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(100):
+            opt.apply_gradients([(g, v)])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert not changed, f"{len(changed)} reads changed or were half-updated, e.g. {changed[:2]}"
+    assert float(v.numpy()[0]) == -100.0
+
+
+def test_a_tensor_in_shared_memory_is_never_updated_in_place():
+    """A value sent to another process (torch.multiprocessing moves its storage to shared memory) keeps it."""
+    v = dtape.Variable(torch.zeros(10))
+    sent = v.torch().share_memory_()  # what a torch.multiprocessing queue does to the tensor it sends
+    ptr = sent.data_ptr()
+    del sent
+    dtape.optimizers.SGD(1.0).apply_gradients([(dtape.constant(torch.ones(10)), v)])
+    assert v.torch().data_ptr() != ptr and v.numpy().tolist() == [-1.0] * 10

@@ -268,3 +268,23 @@ def test_raw_walk_accumulates_gradients_in_place_but_never_into_a_tensor_it_does
     want, = torch.autograd.grad(torch.sum(tx * 2.0 + tx * 3.0 + torch.tanh(tx)), tx)
     torch.testing.assert_close(g.torch(), want, rtol=1e-12, atol=0)
     assert seen.names.count("add_") == 2 and seen.names.count("add") == 0, seen.names
+
+
+def test_raw_walk_never_accumulates_into_memory_a_gradient_rule_borrowed_from_numpy():
+    """A custom gradient made from the user's numpy array (dtape.from_dlpack: dtape never writes to it)."""
+    import numpy as np
+    user = np.array([10.0, 20.0, 30.0])
+
+    @dtape.custom_gradient
+    def f(x):
+        def grad(dy):
+            return dtape.from_dlpack(user)
+        return x * 1.0, grad
+
+    x = _c([1.0, 2.0, 3.0])
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        a = x * 5.0                     # processed after f's rule: adds into f's gradient
+        y = dtape.reduce_sum(a) + dtape.reduce_sum(f(x))
+    assert t.gradient(y, x).numpy().tolist() == [15.0, 25.0, 35.0]
+    assert user.tolist() == [10.0, 20.0, 30.0]

@@ -455,16 +455,22 @@ def xw_plus_b(x, weights, biases):
       biases: [out].
 
     Returns:
-      [batch, out]. Raises TypeError for two dtypes (as `matmul`).
+      [batch, out].
+
+    Raises:
+      TypeError: operands of different dtypes (the message names the cast).
     Source: tf.compat.v1.nn.xw_plus_b.
     """
     try:
         if _autocast_on(x.device):  # the product in low precision, the bias added after (as matmul + bias)
             return torch.matmul(x, weights) + biases
         return torch.addmm(biases, x, weights)
-    except RuntimeError:
+    except RuntimeError:  # dtypes checked only on failure: the fast path stays one torch call
         if x.dtype != weights.dtype:
             raise TypeError(mixed_dtype_message(x.dtype, weights.dtype)) from None
+        if biases.dtype != x.dtype:
+            raise TypeError(f"xw_plus_b: x and weights are {x.dtype} but biases are {biases.dtype}; "
+                            f"cast the biases: dtape.cast(biases, {x.dtype})") from None
         raise
 
 
@@ -568,8 +574,18 @@ def layer_norm(x, gamma, beta, epsilon=1e-3):
     Returns:
       x's shape and dtype. One fused torch kernel each way (`torch.native_layer_norm`
       and its backward on the raw walk). Source: tf.keras.layers.LayerNormalization(axis=-1).
+
+    Raises:
+      TypeError: gamma/beta of another dtype than x (float32 ones with a
+        half-precision x are fine).
     """
-    return torch.native_layer_norm(x, (x.shape[-1],), gamma, beta, epsilon)[0]
+    try:
+        return torch.native_layer_norm(x, (x.shape[-1],), gamma, beta, epsilon)[0]
+    except RuntimeError:  # dtypes checked only on failure (half x with float32 gamma/beta is fine)
+        if gamma.dtype != beta.dtype or gamma.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"layer_norm: x is {x.dtype}, gamma {gamma.dtype}, beta {beta.dtype}; give gamma "
+                            f"and beta x's dtype: dtape.cast(gamma, {x.dtype})") from None
+        raise
 
 
 @layer_norm.grad
