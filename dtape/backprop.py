@@ -205,6 +205,8 @@ def _backward_record(rec, dys, grads, reach, raw):
 # References to a running gradient sum `prev` seen in `_sole_sum(prev, g)` when only the walk holds it:
 # the `grads` dict, `_backward_record`'s local, `_sole_sum`'s argument and getrefcount's argument.
 _SUM_REFS = 4
+# Below this many elements a new buffer costs less than the ownership checks (chains of small ops).
+_IN_PLACE_MIN = 1 << 14
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -212,7 +214,7 @@ def _sole_sum(prev, g):
     """True if the raw walk may add `g` into `prev` in place: same dtype (no promotion), `prev` a dense
     tensor of its own storage (not an expanded or shared view, not numpy/DLPack or shared memory) that
     nothing but the walk holds (not a user's output gradient, a saved tensor or another id's gradient)."""
-    if prev.dtype != g.dtype or prev.device != g.device or _storage_use_count is None:
+    if prev.numel() < _IN_PLACE_MIN or prev.dtype != g.dtype or prev.device != g.device or _storage_use_count is None:
         return False
     if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous() or prev.is_shared():
         return False
