@@ -16,7 +16,7 @@ import torch
 
 from dtape import nest, ops
 from dtape import tape as _tp
-from dtape.tensor import Tensor, convert_to_tensor, is_variable
+from dtape.tensor import Tensor, convert_to_tensor, is_variable, storage_held_alone
 
 
 class UnconnectedGradients(enum.Enum):
@@ -179,8 +179,7 @@ def _backward_record(rec, dys, grads, reach, raw):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
     if getattr(op, "takes_needs", False):
         needs = (in_ids[0] in reach, in_ids[1] in reach) if n == 2 else tuple([i in reach for i in in_ids])
-        saves = getattr(op, "saves", None)
-        if saves == "other_input" or saves == "denominator":  # watched after the op ran: partner not kept
+        if getattr(op, "saves", None) in _tp.PARTNER_SAVES:  # watched after the op ran: partner not kept
             needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
         in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw, needs)
     else:
@@ -207,19 +206,18 @@ def _backward_record(rec, dys, grads, reach, raw):
 _SUM_REFS = 4
 # Below this many elements a new buffer costs less than the ownership checks (chains of small ops).
 _IN_PLACE_MIN = 1 << 14
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _sole_sum(prev, g):
     """True if the raw walk may add `g` into `prev` in place: same dtype (no promotion), `prev` a dense
     tensor of its own storage (not an expanded or shared view, not numpy/DLPack or shared memory) that
     nothing but the walk holds (not a user's output gradient, a saved tensor or another id's gradient)."""
-    if prev.numel() < _IN_PLACE_MIN or prev.dtype != g.dtype or prev.device != g.device or _storage_use_count is None:
+    if prev.numel() < _IN_PLACE_MIN or prev.dtype != g.dtype or prev.device != g.device:
         return False
-    if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous() or prev.is_shared():
+    if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous():
         return False
-    storage = prev.untyped_storage()  # not outside memory (numpy, DLPack), and no other tensor on it
-    return storage.resizable() and _storage_use_count(storage._cdata) == 2  # prev + `storage`
+    # not outside memory (numpy, DLPack storages are not resizable); no other tensor on it
+    return prev.untyped_storage().resizable() and storage_held_alone(prev)
 
 
 class _WalkInfo(threading.local):

@@ -405,7 +405,7 @@ def _write_all(variables, fn, *operands, inplace=None):
             variables, lambda ts: inplace(_Batch(ts), *(_Batch(list(o)) for o in operands)))
         if done is not None:
             return done
-        return [v._update_value(functools.partial(_commit, None, None, fn, [o[k] for o in operands]),
+        return [v._update_value(functools.partial(_recompute, fn, [o[k] for o in operands]),
                                 "optimizer update", inplace=functools.partial(_in_place, inplace, [o[k] for o in operands]))
                 for k, v in enumerate(variables)]
     olds = [v.torch() for v in variables]
@@ -421,8 +421,11 @@ def _in_place(inplace, operands, current):
 
 def _commit(old, new, fn, operands, current):
     """`new` if the variable still holds `old`, else `fn` recomputed on its current value (runs under its lock)."""
-    if current is old:
-        return new
+    return new if current is old else _recompute(fn, operands, current)
+
+
+def _recompute(fn, operands, current):
+    """`fn` on one variable's current value (the batched formula on a batch of one)."""
     return fn(_Batch([current]), *(_Batch([o]) for o in operands)).ts[0]
 
 

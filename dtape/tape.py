@@ -189,6 +189,11 @@ def _meta(x):
     return m
 
 
+# `saves` values that keep an input only if a tape watches the other one (see `_save`): a record
+# made before that watch has metadata for it, and the walk then skips the gradient that reads it.
+PARTNER_SAVES = ("other_input", "denominator")
+
+
 def _save(op, in_ids, inputs, outputs):
     """The saved inputs then outputs, as `op.saves` declares ("all", "inputs", "output", "none").
 
@@ -218,13 +223,13 @@ def _save(op, in_ids, inputs, outputs):
                 return (kx, ky, None)
             if saves == "none":
                 return (_meta(x), _meta(y), _meta(outputs[0]))
-            if saves == "other_input" or saves == "denominator":  # an input read only for the other's gradient
+            if saves in PARTNER_SAVES:  # an input read only for the other's gradient
                 wx = wy = False
                 for t in _tape_set:
                     w = t._watched
                     wx, wy = wx or in_ids[0] in w, wy or in_ids[1] in w
                 return (kx if wy else _meta(x), ky if wx or saves == "denominator" else _meta(y), None)
-    if saves == "inputs" or saves == "other_input" or saves == "denominator":
+    if saves == "inputs" or saves in PARTNER_SAVES:
         return tuple([_keep(x) for x in inputs] + [_meta(o) for o in outputs])
     if saves == "all":
         return tuple([_keep(x) for x in inputs] + [_keep(o) for o in outputs])
@@ -880,7 +885,7 @@ class capture_variable_reads(ThreadLocalScope):
         return self._value
 
 
-__all__ = ["Tape", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
+__all__ = ["Tape", "PARTNER_SAVES", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
            "variable_accessed", "variable_read", "current_lineage", "lineage_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",

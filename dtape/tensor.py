@@ -395,6 +395,18 @@ def convert_to_tensor(value, dtype=None, device=None):
     return Tensor(to_torch(value, dtype, device))
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_held_alone(t):
+    """True if torch.Tensor `t` is the only tensor on its storage and that storage is not in shared
+    memory (not sent to another process): what dtape checks, with Python's reference count of `t`,
+    before writing a tensor in place (optimizer updates, gradient sums). False when torch cannot tell."""
+    if _storage_use_count is None or t.is_shared():
+        return False
+    return _storage_use_count(t.untyped_storage()._cdata) == 2  # `t` + the storage object asked for here
+
+
 def is_differentiable_dtype(dtype):
     """True for floating and complex dtypes (the ones that get gradients)."""
     return dtype.is_floating_point or dtype.is_complex

@@ -14,7 +14,7 @@ import torch
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import install_variable_operators
-from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr
+from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr, storage_held_alone
 
 
 class VariableSynchronization(enum.Enum):
@@ -144,7 +144,6 @@ def _normalize_args(initial_value=None, trainable=True, name=None, dtype=None, d
 # References to a variable's tensor, seen in `_sole_owner(self._t)`, when only the variable holds
 # it: the variable's attribute, `_sole_owner`'s argument and getrefcount's argument.
 _SOLE_REFS = 3
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _sole_owner(t):
@@ -154,10 +153,7 @@ def _sole_owner(t):
     `assign` copy); one moved to shared memory (sent to another process)
     is never written in place.
     """
-    if _storage_use_count is None or sys.getrefcount(t) != _SOLE_REFS or t.is_shared():
-        return False
-    # one use by `t` itself, one by the temporary UntypedStorage object asked for here
-    return _storage_use_count(t.untyped_storage()._cdata) == 2
+    return sys.getrefcount(t) == _SOLE_REFS and storage_held_alone(t)
 
 
 def update_in_place_together(variables, inplace):
