@@ -57,6 +57,12 @@ def interleave(run, fn_dtape, fn_torch, reps, warmup):
     return statistics.median(td), statistics.median(tt)
 
 
+def _check_first_loss(what, ld, lt):
+    """Prints both first-step losses and fails if dtape's and torch's disagree (the cases must compute the same)."""
+    print(f"{what} first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
+    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), f"dtape and torch {what} steps disagree"
+
+
 # -- (a) a chain of N small ops ------------------------------------------------
 def chain_case(n, device):
     g = torch.Generator().manual_seed(0)
@@ -126,8 +132,7 @@ def mlp_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
         return loss
 
     ld, lt = float(run_dtape()), run_torch().item()
-    print(f"MLP first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
-    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch MLP steps disagree"
+    _check_first_loss("MLP", ld, lt)
 
     def check():
         return max((v.torch() - p.detach()).abs().max().item() for v, p in zip(dvars, tparams))
@@ -170,8 +175,7 @@ def cnn_case(device, batch=32, lr=0.01):
         return loss
 
     ld, lt = float(run_dtape()), run_torch().item()
-    print(f"CNN first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
-    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch CNN steps disagree"
+    _check_first_loss("CNN", ld, lt)
     return run_dtape, run_torch
 
 
@@ -212,8 +216,7 @@ def mlp_layers_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
         return loss
 
     ld, lt = float(run_dtape()), run_torch().item()
-    print(f"MLP (layers) first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
-    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch MLP (layers) steps disagree"
+    _check_first_loss("MLP (layers)", ld, lt)
     return run_dtape, run_torch
 
 
@@ -390,8 +393,7 @@ def charlm_case(device, batch=32, seed=0):
         return loss
 
     ld, lt = float(run_dtape()), run_torch().item()
-    print(f"charlm first-step loss: dtape {ld:.7f}  torch {lt:.7f}  |diff| {abs(ld - lt):.1e}")
-    assert abs(ld - lt) < 1e-5 * max(1.0, abs(lt)), "dtape and torch charlm steps disagree"
+    _check_first_loss("charlm", ld, lt)
     return run_dtape, run_torch
 
 
