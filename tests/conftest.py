@@ -3,6 +3,8 @@ import sys
 import pytest
 import torch
 
+import _strategies
+
 
 @pytest.fixture
 def fast_switching():
@@ -13,6 +15,15 @@ def fast_switching():
         yield
     finally:
         sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def closes_strategies(fast_switching):
+    """Closes the strategies `_strategies.mirrored` made during the test (with forced thread switches)."""
+    try:
+        yield
+    finally:
+        _strategies.close_all()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,26 +7,16 @@ import pytest
 import torch
 
 import dtape
-from dtape.distribute import GradientSync, MirroredStrategy, ReduceOp
+from dtape.distribute import GradientSync, ReduceOp
 from dtape.distribute.gradient_sync import plan_buckets, reduce_gradients
+
+from _strategies import mirrored as _strategy
 
 TINY_MB = 1e-9  # every variable in a bucket of its own
 N_VARS = 6      # 3 Dense layers
 
 
-_made = []  # strategies made by the current test: closed after it (their replica threads stop)
-
-
-@pytest.fixture(autouse=True)
-def _interleave(fast_switching):
-    yield
-    while _made:
-        _made.pop().close()
-
-
-def _strategy(n=2):
-    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5))
-    return _made[-1]
+pytestmark = pytest.mark.usefixtures("closes_strategies")
 
 
 def _model(strategy, dtype=torch.float32):

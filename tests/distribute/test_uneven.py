@@ -5,19 +5,14 @@ import pytest
 import torch
 
 import dtape
-from dtape.distribute import GradientAccumulator, GradientSync, MirroredStrategy, compute_average_loss
+from dtape.distribute import GradientAccumulator, GradientSync, compute_average_loss
+
+from _strategies import mirrored as _strategy
 
 F64 = torch.float64
 
 
-_made = []  # strategies made by the current test: closed after it (their replica threads stop)
-
-
-@pytest.fixture(autouse=True)
-def _interleave(fast_switching):
-    yield
-    while _made:
-        _made.pop().close()
+pytestmark = pytest.mark.usefixtures("closes_strategies")
 
 
 def _data(sizes, seed=0):
@@ -43,11 +38,6 @@ def _one_device(batches, lr=0.1):
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         losses.append(float(loss))
     return [v.numpy() for v in model.trainable_variables], losses
-
-
-def _strategy(n=2):
-    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5))
-    return _made[-1]
 
 
 @pytest.mark.parametrize("sync", [False, True])
