@@ -107,8 +107,7 @@ def _gather_multi(rec, grads, keep, raw):
     dys = [grads.get(i) if i in keep else grads.pop(i, None) for i in rec.out_ids]
     if all(d is None for d in dys):
         return None
-    outputs = rec.saved[len(rec.in_ids):]
-    return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, outputs))
+    return tuple(_zeros_for(o, raw) if d is None else d for d, o in zip(dys, rec.split()[1]))
 
 
 def _rebuilt(saved, ids):
@@ -152,20 +151,13 @@ def _walk(records, reach, grads, keep, raw, ready=None, free=False):
         if len(out_ids) == 1:
             i = out_ids[0]
             g = grads.get(i) if i in keep else grads.pop(i, None)
-            if g is None:
-                if free:
-                    rec.drop()
-                continue
-            dys = (g,)
-            if g.dtype in _HALF:  # only autocast makes an output narrower than its inputs
+            dys = None if g is None else (g,)
+            if g is not None and g.dtype in _HALF:  # only autocast makes an output narrower than its inputs
                 dys = _widen_autocast_dy(dys, rec.saved, raw)
         else:
             dys = _gather_multi(rec, grads, keep, raw)
-            if dys is None:
-                if free:
-                    rec.drop()
-                continue
-        _backward_record(rec, dys, grads, reach, raw)
+        if dys is not None:
+            _backward_record(rec, dys, grads, reach, raw)
         if free:
             rec.drop()
 

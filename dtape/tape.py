@@ -139,10 +139,11 @@ class _Rec(_Ref):
         return (self.s0, self.s1, self.s2)[:len(self.in_ids) + len(self.out_ids)]
 
     def set_saved(self, saved):
-        if len(saved) > 3:
+        n = len(saved)
+        if n > 3:
             self.s0, self.s1, self.s2 = saved, None, _MANY
         else:
-            self.s0, self.s1, self.s2 = (saved + (None, None))[:3] if len(saved) < 3 else saved
+            self.s0, self.s1, self.s2 = saved + (None,) * (3 - n)
 
     def split(self):
         """(saved inputs, saved outputs)."""
@@ -414,9 +415,9 @@ class Tape:
         """
         out = []
         for r in self._live():
-            n = len(r.in_ids)
-            out.append((r.op, r.in_ids, r.out_ids, tuple([_view(x, i) for x, i in zip(r.saved[:n], r.in_ids)]),
-                        tuple([_view(o, i) for o, i in zip(r.saved[n:], r.out_ids)]), r.attrs))
+            ins, outs = r.split()
+            out.append((r.op, r.in_ids, r.out_ids, tuple([_view(x, i) for x, i in zip(ins, r.in_ids)]),
+                        tuple([_view(o, i) for o, i in zip(outs, r.out_ids)]), r.attrs))
         return out
 
     def reset(self):
