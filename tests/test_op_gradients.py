@@ -528,3 +528,27 @@ def test_fused_dense_and_layer_norm_name_the_mixed_dtype(case):
         else:
             dtape.nn.layer_norm(x32, dtape.constant(torch.ones(3, dtype=torch.float64)),
                                 dtape.constant(torch.zeros(3, dtype=torch.float64)))
+
+
+# -- weight gradients with few output columns (computed transposed on the CPU) ----------------
+@pytest.mark.parametrize("op", ["matmul", "xw_plus_b", "batched_matmul"])
+@pytest.mark.parametrize("n", [2, 10, 16])
+def test_skinny_weight_gradient_matches_torch_autograd(op, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(96, 300, dtype=torch.float64, generator=g)
+    w = torch.randn(300, n, dtype=torch.float64, generator=g)
+    b = torch.randn(n, dtype=torch.float64, generator=g)
+    dy = torch.randn(96, n, dtype=torch.float64, generator=g)
+    if op == "batched_matmul":
+        x, dy = x.reshape(4, 24, 300), dy.reshape(4, 24, n)
+    dx, dw, db = (dtape.constant(t) for t in (x, w, b))
+    with dtape.GradientTape() as tape:
+        tape.watch([dx, dw, db])
+        y = dtape.nn.xw_plus_b(dx, dw, db) if op == "xw_plus_b" else dtape.matmul(dx, dw)
+        loss = dtape.reduce_sum(y * dtape.constant(dy))
+    gx, gw = tape.gradient(loss, [dx, dw])
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want_x, want_w = torch.autograd.grad(((tx @ tw) * dy).sum(), [tx, tw])
+    torch.testing.assert_close(gw.torch(), want_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx.torch(), want_x, rtol=1e-12, atol=1e-12)
+    assert gw.torch().is_contiguous()

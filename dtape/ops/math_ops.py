@@ -361,6 +361,8 @@ def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
     elif needs[1]:
         if transpose_a:
             gb = torch.matmul(a, dy) if not transpose_b else torch.matmul(t(dy), t(a))
+        elif a.ndim == 2 and b.ndim == 2:
+            gb = torch.matmul(t(dy), a) if transpose_b else at_b(a, dy)
         else:
             gb = torch.matmul(t(a), dy) if not transpose_b else torch.matmul(t(dy), a)
     return ga, gb
@@ -371,7 +373,20 @@ def _shared_weight_grad(dy, a, transpose_b):
     batch dims folded into rows (as torch's autograd does), not a batched product then a sum."""
     a2 = torch.reshape(a, (-1, a.shape[-1]))
     dy2 = torch.reshape(dy, (-1, dy.shape[-1]))
-    return torch.matmul(_t(dy2), a2) if transpose_b else torch.matmul(_t(a2), dy2)
+    return torch.matmul(_t(dy2), a2) if transpose_b else at_b(a2, dy2)
+
+
+def at_b(a, b):
+    """a^T @ b for a [m, k] and b [m, n] -> [k, n] (a weight gradient), contiguous.
+
+    On the CPU, a result with a few columns that are not a multiple of 8
+    (a 10-class output layer) is computed as (b^T @ a)^T: MKL's kernel for
+    that row-major shape is 3-8x slower (BENCHMARKS.md, issue 7). Raw walk only.
+    """
+    n = b.shape[-1]
+    if 1 < n < 24 and n % 8 and type(b) is torch.Tensor and b.shape[0] >= 64 and b.device.type == "cpu":
+        return torch.matmul(_t(b), a).T.contiguous()
+    return torch.matmul(_t(a), b)
 
 
 def _t(m):

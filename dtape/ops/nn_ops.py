@@ -13,7 +13,7 @@ from dtape import random as _random
 from dtape.ops import _samples as S
 from dtape.ops._registry import defop
 from dtape.ops.array_ops import gather, one_hot
-from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message
+from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message, at_b
 from dtape.tensor import Tensor, convert_to_tensor
 
 __all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
@@ -484,7 +484,7 @@ def _autocast_on(device):
 @xw_plus_b.grad
 def _(dy, ans, x, weights, biases, needs=(True, True, True)):
     gx = torch.matmul(dy, torch.transpose(weights, 0, 1)) if needs[0] else None
-    gw = torch.matmul(torch.transpose(x, 0, 1), dy) if needs[1] else None
+    gw = at_b(x, dy) if needs[1] else None
     return gx, gw, (torch.sum(dy, dim=0) if needs[2] else None)
 
 
