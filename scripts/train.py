@@ -5,9 +5,11 @@
 
 Each step: the global batch is split across replicas; in `strategy.run` each
 replica computes its per-example losses, loss = sum / GLOBAL batch size,
-takes `tape.gradient` and calls `optimizer.apply_gradients` (which all-reduces
-the gradients); the step's loss is `strategy.reduce(SUM, ...)`. The loss is
-therefore the same, up to float rounding, for any number of replicas.
+takes `tape.gradient` and calls `optimizer.apply_gradients`, which waits for
+the gradients' all-reduce (started during the backward walk by
+`dtape.distribute.GradientSync`, bucketed as DDP does); the step's loss is
+`strategy.reduce(SUM, ...)`. The loss is therefore the same, up to float
+rounding, for any number of replicas.
 
 Batches: each epoch shuffles the training set with a permutation derived from
 (--seed, epoch) and drops the last short batch, so every strategy sees the
@@ -457,10 +459,12 @@ class Trainer:
     def _make_train_step(self):
         model, optimizer, task, global_batch = self.model, self.optimizer, self.task, self.args.batch_size
         wait_at = int(os.environ.get(TEST_WAIT_ENV, "0"))
+        # the gradient all-reduce starts during the backward walk (DDP's overlap); nothing with one replica
+        sync = dtape.distribute.GradientSync()
 
         def replica_step(batch):
             x, y = batch
-            with dtape.GradientTape() as tape:
+            with dtape.GradientTape(gradient_sync=sync) as tape:
                 loss = dtape.reduce_sum(task.per_example_loss(model, x, y)) / global_batch
             variables = model.trainable_variables
             grads = tape.gradient(loss, variables)
