@@ -34,7 +34,7 @@ from dtape.backprop import GradientTape
 from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
-from dtape.variables import Variable, VariableAggregation, update_in_place_together
+from dtape.variables import Variable, VariableAggregation, update_together
 
 
 class Optimizer:
@@ -394,15 +394,14 @@ def _write_all(variables, fn, *operands, inplace=None):
 
     `inplace(values, *operands)`, when given, writes the same results into
     the values (`_Batch`es; its `add_`/`sub_`/`mul_`) with the same torch ops
-    in the same order (bit-identical). It runs on every variable at once
-    when no variable's tensor is held by anything but its variable (see
-    `variables.update_in_place_together`), else variable by variable, in
-    place where possible: no new weights and slots are allocated per step,
-    as with torch's optimizers.
+    in the same order (bit-identical). It runs on every variable at once, in
+    place where nothing but the variable holds its tensor and on a copy
+    elsewhere (see `variables.update_together`): no new weights and slots
+    are allocated per step, as with torch's optimizers. A list naming a
+    variable twice goes variable by variable.
     """
     if inplace is not None:
-        done = update_in_place_together(
-            variables, lambda ts: inplace(_Batch(ts), *(_Batch(list(o)) for o in operands)))
+        done = update_together(variables, lambda ts: inplace(_Batch(ts), *(_Batch(list(o)) for o in operands)))
         if done is not None:
             return done
         return [v._update_value(functools.partial(_recompute, fn, [o[k] for o in operands]),

@@ -402,9 +402,12 @@ def storage_held_alone(t):
     """True if torch.Tensor `t` is the only tensor on its storage and that storage is not in shared
     memory (not sent to another process): what dtape checks, with Python's reference count of `t`,
     before writing a tensor in place (optimizer updates, gradient sums). False when torch cannot tell."""
-    if _storage_use_count is None or t.is_shared():
+    if _storage_use_count is None:
         return False
-    return _storage_use_count(t.untyped_storage()._cdata) == 2  # `t` + the storage object asked for here
+    st = t.untyped_storage()
+    if st.is_shared():  # the storage's own check (what t.is_shared() asks, without its TypedStorage)
+        return False
+    return _storage_use_count(st._cdata) == 2  # `t` + the storage object asked for here
 
 
 def is_differentiable_dtype(dtype):

@@ -156,13 +156,15 @@ def _sole_owner(t):
     return sys.getrefcount(t) == _SOLE_REFS and storage_held_alone(t)
 
 
-def update_in_place_together(variables, inplace):
-    """Runs `inplace(tensors)` on the variables' tensors under all their locks, if each variable is the
-    sole holder of its tensor (see `Variable._update_value`); returns the tensors, or None (nothing done).
+def update_together(variables, inplace):
+    """Runs `inplace(tensors)` under all the variables' locks on their tensors, each one written in place
+    if nothing but its variable holds it (see `Variable._update_value`), else on a copy that then
+    becomes the variable's value (reads taken before keep their old value); returns the new tensors,
+    or None (nothing done) for a list naming a variable twice.
 
-    Locks are taken in a fixed order (by id), so two callers cannot deadlock;
-    a variable listed twice is not in-place safe (None). `inplace` must
-    write the same values the variables' functional update would.
+    Locks are taken in a fixed order (by id), so two callers cannot deadlock.
+    Every variable gets the same kernel on the same values whoever holds
+    what, so the results are bit-identical either way.
     """
     ordered = sorted(set(variables), key=id)
     if len(ordered) != len(variables):
@@ -174,10 +176,10 @@ def update_in_place_together(variables, inplace):
             taken.append(v)
         for v in ordered:
             v._writing = True  # before the checks: see Variable._writing
-        if not all(_sole_owner(v._t) for v in variables):
-            return None
-        tensors = [v._t for v in variables]
+        tensors = [v._t if _sole_owner(v._t) else v._t.clone() for v in variables]
         inplace(tensors)
+        for v, t in zip(variables, tensors):
+            v._t = t
         return tensors
     finally:
         for v in taken:

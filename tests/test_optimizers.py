@@ -44,9 +44,9 @@ def test_optimizer_update_and_assign_add_from_threads_lose_nothing(fast_switchin
 
 
 def test_optimizer_writes_through_update_value(monkeypatch):
-    """Every write goes through a variable's lock: `_update_value`, or all at once `update_in_place_together`."""
+    """Every write goes through the variables' locks: all at once in `update_together` (or `_update_value`)."""
     calls = []
-    original, together = dtape.Variable._update_value, dtape.optimizers.update_in_place_together
+    original, together = dtape.Variable._update_value, dtape.optimizers.update_together
 
     def spy(self, fn, what="update", inplace=None):
         calls.append(what)
@@ -54,20 +54,20 @@ def test_optimizer_writes_through_update_value(monkeypatch):
 
     def spy_together(variables, inplace):
         done = together(variables, inplace)
-        calls.extend(["in place"] * (0 if done is None else len(variables)))
+        calls.extend(["together"] * (0 if done is None else len(variables)))
         return done
     monkeypatch.setattr(dtape.Variable, "_update_value", spy)
-    monkeypatch.setattr(dtape.optimizers, "update_in_place_together", spy_together)
-    for held in (False, True):  # sole holder: in place, all at once; a live read: one by one, copy-on-write
+    monkeypatch.setattr(dtape.optimizers, "update_together", spy_together)
+    for held in (False, True):  # sole holder: in place; a live read: the variable's tensor is copied first
         calls.clear()
         v = dtape.Variable(torch.ones(2))
+        before = v.torch().data_ptr()
         read = v.read_value() if held else None
         dtape.optimizers.Adam(0.1).apply_gradients([(dtape.constant([1.0, 1.0]), v)])
-        if held:  # the slots (m, v) in place, the variable copy-on-write
-            assert calls.count("in place") == 2 and calls.count("optimizer update") == 1, calls
+        assert calls.count("together") == 3 and calls.count("optimizer update") == 0, calls  # m, v, the variable
+        assert (v.torch().data_ptr() == before) == (not held)
+        if held:
             assert read.numpy().tolist() == [1.0, 1.0]
-        else:  # m, v and the variable
-            assert calls.count("in place") == 3 and calls.count("optimizer update") == 0, calls
 
 
 def test_new_variable_never_inherits_a_dead_variables_momentum():
