@@ -502,6 +502,10 @@ class Adam(Optimizer):
 
     lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t); m = b1 m + (1-b1) g;
     v = b2 v + (1-b2) g^2; w -= lr_t * m / (sqrt(v) + epsilon).
+    Computed by torch's fused Adam kernel when every variable, slot and
+    gradient is float32 or float64 of one dtype on one CPU or CUDA device
+    (one pass over each tensor; equal to the formula up to rounding), else
+    by batched torch._foreach ops.
     Source: tf.keras.optimizers.Adam (Kingma & Ba, 2015, section 2).
     """
 
@@ -513,6 +517,8 @@ class Adam(Optimizer):
 
     def _update_many(self, variables, grads, slots, step):
         b1, b2, eps, lr = self.beta_1, self.beta_2, self.epsilon, self._lr()
+        if type(self)._decay is Adam._decay and _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
+            return
         lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
         m = _write_all([s["m"] for s in slots], lambda m, g: m * b1 + (1 - b1) * g, grads,
                        inplace=lambda m, g: m.mul_(b1).add_((1 - b1) * g))
@@ -524,6 +530,46 @@ class Adam(Optimizer):
 
     def _decay(self, w, lr):
         return w  # Adam: no decay (w - 0.0 would be w exactly)
+
+
+# torch's fused Adam kernel (torch.optim.Adam(fused=True)); None where torch lacks it (torch < 2.4
+# has no CPU kernel: the first call fails in the dispatcher, before writing anything, and sets None).
+_fused_adam_kernel = getattr(torch, "_fused_adam_", None)
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
+    """Adam's update of every variable and its m and v slots in one pass of torch's fused kernel.
+
+    The kernel divides sqrt(v) by sqrt(1 - b2^t) before adding its epsilon;
+    with epsilon / sqrt(1 - b2^t) there it computes Keras's update
+    (epsilon added to sqrt(v)) up to rounding. Same kernel in place and on
+    copies (`update_together`), so results do not depend on who holds a
+    tensor. Returns False, having done nothing, unless every tensor is
+    float32 or float64 of one dtype on one CPU or CUDA device.
+    """
+    global _fused_adam_kernel
+    if _fused_adam_kernel is None:
+        return False
+    dev, dt = variables[0].device, variables[0].dtype
+    if dev.type not in ("cpu", "cuda") or dt not in _FUSED_DTYPES:
+        return False
+    ms, vs = [s["m"] for s in slots], [s["v"] for s in slots]
+    for t in (*variables, *grads, *ms, *vs):
+        if t.dtype != dt or t.device != dev:
+            return False
+    n = len(variables)
+    steps = [torch.tensor(float(step), device=dev)] * n  # read-only: one tensor serves every variable
+    eps_t = eps / math.sqrt(1 - b2 ** step)
+
+    def kernel(ts):
+        _fused_adam_kernel(ts[:n], grads, ts[n:2 * n], ts[2 * n:], [], steps, lr=lr, beta1=b1, beta2=b2,
+                           weight_decay=0.0, eps=eps_t, amsgrad=False, maximize=False)
+    try:
+        return update_together(list(variables) + ms + vs, kernel) is not None
+    except NotImplementedError:  # no kernel for this device (torch < 2.4 on the CPU): foreach from now on
+        _fused_adam_kernel = None
+        return False
 
 
 class AdamW(Adam):

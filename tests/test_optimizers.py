@@ -343,3 +343,46 @@ def test_a_tensor_in_shared_memory_is_never_updated_in_place():
     del sent
     dtape.optimizers.SGD(1.0).apply_gradients([(dtape.constant(torch.ones(10)), v)])
     assert v.torch().data_ptr() != ptr and v.numpy().tolist() == [-1.0] * 10
+
+
+# -- Adam through torch's fused kernel ----------------------------------------------------------
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_fused_adam_equals_keras_formula(monkeypatch, dtype, rtol):
+    """One fused kernel call per step for every variable and slot; the values are Keras's formula
+    (epsilon added to sqrt(v)) up to rounding, slots included."""
+    calls = []
+    kernel = dtape.optimizers._fused_adam_kernel
+    if kernel is None:
+        pytest.skip("this torch has no fused Adam kernel for the CPU")
+    monkeypatch.setattr(dtape.optimizers, "_fused_adam_kernel", lambda *a, **k: (calls.append(len(a[0])), kernel(*a, **k)))
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(), (7,), (4, 3)]
+    init = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    variables = [dtape.Variable(t.clone().to(dtype)) for t in init]
+    opt = dtape.optimizers.Adam(0.05)
+    ref = [{"m": torch.zeros_like(t), "v": torch.zeros_like(t)} for t in init]
+    ws = [t.clone() for t in init]
+    for step in range(1, 6):
+        grads = [torch.randn(s, generator=gen, dtype=torch.float64) * 10 ** -step for s in shapes]
+        opt.apply_gradients(zip([dtape.constant(g.to(dtype)) for g in grads], variables))
+        ws = [_reference_update("Adam", {}, w, g, r, step, 0.05) for w, g, r in zip(ws, grads, ref)]
+    assert calls == [3] * 5
+    for k, (v, w) in enumerate(zip(variables, ws)):
+        torch.testing.assert_close(v.torch().double(), w, rtol=rtol, atol=0)
+        for n, slot in opt._slots_for(v).items():
+            torch.testing.assert_close(slot.torch().double(), ref[k][n], rtol=rtol, atol=0)
+
+
+def test_fused_adam_batched_equals_one_variable_at_a_time_bit_for_bit():
+    gen = torch.Generator().manual_seed(2)
+    init = [torch.randn(s, generator=gen) for s in [(3,), (2, 5)]]
+    together, alone = [dtape.Variable(t.clone()) for t in init], [dtape.Variable(t.clone()) for t in init]
+    opt_together, opt_alone = dtape.optimizers.Adam(0.01), dtape.optimizers.Adam(0.01)
+    for _ in range(3):
+        grads = [dtape.constant(torch.randn(t.shape, generator=gen)) for t in init]
+        opt_together.apply_gradients(zip(grads, together))
+        opt_alone.apply_gradients([(grads[0], alone[0])])
+        opt_alone.iterations.assign_sub(1)  # the same step for the second variable
+        opt_alone.apply_gradients([(grads[1], alone[1])])
+    for a, b in zip(together, alone):
+        assert torch.equal(a.torch(), b.torch())
