@@ -16,10 +16,12 @@ How the overlap works (DDP's reducer, on the tape):
   builds the same buckets.
 * The backward walk tells the session when a source's gradient is final
   (the walk has processed its last consumer record; `backprop._Readiness`).
-  The session copies it into its bucket; once every member of a bucket is
-  in, and every earlier bucket has been launched, it launches that bucket's
-  all-reduce asynchronously (`strategy.extended._all_reduce_flat_async`)
-  and the walk goes on. Buckets are launched in bucket order on every
+  The session notes it in its bucket; once every member of a bucket is in,
+  and every earlier bucket has been launched, it launches that bucket's
+  all-reduce asynchronously (`strategy.extended._all_reduce_flat_async`:
+  across processes the bucket's gradients are copied into one flat buffer,
+  one collective each; replica threads sum them as they are) and the walk
+  goes on. Buckets are launched in bucket order on every
   replica, so the k-th collective of every replica is the same bucket.
 * A source with no gradient on this replica (None: not connected here)
   goes into its bucket as zeros, with a presence flag of 0. Each bucket
@@ -187,9 +189,16 @@ def _flat(member, g, bucket):
 
 
 def _unpack(bucket, reduced):
-    """{index: reduced Tensor (a view of the buffer), or None where no replica had a gradient} for one bucket."""
-    present = reduced[bucket.numel:].tolist()  # one host read per bucket, after the reduction
-    parts = reduced[:bucket.numel].split([m[2] for m in bucket.members])  # one call for every member's view
+    """{index: reduced Tensor (a view of the result), or None where no replica had a gradient} for one bucket.
+
+    `reduced`: the reduction of what `_launch` sent: one flat buffer (values
+    then presence flags), or one tensor per member then the flags.
+    """
+    if len(reduced) == 1:
+        present = reduced[0][bucket.numel:].tolist()  # one host read per bucket, after the reduction
+        parts = reduced[0][:bucket.numel].split([m[2] for m in bucket.members])  # one call for every view
+    else:
+        present, parts = reduced[-1].tolist(), reduced[:-1]
     out = {}
     for (index, _, _, shape, dtype), part, count in zip(bucket.members, parts, present):
         out[index] = Tensor(part.view(shape).to(dtype)) if count > 0 else None
@@ -197,11 +206,13 @@ def _unpack(bucket, reduced):
 
 
 def _launch(ext, bucket, grads_by_index):
-    """Flattens a bucket's gradients, then presence flags, and launches its all-reduce (SUM); returns the handle.
+    """Launches a bucket's all-reduce (SUM): its gradients, then one presence flag each; returns the handle.
 
-    One concatenation writes the buffer (each gradient copied once), and the
-    buffer is given away (`scratch`): a strategy may reduce it in place
-    instead of copying it again on its way to the collective.
+    Across processes the gradients are first copied into one flat buffer
+    (one collective per bucket), which is given away (`scratch`): a strategy
+    may reduce it in place. Replica threads of one process
+    (`ext._flat_buckets` False) sum the gradients as they are: a flat
+    buffer would only add a copy of every gradient.
     """
     parts, flags = [], []
     for member in bucket.members:
@@ -209,8 +220,9 @@ def _launch(ext, bucket, grads_by_index):
         parts.append(_flat(member, g, bucket))
         flags.append(0.0 if g is None else 1.0)
     parts.append(torch.tensor(flags, dtype=bucket.dtype, device=bucket.device))
-    buf = torch.cat(parts)
-    return ext._all_reduce_flat_async(ReduceOp.SUM, [buf], scratch=True)
+    if not ext._flat_buckets:
+        return ext._all_reduce_flat_async(ReduceOp.SUM, parts)
+    return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True)
 
 
 def _float_items(values_and_refs, order=None):
@@ -285,8 +297,7 @@ class _Session:
     def reduced(self, j, timeout):
         b = self._where[j]
         if self._results[b] is None:
-            (buf,) = self._handles[b].wait(timeout)
-            self._results[b] = _unpack(self._buckets[b], buf)
+            self._results[b] = _unpack(self._buckets[b], self._handles[b].wait(timeout))
         return self._results[b][j]
 
 
@@ -361,8 +372,7 @@ def _reduce_fresh(ext, pairs, caps, timeout):
     handles = [_launch(ext, b, {m[0]: grads[m[0]] for m in b.members}) for b in buckets]
     out = [None] * len(pairs)
     for bucket, handle in zip(buckets, handles):
-        (buf,) = handle.wait(timeout)
-        for j, g in _unpack(bucket, buf).items():
+        for j, g in _unpack(bucket, handle.wait(timeout)).items():
             out[j] = g
     return [(g, v) for g, (_, v) in zip(out, pairs)]
 

@@ -521,6 +521,8 @@ class _WorkerExtended(StrategyExtended):
             total = total / (n_local * self._strategy.num_replicas_in_sync)
         return Tensor(total.to(local.dtype))
 
+    _flat_buckets = True  # one collective per gradient bucket: fewer, larger messages
+
     def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False):
         """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
 

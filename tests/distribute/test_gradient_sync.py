@@ -305,7 +305,7 @@ def test_buckets_follow_the_learned_readiness_order():
 
     def recording(reduce_op, tensors, **kw):
         if _rid() == 0:
-            sizes.append(int(tensors[0].numel()))
+            sizes.append(sum(int(t.numel()) for t in tensors))
         return orig(reduce_op, tensors, **kw)
     strategy.extended._all_reduce_flat_async = recording
     variables = list(model.trainable_variables)                  # W1 b1 W2 b2 W3 b3
