@@ -349,16 +349,19 @@ def make_strategy(args):
     devices = args.devices.split(",") if args.devices else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.strategy != "multi_worker" and world > 1:
-        raise SystemExit(f"train.py: --strategy {args.strategy} runs in one process, but this is one of "
-                         f"WORLD_SIZE={world} processes (torchrun); every process would train its own copy and "
-                         "overwrite the others' checkpoints. Use --strategy multi_worker under torchrun.")
+        fail(f"--strategy {args.strategy} runs in one process, but this is one of WORLD_SIZE={world} processes "
+             "(torchrun); every process would train its own copy and overwrite the others' checkpoints. "
+             "Use --strategy multi_worker under torchrun (see launch/README.md)")
+    if args.strategy == "multi_worker" and "WORLD_SIZE" not in os.environ:
+        print(f"{PROG}: note: no torchrun environment (WORLD_SIZE unset): training as one worker; launch "
+              "with torchrun for more (see launch/README.md)", file=sys.stderr)
     if args.strategy == "one_device":
         return dtape.distribute.OneDeviceStrategy(devices[0] if devices else "cpu")
     if args.strategy == "mirrored":
         return dtape.distribute.MirroredStrategy(devices=devices or ["cpu:0", "cpu:1"], seed=args.seed)
     if devices and len(devices) > 1:
-        raise SystemExit("train.py: --strategy multi_worker runs one replica per process on one device; "
-                         f"got --devices {args.devices}. Launch one process per device with torchrun instead.")
+        fail(f"--strategy multi_worker runs one replica per process on one device; got --devices {args.devices}. "
+             "Launch one process per device with torchrun instead (see launch/README.md)")
     return dtape.distribute.MultiWorkerMirroredStrategy(device=devices[0] if devices else None, seed=args.seed)
 
 

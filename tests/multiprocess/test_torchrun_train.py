@@ -88,9 +88,23 @@ def test_worker_killed_mid_epoch_restarts_and_resumes_same_losses(train, tmp_pat
     _assert_same_losses(_losses(tmp_path), _one_device_losses(train, RESTART))
 
 
-def test_single_process_strategy_under_torchrun_world_refuses(train, monkeypatch):
+def test_single_process_strategy_under_torchrun_world_refuses(train, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for strategy in ("mirrored", "one_device"):
         args = train.parse_args(["--strategy", strategy])
-        with pytest.raises(SystemExit, match="--strategy multi_worker"):
+        with pytest.raises(SystemExit) as exc:
             train.make_strategy(args)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "error:" in err and "--strategy multi_worker" in err, err
+        assert "launch/README.md" in err
+
+
+def test_multi_worker_without_torchrun_says_it_trains_as_one_worker(train, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    train.load_libraries()
+    monkeypatch.setattr(train.dtape.distribute, "MultiWorkerMirroredStrategy", lambda **kw: "strategy")
+    assert train.make_strategy(train.parse_args(["--strategy", "multi_worker"])) == "strategy"
+    assert "no torchrun environment" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    train.make_strategy(train.parse_args(["--strategy", "multi_worker"]))
+    assert "no torchrun environment" not in capsys.readouterr().err
