@@ -558,11 +558,17 @@ def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
     for t in (*variables, *grads, *ms, *vs):
         if t.dtype != dt or t.device != dev:
             return False
+    # The kernel pairs elements by memory position, so every tensor must be row-major: an expanded or
+    # transposed gradient is copied, and so is (under the locks) a variable or slot of another layout.
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     n = len(variables)
     steps = [torch.tensor(float(step), device=dev)] * n  # read-only: one tensor serves every variable
     eps_t = eps / math.sqrt(1 - b2 ** step)
 
     def kernel(ts):
+        for k, t in enumerate(ts):
+            if not t.is_contiguous():  # a transposed initial or assigned value: its row-major copy
+                ts[k] = t.contiguous()
         _fused_adam_kernel(ts[:n], grads, ts[n:2 * n], ts[2 * n:], [], steps, lr=lr, beta1=b1, beta2=b2,
                            weight_decay=0.0, eps=eps_t, amsgrad=False, maximize=False)
     try:
