@@ -552,8 +552,9 @@ def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
     if _fused_adam_kernel is None:
         return False
     dev, dt = variables[0].device, variables[0].dtype
-    if dev.type not in ("cpu", "cuda") or dt not in _FUSED_DTYPES:
-        return False
+    bias_correction2 = 1 - b2 ** step
+    if dev.type not in ("cpu", "cuda") or dt not in _FUSED_DTYPES or not bias_correction2 > 0:
+        return False  # beta_2 = 1: Keras's step size is 0, the kernel's would divide by 0
     ms, vs = [s["m"] for s in slots], [s["v"] for s in slots]
     for t in (*variables, *grads, *ms, *vs):
         if t.dtype != dt or t.device != dev:
@@ -563,7 +564,7 @@ def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     n = len(variables)
     steps = [torch.tensor(float(step), device=dev)] * n  # read-only: one tensor serves every variable
-    eps_t = eps / math.sqrt(1 - b2 ** step)
+    eps_t = eps / math.sqrt(bias_correction2)
 
     def kernel(ts):
         for k, t in enumerate(ts):

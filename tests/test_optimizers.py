@@ -411,3 +411,14 @@ def test_fused_adam_pairs_elements_of_any_layout():
         ws = [_reference_update("Adam", {}, w, g, r, step, 0.1) for w, g, r in zip(ws, want, ref)]
         for v, w in zip((a, b, c), ws):
             torch.testing.assert_close(v.torch(), w, rtol=1e-12, atol=0)
+
+
+def test_adam_with_beta_2_one_takes_keras_zero_step():
+    """beta_2 = 1: Keras's step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) is 0 (weights unchanged, m
+    still updated), not a ZeroDivisionError from the fused kernel's epsilon / sqrt(1 - beta_2^t)."""
+    v = dtape.Variable(torch.tensor([1.0, -2.0]))
+    opt = dtape.optimizers.Adam(0.1, beta_2=1.0)
+    for _ in range(2):
+        opt.apply_gradients([(dtape.constant([0.5, 1.0]), v)])
+    assert v.numpy().tolist() == [1.0, -2.0]
+    np.testing.assert_allclose(opt._slots_for(v)["m"].numpy(), [0.095, 0.19], rtol=1e-6)
