@@ -1,8 +1,9 @@
 """dtape's MultiWorkerMirroredStrategy against torch DistributedDataParallel, under torchrun (gloo).
 
-One MLP training step (784-1024-1024-10, SGD, global batch 256), and the
-charlm step (the 2-layer transformer of scripts/tasks/charlm.py, Adam, 32
-sequences; DDP runs the same transformer as a torch.nn.Module), with the
+One MLP training step (784-1024-1024-10, SGD, global batch 256; dtape's
+layers.Dense against torch.nn.Linear), and the charlm step (the 2-layer
+transformer of scripts/tasks/charlm.py, Adam, 32 sequences; DDP runs the same
+transformer as a torch.nn.Module), with the
 same initial weights and the same global batches: each of W workers takes
 its slice of every global batch, dtape sums the per-worker gradients of a
 loss divided by the global batch size (TF semantics), DDP averages the
@@ -160,20 +161,24 @@ def _dtape_case(strategy, variables, opt, loss_fn, batch, sync):
 
 
 def _mlp_dtape(strategy, rank, world, lr, sync):
+    """The MLP as `dtape.layers.Dense` layers (DDP's side uses torch.nn.Linear), with the same weights."""
     import torch
     import dtape
     params, data, labels = _init(torch)
     with strategy.scope():
-        variables = [dtape.Variable(p) for p in params]
+        layers = [dtape.layers.Dense(n, activation="relu" if i + 2 < len(SIZES) else None, input_dim=m)
+                  for i, (m, n) in enumerate(zip(SIZES[:-1], SIZES[1:]))]
+        for k, layer in enumerate(layers):
+            layer.kernel.assign(params[2 * k])
+            layer.bias.assign(params[2 * k + 1])
         opt = dtape.optimizers.SGD(lr)
+    variables = [v for layer in layers for v in layer.trainable_variables]
     part = _slice(rank, world, GLOBAL_BATCH)
 
     def loss_fn(x, y):
         h = x
-        for i in range(0, len(variables), 2):
-            h = dtape.matmul(h, variables[i]) + variables[i + 1]
-            if i + 2 < len(variables):
-                h = dtape.nn.relu(h)
+        for layer in layers:
+            h = layer(h)
         return dtape.reduce_sum(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)) / GLOBAL_BATCH
 
     def batch(k):
