@@ -546,7 +546,7 @@ def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
     (epsilon added to sqrt(v)) up to rounding. Same kernel in place and on
     copies (`update_together`), so results do not depend on who holds a
     tensor. Returns False, having done nothing, unless every tensor is
-    float32 or float64 of one dtype on one CPU or CUDA device.
+    float32 or float64 of one dtype on one CPU or CUDA device and beta_2 < 1.
     """
     global _fused_adam_kernel
     if _fused_adam_kernel is None:
