@@ -546,23 +546,30 @@ def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
     (epsilon added to sqrt(v)) up to rounding. Same kernel in place and on
     copies (`update_together`), so results do not depend on who holds a
     tensor. Returns False, having done nothing, unless every tensor is
-    float32 or float64 of one dtype on one CPU or CUDA device.
+    float32 or float64 of one dtype on one CPU or CUDA device and beta_2 < 1.
     """
     global _fused_adam_kernel
     if _fused_adam_kernel is None:
         return False
     dev, dt = variables[0].device, variables[0].dtype
-    if dev.type not in ("cpu", "cuda") or dt not in _FUSED_DTYPES:
-        return False
+    bias_correction2 = 1 - b2 ** step
+    if dev.type not in ("cpu", "cuda") or dt not in _FUSED_DTYPES or not bias_correction2 > 0:
+        return False  # beta_2 = 1: Keras's step size is 0, the kernel's would divide by 0
     ms, vs = [s["m"] for s in slots], [s["v"] for s in slots]
     for t in (*variables, *grads, *ms, *vs):
         if t.dtype != dt or t.device != dev:
             return False
+    # The kernel pairs elements by memory position, so every tensor must be row-major: an expanded or
+    # transposed gradient is copied, and so is (under the locks) a variable or slot of another layout.
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     n = len(variables)
     steps = [torch.tensor(float(step), device=dev)] * n  # read-only: one tensor serves every variable
-    eps_t = eps / math.sqrt(1 - b2 ** step)
+    eps_t = eps / math.sqrt(bias_correction2)
 
     def kernel(ts):
+        for k, t in enumerate(ts):
+            if not t.is_contiguous():  # a transposed initial or assigned value: its row-major copy
+                ts[k] = t.contiguous()
         _fused_adam_kernel(ts[:n], grads, ts[n:2 * n], ts[2 * n:], [], steps, lr=lr, beta1=b1, beta2=b2,
                            weight_decay=0.0, eps=eps_t, amsgrad=False, maximize=False)
     try:

@@ -162,7 +162,8 @@ def update_together(variables, inplace):
     becomes the variable's value (reads taken before keep their old value); returns the new tensors,
     or None (nothing done) for a list naming a variable twice.
 
-    Locks are taken in a fixed order (by id), so two callers cannot deadlock.
+    `inplace` may also replace an item of the list with a tensor of the same values (a row-major copy):
+    that becomes the variable's value. Locks are taken in a fixed order (by id), so two callers cannot deadlock.
     Every variable gets the same kernel on the same values whoever holds
     what, so the results are bit-identical either way.
     """

@@ -183,3 +183,27 @@ def test_layer_norm_bfloat16_activations_float32_weights_match_torch_autograd():
     for a, e in zip(got, want):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a.torch(), e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [8, 96])  # 96 rows into 10 columns: the weight gradient's transposed product
+@pytest.mark.parametrize("op", ["matmul", "xw_plus_b"])
+def test_bfloat16_activations_into_float32_weights_under_autocast_match_torch_autograd(op, rows):
+    """A float32 layer fed bfloat16 activations under autocast (an autocast matmul's output into a Dense
+    projection): the weight gradient's operands are the bfloat16 input and the widened float32 dy."""
+    g = torch.Generator().manual_seed(0)
+    x0, w1_0, w2_0, b0 = (torch.randn(s, generator=g) for s in ((rows, 6), (6, 16), (16, 10), (10,)))
+    x, w1, w2, b = dtape.constant(x0), dtape.Variable(w1_0), dtape.Variable(w2_0), dtape.Variable(b0)
+    with dtape.GradientTape() as tape:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = dtape.matmul(x, w1)
+            y = dtape.nn.xw_plus_b(h, w2, b) if op == "xw_plus_b" else dtape.matmul(h, w2)
+        loss = dtape.reduce_sum(dtape.cast(y, torch.float32) ** 2)
+    got = tape.gradient(loss, [w1, w2])
+    tw1, tw2, tb = (t.clone().requires_grad_() for t in (w1_0, w2_0, b0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ty = x0 @ tw1 @ tw2 + (tb if op == "xw_plus_b" else 0.0)
+    want = torch.autograd.grad((ty.float() ** 2).sum(), [tw1, tw2])
+    assert h.dtype == torch.bfloat16 and torch.equal(y.torch(), ty.detach())
+    for a, e in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.torch(), e, rtol=0.03, atol=0.03 * e.abs().max().item())

@@ -386,3 +386,39 @@ def test_fused_adam_batched_equals_one_variable_at_a_time_bit_for_bit():
         opt_alone.apply_gradients([(grads[1], alone[1])])
     for a, b in zip(together, alone):
         assert torch.equal(a.torch(), b.torch())
+
+
+def test_fused_adam_pairs_elements_of_any_layout():
+    """The fused kernel walks raw memory: a gradient whose layout differs from its variable's (reduce_sum's
+    expanded ones, dtape.transpose's transposed gradient), and a variable whose layout changed on assign
+    (its slots keep the old one), must still update element by element as Keras's formula does."""
+    gen = torch.Generator().manual_seed(3)
+    x = dtape.constant(torch.randn(5, 3, generator=gen, dtype=torch.float64))
+    a, b, c = (dtape.Variable(torch.randn(4, 3, generator=gen, dtype=torch.float64)) for _ in range(3))
+    opt = dtape.optimizers.Adam(0.1)
+    opt.build([a, b, c])
+    c.assign(torch.randn(3, 4, generator=gen, dtype=torch.float64).T)  # now column-major; its slots are not
+    ws = [v.torch().clone() for v in (a, b, c)]
+    ref = [{"m": torch.zeros(4, 3, dtype=torch.float64), "v": torch.zeros(4, 3, dtype=torch.float64)} for _ in ws]
+    for step in range(1, 4):
+        with dtape.GradientTape() as tape:
+            loss = (dtape.reduce_sum(a) + dtape.reduce_sum(dtape.matmul(x, dtape.transpose(b)) ** 2)
+                    + dtape.reduce_sum(c * c))
+        grads = tape.gradient(loss, [a, b, c])
+        assert grads[0].torch().stride() == (0, 0) and grads[1].torch().stride() == (1, 4)  # what is tested
+        want = [g.torch().contiguous() for g in grads]
+        opt.apply_gradients(zip(grads, [a, b, c]))
+        ws = [_reference_update("Adam", {}, w, g, r, step, 0.1) for w, g, r in zip(ws, want, ref)]
+        for v, w in zip((a, b, c), ws):
+            torch.testing.assert_close(v.torch(), w, rtol=1e-12, atol=0)
+
+
+def test_adam_with_beta_2_one_takes_keras_zero_step():
+    """beta_2 = 1: Keras's step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) is 0 (weights unchanged, m
+    still updated), not a ZeroDivisionError from the fused kernel's epsilon / sqrt(1 - beta_2^t)."""
+    v = dtape.Variable(torch.tensor([1.0, -2.0]))
+    opt = dtape.optimizers.Adam(0.1, beta_2=1.0)
+    for _ in range(2):
+        opt.apply_gradients([(dtape.constant([0.5, 1.0]), v)])
+    assert v.numpy().tolist() == [1.0, -2.0]
+    np.testing.assert_allclose(opt._slots_for(v)["m"].numpy(), [0.095, 0.19], rtol=1e-6)

@@ -201,7 +201,7 @@ def _unpack(bucket, reduced):
         present, parts = reduced[-1].tolist(), reduced[:-1]
     out = {}
     for (index, _, _, shape, dtype), part, count in zip(bucket.members, parts, present):
-        out[index] = Tensor(part.view(shape).to(dtype)) if count > 0 else None
+        out[index] = Tensor(part.view(shape).to(dtype)) if count != 0 else None  # complex flags in a complex bucket
     return out
 
 

@@ -351,6 +351,8 @@ def mixed_dtype_message(da, db):
 def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
     t = _t
     ga = gb = None
+    if type(dy) is torch.Tensor:  # raw walk: autocast may have mixed the operands' dtypes
+        a, b = as_dy_dtype(dy, a, needs[1]), as_dy_dtype(dy, b, needs[0])
     if needs[0]:
         if transpose_a:
             ga = torch.matmul(b, t(dy)) if not transpose_b else torch.matmul(t(b), t(dy))
@@ -374,6 +376,13 @@ def _shared_weight_grad(dy, a, transpose_b):
     a2 = torch.reshape(a, (-1, a.shape[-1]))
     dy2 = torch.reshape(dy, (-1, dy.shape[-1]))
     return torch.matmul(_t(dy2), a2) if transpose_b else at_b(a2, dy2)
+
+
+def as_dy_dtype(dy, x, used=True):
+    """Operand `x` (raw walk) in the output gradient's dtype, when the rule reads it: under autocast an op may
+    take operands of two dtypes (bfloat16 activations, float32 weights), and the walk has widened dy to
+    the wider one (`backprop._widen_autocast_dy`). The gradient is then computed in that dtype."""
+    return x.to(dy.dtype) if used and x.dtype != dy.dtype else x
 
 
 def at_b(a, b):

@@ -13,7 +13,7 @@ from dtape import random as _random
 from dtape.ops import _samples as S
 from dtape.ops._registry import defop
 from dtape.ops.array_ops import gather, one_hot
-from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message, at_b
+from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message, at_b, as_dy_dtype
 from dtape.tensor import Tensor, convert_to_tensor
 
 __all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
@@ -483,6 +483,8 @@ def _autocast_on(device):
 
 @xw_plus_b.grad
 def _(dy, ans, x, weights, biases, needs=(True, True, True)):
+    if type(dy) is torch.Tensor:  # raw walk: autocast may have mixed the operands' dtypes
+        x, weights = as_dy_dtype(dy, x, needs[1]), as_dy_dtype(dy, weights, needs[0])
     gx = torch.matmul(dy, torch.transpose(weights, 0, 1)) if needs[0] else None
     gw = at_b(x, dy) if needs[1] else None
     return gx, gw, (torch.sum(dy, dim=0) if needs[2] else None)

@@ -323,3 +323,30 @@ def test_buckets_follow_the_learned_readiness_order():
     assert first == bucket[::-1] + [N_VARS]                      # reverse source order, then the agreement
     # The walk finishes the last layer first: b3 W3 b2 W2 b1 W1 (each layer reads its kernel, then its bias).
     assert sizes == [int(np.prod(v.shape)) + 1 for v in variables[::-1]]
+
+
+@pytest.mark.parametrize("sync", [None, "sync"])
+def test_complex_gradients_are_summed_over_replicas(sync):
+    """A complex bucket's presence flags are complex too: a variable counts as present where its flag sum is not 0."""
+    def coefficient(r):
+        return dtape.constant(torch.full((3,), 1 + 2j * (r + 1), dtype=torch.complex64))
+
+    def loss_fn(v, r):
+        return dtape.reduce_sum(v * coefficient(r))
+    strategy = _strategy()
+    with strategy.scope():
+        v = dtape.Variable(torch.ones(3, dtype=torch.complex64))
+    opt = dtape.optimizers.SGD(0.5)
+
+    def step():
+        with dtape.GradientTape(gradient_sync=GradientSync() if sync else None) as tape:
+            loss = loss_fn(v, _rid())
+        opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+    strategy.run(step)
+    one = dtape.Variable(torch.ones(3, dtype=torch.complex64))  # the same step on one device: both losses
+    with dtape.GradientTape() as tape:
+        loss = loss_fn(one, 0) + loss_fn(one, 1)
+    dtape.optimizers.SGD(0.5).apply_gradients([(tape.gradient(loss, one), one)])
+    assert not np.allclose(one.numpy(), 1.0)
+    for comp in v.values:
+        np.testing.assert_allclose(comp.numpy(), one.numpy(), rtol=1e-6)
