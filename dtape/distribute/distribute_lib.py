@@ -372,9 +372,12 @@ class StrategyExtended:
     # every replica in the same order. MirroredStrategy sums among its
     # replica threads; a multi-process strategy overrides them with
     # torch.distributed (dist.all_reduce(async_op=True) -> a handle).
-    # Whether gradient buckets are flattened into one buffer before `_all_reduce_flat_async`: no for
-    # replica threads, which sum tensors in memory (a flat copy would only add traffic).
-    _flat_buckets = False
+    @property
+    def _flat_buckets(self):
+        """Whether gradient buckets are copied into one buffer before `_all_reduce_flat_async`: not for
+        CPU replicas, which sum the tensors in one memory (a flat copy would only add traffic); yes with
+        an accelerator, where the sum moves every tensor to the first device (one copy per bucket)."""
+        return any(d.type != "cpu" for d in self._torch_devices)
 
     def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False):
         """Launches an all-reduce of this replica's `tensors`; returns a handle at once.

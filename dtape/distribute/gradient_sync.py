@@ -20,7 +20,7 @@ How the overlap works (DDP's reducer, on the tape):
   and every earlier bucket has been launched, it launches that bucket's
   all-reduce asynchronously (`strategy.extended._all_reduce_flat_async`:
   across processes the bucket's gradients are copied into one flat buffer,
-  one collective each; replica threads sum them as they are) and the walk
+  one collective each; CPU replica threads sum them as they are) and the walk
   goes on. Buckets are launched in bucket order on every
   replica, so the k-th collective of every replica is the same bucket.
 * A source with no gradient on this replica (None: not connected here)
@@ -208,11 +208,11 @@ def _unpack(bucket, reduced):
 def _launch(ext, bucket, grads_by_index):
     """Launches a bucket's all-reduce (SUM): its gradients, then one presence flag each; returns the handle.
 
-    Across processes the gradients are first copied into one flat buffer
-    (one collective per bucket), which is given away (`scratch`): a strategy
-    may reduce it in place. Replica threads of one process
-    (`ext._flat_buckets` False) sum the gradients as they are: a flat
-    buffer would only add a copy of every gradient.
+    Across processes and devices the gradients are first copied into one
+    flat buffer (one collective or device copy per bucket), which is given
+    away (`scratch`): a strategy may reduce it in place. CPU replica threads
+    (`ext._flat_buckets` False) sum the gradients as they are: a flat buffer
+    would only add a copy of every gradient.
     """
     parts, flags = [], []
     for member in bucket.members:

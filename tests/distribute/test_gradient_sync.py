@@ -350,3 +350,36 @@ def test_complex_gradients_are_summed_over_replicas(sync):
     assert not np.allclose(one.numpy(), 1.0)
     for comp in v.values:
         np.testing.assert_allclose(comp.numpy(), one.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_bucket_layouts_launch_as_the_devices_want_and_reduce_the_same(monkeypatch, flat):
+    """CPU replicas sum a bucket's gradients as they are (one tensor per member, then the flags); with an
+    accelerator among the devices (forced here) a bucket goes as one flat buffer. Same reduction either way."""
+    strategy = _strategy()
+    assert strategy.extended._flat_buckets is False          # cpu:0, cpu:1
+    monkeypatch.setattr(type(strategy.extended), "_flat_buckets", flat)
+    model = _model(strategy, torch.float64)
+    sizes, orig = [], strategy.extended._all_reduce_flat_async
+
+    def recording(reduce_op, tensors, **kw):
+        if _rid() == 0:
+            sizes.append([int(t.numel()) for t in tensors])
+        return orig(reduce_op, tensors, **kw)
+    strategy.extended._all_reduce_flat_async = recording
+
+    def fn():
+        x, y = _batch(_rid(), 0, torch.float64)
+        with dtape.GradientTape(gradient_sync=GradientSync(25.0, order="reverse")) as tape:
+            loss = _loss(model, x, y)
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        reduced = [g for g, _ in reduce_gradients(list(zip(grads, variables)))]
+        return reduced, grads
+    reduced, grads = strategy.run(fn)
+    members = [int(np.prod(v.shape)) for v in model.trainable_variables][::-1]
+    assert sizes == ([[sum(members) + N_VARS]] if flat else [members + [N_VARS]])
+    for k in range(N_VARS):
+        local = [g.torch() for g in strategy.experimental_local_results(grads[k])]
+        for got in strategy.experimental_local_results(reduced[k]):
+            np.testing.assert_allclose(got.numpy(), (local[0] + local[1]).numpy(), rtol=1e-15)
