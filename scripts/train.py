@@ -443,6 +443,10 @@ class Trainer:
         self.args, self.task, self.stop = args, task, _NoStop()
         self.config = run_config(args, task)
         self.strategy = make_strategy(args)
+        n = self.strategy.num_replicas_in_sync
+        if args.batch_size < n:  # legal (uneven batches), but some replicas then only wait: say so
+            print(f"{PROG}: note: --batch-size {args.batch_size} is smaller than the {n} replicas: "
+                  f"{n - args.batch_size} of them get no examples at any step", file=sys.stderr)
         torch.manual_seed(args.seed)
         self.data = task.load_data(args.seed)
         with self.strategy.scope():

@@ -191,3 +191,12 @@ def test_signal_mid_epoch_saves_and_resume_gives_the_uninterrupted_losses(train,
         [(0, 8, name), (8, 16, None)]
     assert "stopped_by" not in resumed
     np.testing.assert_equal(resumed["final_test_accuracy"], full["final_test_accuracy"])
+
+
+def test_global_batch_smaller_than_the_replicas_trains_and_says_so(tmp_path):
+    proc = _cli("--task", "digits", "--strategy", "mirrored", "--devices", "cpu:0,cpu:1", "--batch-size", 1,
+                "--steps", 2, "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert "--batch-size 1 is smaller than the 2 replicas: 1 of them get no examples" in proc.stderr
+    proc = _cli("--task", "digits", "--strategy", "mirrored", "--batch-size", 2, "--steps", 2, "--out", tmp_path / "ok")
+    assert proc.returncode == 0 and "smaller than" not in proc.stderr, proc.stderr
