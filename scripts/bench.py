@@ -10,12 +10,15 @@ Cases: (a) 1,000/10,000/100,000-op chains, (b) the MLP step written by hand
 and with layers, (c) a CNN step, (e) 2 CPU replicas / 1 replica on the same
 global batch (and plain torch in 2 threads / 1), (f) bytes the tape holds for
 one MLP step vs what torch autograd saves (saved_tensors_hooks), (g) RSS
-growth over 200 MLP steps (each variant in a fresh process), (h) the charlm
-step vs the same transformer as a torch.nn.Module with torch.optim.Adam.
+growth over 200 MLP steps (each variant in a fresh process; resident size
+after glibc's malloc_trim: live memory, not the allocator's cache), (h) the
+charlm step vs the same transformer as a torch.nn.Module with torch.optim.Adam.
 
   python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--json PATH]
 """
 import argparse
+import ctypes
+import gc
 import json
 import math
 import os
@@ -334,6 +337,13 @@ def memory_case(device, sizes=(784, 1024, 1024, 10), batch=256):
 
 # -- (g) RSS growth over 200 MLP steps, each variant in a fresh process ----------------------------
 def _rss_bytes():
+    """Resident bytes after giving the allocator's free pages back (glibc `malloc_trim`): what is
+    live, not what malloc keeps cached from the last step (that moved by ~10 MiB from run to run)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the plain resident size
+        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -593,8 +603,12 @@ def main():
         for style in ("manual", "layers"):
             gd, gt = rss_growth(f"dtape-{style}"), rss_growth(f"torch-{style}")
             extra[f"rss_growth_{style}"] = (gd, gt)
-            print(f"(g) RSS growth over 200 MLP steps ({style}): dtape {gd / 2**20:.1f} MiB, torch {gt / 2**20:.1f} MiB"
-                  f" ({gd / gt if gt > 0 else float('nan'):.2f}x)")
+            if max(gd, gt) < 2**20:
+                verdict = "both under 1 MiB: no growth to compare"
+            else:
+                verdict = f"{gd / gt:.2f}x" if gt > 0 else "torch did not grow"
+            print(f"(g) RSS growth over 200 MLP steps ({style}), after malloc_trim: dtape {gd / 2**10:.0f} KiB, "
+                  f"torch {gt / 2**10:.0f} KiB ({verdict})")
     count_results = counts() if cpu else {}
 
     print(f"\n{'case':58s} {'dtape (ms)':>11s} {'torch (ms)':>11s} {'ratio':>7s} {'reps':>5s}")
