@@ -552,3 +552,18 @@ def test_skinny_weight_gradient_matches_torch_autograd(op, n):
     torch.testing.assert_close(gw.torch(), want_w, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gx.torch(), want_x, rtol=1e-12, atol=1e-12)
     assert gw.torch().is_contiguous()
+
+
+def test_abs_of_complex_gradient_matches_torch_autograd():
+    g = torch.Generator().manual_seed(3)
+    z = torch.complex(torch.randn(5, dtype=torch.float64, generator=g), torch.randn(5, dtype=torch.float64, generator=g))
+    z[2] = 0
+    w = torch.randn(5, dtype=torch.float64, generator=g)
+    dz = dtape.constant(z)
+    with dtape.GradientTape() as tape:
+        tape.watch(dz)
+        loss = dtape.reduce_sum(dtape.abs(dz) * dtape.constant(w))
+    got = tape.gradient(loss, dz)
+    tz = z.clone().requires_grad_()
+    (want,) = torch.autograd.grad((torch.abs(tz) * w).sum(), [tz])
+    torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-12)

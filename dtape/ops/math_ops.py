@@ -101,12 +101,15 @@ def _(dy, ans, x):
 
 @defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary, saves="inputs")
 def abs(x):  # noqa: A001 - TF's name
-    """|x|; gradient sign(x) (0 at 0). Source: tf.math.abs."""
+    """|x| (the real magnitude for complex x); gradient sign(x), x / |x| for complex x (0 at 0).
+    Source: tf.math.abs; complex gradients in torch's convention."""
     return torch.abs(x)
 
 
 @abs.grad
 def _(dy, ans, x):
+    if x.dtype.is_complex:
+        return dy * torch.sgn(x)
     return dy * torch.sign(x)
 
 
