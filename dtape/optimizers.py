@@ -502,10 +502,10 @@ class Adam(Optimizer):
 
     lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t); m = b1 m + (1-b1) g;
     v = b2 v + (1-b2) g^2; w -= lr_t * m / (sqrt(v) + epsilon).
-    Computed by torch's fused Adam kernel when every variable, slot and
-    gradient is float32 or float64 of one dtype on one CPU or CUDA device
-    (one pass over each tensor; equal to the formula up to rounding), else
-    by batched torch._foreach ops.
+    Computed by torch's fused Adam kernel (AdamW: its fused AdamW kernel)
+    when every variable, slot and gradient is float32 or float64 of one dtype
+    on one CPU or CUDA device (one pass over each tensor; equal to the
+    formula up to rounding), else by batched torch._foreach ops.
     Source: tf.keras.optimizers.Adam (Kingma & Ba, 2015, section 2).
     """
 
@@ -517,7 +517,8 @@ class Adam(Optimizer):
 
     def _update_many(self, variables, grads, slots, step):
         b1, b2, eps, lr = self.beta_1, self.beta_2, self.epsilon, self._lr()
-        if type(self)._decay is Adam._decay and _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
+        decay = _FUSED_DECAY.get(type(self)._decay)  # None: a subclass's own decay formula
+        if decay is not None and _fused_adam(variables, grads, slots, step, lr, b1, b2, eps, decay(self)):
             return
         lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
         m = _write_all([s["m"] for s in slots], lambda m, g: m * b1 + (1 - b1) * g, grads,
@@ -532,24 +533,28 @@ class Adam(Optimizer):
         return w  # Adam: no decay (w - 0.0 would be w exactly)
 
 
-# torch's fused Adam kernel (torch.optim.Adam(fused=True)); None where torch lacks it (torch < 2.4
-# has no CPU kernel: the first call fails in the dispatcher, before writing anything, and sets None).
-_fused_adam_kernel = getattr(torch, "_fused_adam_", None)
+# torch's fused Adam and AdamW kernels (torch.optim.Adam/AdamW(fused=True)), by "decoupled weight
+# decay?"; None where torch lacks one (torch < 2.4 has no CPU kernel: the first call fails in the
+# dispatcher, before writing anything, and sets None).
+_FUSED_KERNELS = {False: getattr(torch, "_fused_adam_", None), True: getattr(torch, "_fused_adamw_", None)}
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
-def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
-    """Adam's update of every variable and its m and v slots in one pass of torch's fused kernel.
+def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps, weight_decay=0.0):
+    """Adam's update (AdamW's with `weight_decay`) of every variable and its m and v slots in one pass
+    of torch's fused kernel.
 
     The kernel divides sqrt(v) by sqrt(1 - b2^t) before adding its epsilon;
     with epsilon / sqrt(1 - b2^t) there it computes Keras's update
-    (epsilon added to sqrt(v)) up to rounding. Same kernel in place and on
-    copies (`update_together`), so results do not depend on who holds a
-    tensor. Returns False, having done nothing, unless every tensor is
+    (epsilon added to sqrt(v)) up to rounding; AdamW's decay w * (1 - lr *
+    weight_decay) is Keras's w - lr * weight_decay * w. Same kernel in place
+    and on copies (`update_together`), so results do not depend on who holds
+    a tensor. Returns False, having done nothing, unless every tensor is
     float32 or float64 of one dtype on one CPU or CUDA device and beta_2 < 1.
     """
-    global _fused_adam_kernel
-    if _fused_adam_kernel is None:
+    decoupled = bool(weight_decay)
+    kernel_fn = _FUSED_KERNELS[decoupled]
+    if kernel_fn is None:
         return False
     dev, dt = variables[0].device, variables[0].dtype
     bias_correction2 = 1 - b2 ** step
@@ -570,12 +575,12 @@ def _fused_adam(variables, grads, slots, step, lr, b1, b2, eps):
         for k, t in enumerate(ts):
             if not t.is_contiguous():  # a transposed initial or assigned value: its row-major copy
                 ts[k] = t.contiguous()
-        _fused_adam_kernel(ts[:n], grads, ts[n:2 * n], ts[2 * n:], [], steps, lr=lr, beta1=b1, beta2=b2,
-                           weight_decay=0.0, eps=eps_t, amsgrad=False, maximize=False)
+        kernel_fn(ts[:n], grads, ts[n:2 * n], ts[2 * n:], [], steps, lr=lr, beta1=b1, beta2=b2,
+                  weight_decay=weight_decay, eps=eps_t, amsgrad=False, maximize=False)
     try:
         return update_together(list(variables) + ms + vs, kernel) is not None
     except NotImplementedError:  # no kernel for this device (torch < 2.4 on the CPU): foreach from now on
-        _fused_adam_kernel = None
+        _FUSED_KERNELS[decoupled] = None
         return False
 
 
@@ -592,6 +597,11 @@ class AdamW(Adam):
 
     def _decay(self, w, lr):
         return w - lr * self.weight_decay * w
+
+
+# The decays the fused kernels compute (optimizer -> its weight_decay), by `_decay` method: a
+# subclass with a formula of its own takes the foreach path.
+_FUSED_DECAY = {Adam._decay: lambda opt: 0.0, AdamW._decay: lambda opt: opt.weight_decay}
 
 
 class RMSprop(Optimizer):

@@ -291,7 +291,7 @@ def test_updates_in_place_when_only_the_variable_holds_its_tensor(make):
         np.testing.assert_array_equal(before.numpy(), snapshot)
         assert torch.equal(free.torch(), held.torch()), f"step {k}: in-place and copy-on-write updates differ"
     in_place = free.torch().data_ptr() == ptr
-    assert in_place == (not isinstance(opt_free, dtape.optimizers.AdamW)), "AdamW's decay reads w twice: copies"
+    assert in_place
 
 
 def test_update_never_changes_a_numpy_view_a_torch_reference_or_a_dlpack_export():
@@ -346,26 +346,29 @@ def test_a_tensor_in_shared_memory_is_never_updated_in_place():
 
 
 # -- Adam through torch's fused kernel ----------------------------------------------------------
+@pytest.mark.parametrize("name,kw", [("Adam", {}), ("AdamW", {"weight_decay": 0.1})])
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
-def test_fused_adam_equals_keras_formula(monkeypatch, dtype, rtol):
+def test_fused_adam_equals_keras_formula(monkeypatch, dtype, rtol, name, kw):
     """One fused kernel call per step for every variable and slot; the values are Keras's formula
-    (epsilon added to sqrt(v)) up to rounding, slots included."""
+    (epsilon added to sqrt(v); AdamW: w - lr * weight_decay * w first) up to rounding, slots included."""
     calls = []
-    kernel = dtape.optimizers._fused_adam_kernel
+    decoupled = name == "AdamW"
+    kernel = dtape.optimizers._FUSED_KERNELS[decoupled]
     if kernel is None:
-        pytest.skip("this torch has no fused Adam kernel for the CPU")
-    monkeypatch.setattr(dtape.optimizers, "_fused_adam_kernel", lambda *a, **k: (calls.append(len(a[0])), kernel(*a, **k)))
+        pytest.skip(f"this torch has no fused {name} kernel for the CPU")
+    monkeypatch.setitem(dtape.optimizers._FUSED_KERNELS, decoupled,
+                        lambda *a, **k: (calls.append(len(a[0])), kernel(*a, **k)))
     gen = torch.Generator().manual_seed(1)
     shapes = [(), (7,), (4, 3)]
     init = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     variables = [dtape.Variable(t.clone().to(dtype)) for t in init]
-    opt = dtape.optimizers.Adam(0.05)
+    opt = getattr(dtape.optimizers, name)(0.05, **kw)
     ref = [{"m": torch.zeros_like(t), "v": torch.zeros_like(t)} for t in init]
     ws = [t.clone() for t in init]
     for step in range(1, 6):
         grads = [torch.randn(s, generator=gen, dtype=torch.float64) * 10 ** -step for s in shapes]
         opt.apply_gradients(zip([dtape.constant(g.to(dtype)) for g in grads], variables))
-        ws = [_reference_update("Adam", {}, w, g, r, step, 0.05) for w, g, r in zip(ws, grads, ref)]
+        ws = [_reference_update(name, kw, w, g, r, step, 0.05) for w, g, r in zip(ws, grads, ref)]
     assert calls == [3] * 5
     for k, (v, w) in enumerate(zip(variables, ws)):
         torch.testing.assert_close(v.torch().double(), w, rtol=rtol, atol=0)
