@@ -158,8 +158,8 @@ def _walk(records, reach, grads, keep, raw, ready=None, free=False):
             dys = _gather_multi(rec, grads, keep, raw)
         if dys is not None:
             _backward_record(rec, dys, grads, reach, raw)
-        if free:
-            rec.drop()
+        if free:  # its saved tensors are no longer needed (the record itself goes with the tape's release)
+            rec.s0 = rec.s1 = rec.s2 = None
 
 
 def _backward_record(rec, dys, grads, reach, raw):
