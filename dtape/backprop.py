@@ -187,7 +187,7 @@ def _backward_record(rec, dys, grads, reach, raw):
         prev = grads.get(i)
         if prev is None:
             grads[i] = g
-        elif raw and _sole_sum(prev, g):
+        elif raw and prev.numel() >= _IN_PLACE_MIN and _sole_sum(prev, g):
             prev.add_(g)  # the same kernel as prev + g, without a new buffer (as torch accumulates)
         else:
             grads[i] = prev + g
@@ -203,8 +203,9 @@ _IN_PLACE_MIN = 1 << 14
 def _sole_sum(prev, g):
     """True if the raw walk may add `g` into `prev` in place: same dtype (no promotion), `prev` a dense
     tensor of its own storage (not an expanded or shared view, not numpy/DLPack or shared memory) that
-    nothing but the walk holds (not a user's output gradient, a saved tensor or another id's gradient)."""
-    if prev.numel() < _IN_PLACE_MIN or prev.dtype != g.dtype or prev.device != g.device:
+    nothing but the walk holds (not a user's output gradient, a saved tensor or another id's gradient).
+    The caller checks the size first (`_IN_PLACE_MIN`), without a call for the small sums of a chain."""
+    if prev.dtype != g.dtype or prev.device != g.device:
         return False
     if sys.getrefcount(prev) != _SUM_REFS or not prev.is_contiguous():
         return False
