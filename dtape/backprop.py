@@ -465,11 +465,13 @@ class GradientTape:
             the tape was entered.
         """
         self._begin_use("gradient")
-        flat_targets = [_as_target(t) for t in nest.flatten(target)]
-        flat_sources = nest.flatten(sources)
-        flat_dys = None if output_gradients is None else nest.flatten(output_gradients)
-        grads = self._gradients(flat_targets, flat_sources, flat_dys, unconnected_gradients)
-        self._end_use()
+        try:
+            flat_targets = [_as_target(t) for t in nest.flatten(target)]
+            flat_sources = nest.flatten(sources)
+            flat_dys = None if output_gradients is None else nest.flatten(output_gradients)
+            grads = self._gradients(flat_targets, flat_sources, flat_dys, unconnected_gradients)
+        finally:  # a call that raised was the tape's use too (TF drops it before walking)
+            self._end_use()
         return nest.pack_sequence_as(sources, grads)
 
     def _begin_use(self, what):
@@ -630,11 +632,13 @@ def _finish(src, parts, unconnected):
 def _jacobian(gtape, target, sources, unconnected, batch):
     """Row-by-row Jacobian: one gradient walk per (per-example) target element."""
     gtape._begin_use("batch_jacobian" if batch else "jacobian")
-    target = _as_target(target)
-    flat_sources = nest.flatten(sources)
-    seeds = _jacobian_seeds(target, batch)
-    rows = [tape_gradients(gtape._tape, [target], flat_sources, [seed], unconnected) for seed in seeds]
-    gtape._end_use()
+    try:
+        target = _as_target(target)
+        flat_sources = nest.flatten(sources)
+        seeds = _jacobian_seeds(target, batch)
+        rows = [tape_gradients(gtape._tape, [target], flat_sources, [seed], unconnected) for seed in seeds]
+    finally:  # freed even if a walk raised (see GradientTape.gradient)
+        gtape._end_use()
     out = [_assemble(target, src, [r[j] for r in rows], batch) for j, src in enumerate(flat_sources)]
     return nest.pack_sequence_as(sources, out)
 

@@ -66,6 +66,35 @@ def test_gradient_second_call_non_persistent_raises():
         t.gradient(y, x)
 
 
+def test_non_persistent_gradient_that_raises_midway_still_frees_the_tape():
+    """A non-persistent tape frees its records at its first gradient() (API.md; TF drops the tape before
+    walking), also when that call raises midway: no half-walked records (some without their saved
+    tensors) stay behind to count, list or hold memory, and a second call is the usual RuntimeError."""
+    x = _c([1.0, 2.0, 3.0])
+
+    @dtape.custom_gradient
+    def boom(a):
+        def grad(dy):
+            raise ValueError("boom")
+        return a * 1.0, grad
+
+    for use in ("gradient", "jacobian", "output_gradients"):
+        with dtape.GradientTape() as t:
+            t.watch(x)
+            w = dtape.sin(boom(x * x)) * 2.0
+        assert t.num_records() == 4 and t.nbytes() > 0
+        with pytest.raises(ValueError):
+            if use == "gradient":
+                t.gradient(w, x)              # raises in the rule after two records were walked
+            elif use == "jacobian":
+                t.jacobian(w, x)
+            else:
+                t.gradient(w, x, output_gradients=[_c(1.0), _c(2.0)])  # bad: two for one target
+        assert (t.num_records(), t.nbytes(), t._tape.records()) == (0, 0, []), use
+        with pytest.raises(RuntimeError, match="persistent=True"):
+            t.gradient(w, x)
+
+
 def test_gradient_nested_structures_result_has_sources_structure():
     a, b, c = _c([1.0, 2.0]), _c(3.0), _c([[0.5]])
     with dtape.GradientTape() as t:
