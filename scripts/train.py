@@ -338,6 +338,15 @@ def check_checkpoint(args, task):
 
 # -- strategy and optimizer --------------------------------------------------------
 
+def _world_size():
+    """torchrun's WORLD_SIZE (1 when unset); a value that is not a whole number is a usage error."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"WORLD_SIZE={value!r} is not a whole number; unset it, or launch with torchrun")
+
+
 def make_strategy(args):
     """The strategy named by --strategy, on --devices.
 
@@ -347,7 +356,7 @@ def make_strategy(args):
     files: it exits with a message pointing to multi_worker.
     """
     devices = args.devices.split(",") if args.devices else None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _world_size()
     if args.strategy != "multi_worker" and world > 1:
         fail(f"--strategy {args.strategy} runs in one process, but this is one of WORLD_SIZE={world} processes "
              "(torchrun); every process would train its own copy and overwrite the others' checkpoints. "

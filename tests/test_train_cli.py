@@ -200,3 +200,14 @@ def test_global_batch_smaller_than_the_replicas_trains_and_says_so(tmp_path):
     assert "--batch-size 1 is smaller than the 2 replicas: 1 of them get no examples" in proc.stderr
     proc = _cli("--task", "digits", "--strategy", "mirrored", "--batch-size", 2, "--steps", 2, "--out", tmp_path / "ok")
     assert proc.returncode == 0 and "smaller than" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("world", ["two", "", "1.5"])
+def test_a_world_size_that_is_not_a_number_is_one_error_line_and_exit_2(train, monkeypatch, capsys, world):
+    """torchrun sets WORLD_SIZE to a number; anything else (a hand-set environment) is named, not a traceback."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as exc:
+        train.make_strategy(train.parse_args(["--steps", "2"]))
+    err = capsys.readouterr().err.splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert err[0] == f"train.py: error: WORLD_SIZE={world!r} is not a whole number; unset it, or launch with torchrun", err
