@@ -167,6 +167,9 @@ def _backward_record(rec, dys, grads, reach, raw):
     op, in_ids = rec.op, rec.in_ids
     n = len(in_ids)
     inputs, outputs = rec.split()
+    cplx = dys[0].dtype.is_complex
+    if cplx and not getattr(op, "complex_grad", True):
+        raise NotImplementedError(_complex_message(op))
     if not (raw and getattr(op, "raw_saved", False)):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
     if getattr(op, "takes_needs", False):
@@ -182,6 +185,8 @@ def _backward_record(rec, dys, grads, reach, raw):
         if g is None or i not in reach:
             continue
         shape = inputs[argnum].shape
+        if cplx and g.dtype.is_complex and not inputs[argnum].dtype.is_complex:
+            g = g.real  # a real input of a complex op gets the real part (as torch)
         if g.shape != shape:
             g = _unbroadcast(g, shape, rec, argnum)
         prev = grads.get(i)
@@ -191,6 +196,13 @@ def _backward_record(rec, dys, grads, reach, raw):
             prev.add_(g)  # the same kernel as prev + g, without a new buffer (as torch accumulates)
         else:
             grads[i] = prev + g
+
+
+def _complex_message(op):
+    ready = sorted(o.name for o in ops.REGISTRY if o.complex_grad)
+    return (f"the gradient of {op.name} for complex values is not implemented (its rule assumes real "
+            f"values); complex gradients flow through {', '.join(ready)}, and through torch functions "
+            "without a dtape op (torch.autograd's own rules): use those, or compute in real and imaginary parts")
 
 
 # References to a running gradient sum `prev` seen in `_sole_sum(prev, g)` when only the walk holds it:

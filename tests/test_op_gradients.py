@@ -567,3 +567,61 @@ def test_abs_of_complex_gradient_matches_torch_autograd():
     tz = z.clone().requires_grad_()
     (want,) = torch.autograd.grad((torch.abs(tz) * w).sum(), [tz])
     torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-12)
+
+
+# -- complex gradients: torch's (and TF's) convention, dy times the conjugate derivative -------
+def _complex(g, *shape):
+    return torch.complex(torch.randn(*shape, dtype=torch.float64, generator=g),
+                         torch.randn(*shape, dtype=torch.float64, generator=g))
+
+
+_COMPLEX_CASES = {
+    "mul": lambda z, w, r, m: z * w,
+    "div": lambda z, w, r, m: z / w,
+    "matmul": lambda z, w, r, m: m(z, w),
+    "real_times_complex": lambda z, w, r, m: r * z,            # the real input gets the real part
+    "sum_reshape_transpose": lambda z, w, r, m: m(z, w).T.reshape(-1)[:5] * w[0, 0],
+    "abs_squared": lambda z, w, r, m: abs(z) * abs(z * w),
+    "cast_real_to_complex": lambda z, w, r, m: z * (r * r).to(torch.complex128),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_COMPLEX_CASES))
+def test_complex_gradients_match_torch_autograd_first_and_second_order(case):
+    g = torch.Generator().manual_seed(7)
+    z0, w0, r0 = _complex(g, 3, 3), _complex(g, 3, 3), torch.randn(3, 3, dtype=torch.float64, generator=g)
+    f = _COMPLEX_CASES[case]
+
+    def loss_of(out, tmod):  # a real loss: |out|^2 summed
+        return tmod.real(out * out.conj()).sum() if tmod is torch else dtape.reduce_sum(
+            dtape.abs(out) * dtape.abs(out))
+    tz, tw, tr = (t.clone().requires_grad_() for t in (z0, w0, r0))
+    tl = loss_of(f(tz, tw, tr, torch.matmul), torch)
+    t_first = torch.autograd.grad(tl, [tz, tw, tr], create_graph=True, allow_unused=True)
+    t_second = torch.autograd.grad(sum((q * q.conj()).real.sum() for q in t_first if q is not None), [tz, tw, tr],
+                                   allow_unused=True)
+    dz, dw, dr = (dtape.constant(t) for t in (z0, w0, r0))
+    with dtape.GradientTape() as outer:
+        outer.watch([dz, dw, dr])
+        with dtape.GradientTape() as inner:
+            inner.watch([dz, dw, dr])
+            dl = loss_of(f(dz, dw, dr, dtape.matmul), dtape)
+        d_first = inner.gradient(dl, [dz, dw, dr])
+        s = dtape.add_n([dtape.reduce_sum(dtape.abs(q) * dtape.abs(q)) for q in d_first if q is not None])
+    d_second = outer.gradient(s, [dz, dw, dr])
+    torch.testing.assert_close(float(dl), float(tl.detach()), rtol=1e-12, atol=0)
+    for got, want in list(zip(d_first, t_first)) + list(zip(d_second, t_second)):
+        if want is None:
+            assert got is None or torch.count_nonzero(got.torch()) == 0
+        else:
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got.torch(), want.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_complex_gradient_through_an_op_with_a_real_only_rule_is_refused():
+    z = dtape.constant(torch.tensor([1 + 2j, 3 - 1j]))
+    with dtape.GradientTape() as tape:
+        tape.watch(z)
+        loss = dtape.reduce_sum(dtape.abs(dtape.tanh(z)))
+    with pytest.raises(NotImplementedError, match=r"tanh for complex values.*multiply"):
+        tape.gradient(loss, z)

@@ -37,13 +37,16 @@ class OpDef:
     """
 
     __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
-                 "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs", "saves")
+                 "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs", "saves",
+                 "complex_grad")
 
     # The raw walk passes the saved torch tensors (and metadata) to `backward` as they are.
     raw_saved = True
 
-    def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output, saves="all"):
+    def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output, saves="all",
+                 complex_grad=False):
         self.name = name
+        self.complex_grad = complex_grad
         self.forward = forward
         self.n_in = n_in
         self.list_input = list_input
@@ -218,7 +221,7 @@ def _keyword_inputs(opdef, args, attrs):
 
 
 def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=True,
-          multi_output=False, name=None, saves="all"):
+          multi_output=False, name=None, saves="all", complex_grad=False):
     """Declares an op from its forward on torch tensors; returns the public function.
 
     Args:
@@ -236,13 +239,16 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         "denominator" (the second input, the first only if a tape watches
         the second: divide). The rest reaches the rule as an object with only
         `shape`, `dtype`, `device` and `ndim` (issue 7 point 1).
+      complex_grad: the rule is right for complex values too (torch's and
+        TF's convention: dy times the conjugate derivative); the walk refuses
+        a complex gradient through any other op.
 
     The returned function has `.opdef`, `.grad` (decorator for the rule) and
     `.any` (runs on raw torch tensors without wrapping, or as the op on dtape tensors).
     """
     def deco(forward):
         opdef = OpDef(name or forward.__name__, forward, n_in, list_input, samples,
-                      second_order, multi_output, saves)
+                      second_order, multi_output, saves, complex_grad)
         if list_input or n_in > 2:
             call = _make_nary(opdef)
         else:

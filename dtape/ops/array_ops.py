@@ -9,7 +9,7 @@ import torch
 
 from dtape.ops import _samples as S
 from dtape.ops._registry import TORCH_TABLE, defop
-from dtape.tensor import Tensor, to_torch, as_dtype, default_device, is_variable
+from dtape.tensor import Tensor, to_torch, as_dtype, default_device, is_variable, is_differentiable_dtype
 
 _brange = builtins.range  # `range` below is tf.range
 
@@ -19,7 +19,7 @@ __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concat", "stack", 
 
 
 @defop(torch_fns=((torch.reshape, lambda x, shape: reshape(x, shape)),),
-       samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)})], saves="none")
+       samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)})], saves="none", complex_grad=True)
 def reshape(tensor, shape):
     """Same elements in a new shape (one entry may be -1). Source: tf.reshape."""
     return torch.reshape(tensor, tuple(shape))
@@ -38,7 +38,7 @@ def _invert(perm):
 
 
 @defop(torch_fns=((torch.permute, lambda x, dims: transpose(x, list(dims))),),
-       samples=lambda rng: [((S.randn(rng, 2, 3, 4),), {"perm": (2, 0, 1)}), ((S.randn(rng, 3, 4),), {})], saves="none")
+       samples=lambda rng: [((S.randn(rng, 2, 3, 4),), {"perm": (2, 0, 1)}), ((S.randn(rng, 3, 4),), {})], saves="none", complex_grad=True)
 def transpose(a, perm=None):
     """Permutes dimensions; perm=None reverses them. Source: tf.transpose.
 
@@ -104,7 +104,7 @@ def _concat_samples(rng):
             (([S.randn(rng, 2, 3), S.randn(rng, 2, 2)],), {"axis": -1})]
 
 
-@defop(list_input=True, samples=_concat_samples, saves="none")
+@defop(list_input=True, samples=_concat_samples, saves="none", complex_grad=True)
 def concat(values, axis):
     """Joins a list of tensors along an existing `axis`. Source: tf.concat."""
     return torch.cat(list(values), dim=axis)
@@ -120,7 +120,7 @@ def _stack_samples(rng):
     return [(([S.randn(rng, 2, 3), S.randn(rng, 2, 3)],), {"axis": 1})]
 
 
-@defop(list_input=True, samples=_stack_samples, saves="none")
+@defop(list_input=True, samples=_stack_samples, saves="none", complex_grad=True)
 def stack(values, axis=0):
     """Stacks same-shape tensors along a new `axis`. Source: tf.stack."""
     return torch.stack(list(values), dim=axis)
@@ -179,7 +179,8 @@ def _torch_where(condition, input=None, other=None):  # noqa: A002
 TORCH_TABLE[torch.where] = _torch_where
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 3),), {"dtype": torch.float32})], saves="none")
+@defop(samples=lambda rng: [((S.randn(rng, 3),), {"dtype": torch.float32})], saves="none",
+       complex_grad=True)
 def cast(x, dtype):
     """x converted to torch `dtype`; float-to-float casts pass the gradient back. Source: tf.cast."""
     return x.to(as_dtype(dtype))
@@ -187,12 +188,14 @@ def cast(x, dtype):
 
 @cast.grad
 def _(dy, ans, x, dtype):
-    if not (x.dtype.is_floating_point and ans.dtype.is_floating_point):
+    if not (is_differentiable_dtype(x.dtype) and is_differentiable_dtype(ans.dtype)):
         return None
+    if dy.dtype.is_complex and not x.dtype.is_complex:  # complex to real: the real part (as torch)
+        dy = dy.real
     return cast.any(dy, x.dtype)
 
 
-@defop(samples=S.unary, saves="none")
+@defop(samples=S.unary, saves="none", complex_grad=True)
 def identity(input):  # noqa: A002
     """Returns a new tensor with the same value (a distinct id). Source: tf.identity."""
     return input
@@ -273,7 +276,8 @@ def getitem(tensor, key):
     return _getitem(tensor, key=_raw_key(key))
 
 
-@defop(name="getitem", samples=lambda rng: [((S.randn(rng, 4, 5),), {"key": (slice(1, None), None, torch.tensor([0, 2, 2]))})], saves="none")
+@defop(name="getitem", samples=lambda rng: [((S.randn(rng, 4, 5),), {"key": (slice(1, None), None, torch.tensor([0, 2, 2]))})], saves="none",
+       complex_grad=True)
 def _getitem(tensor, key):
     return tensor[key]
 
@@ -284,7 +288,8 @@ def _(dy, ans, tensor, key):
 
 
 @defop(name="getitem_grad",
-       samples=lambda rng: [((S.randn(rng, 3, 1, 3),), {"shape": (4, 5), "key": (slice(1, None), None, torch.tensor([0, 2, 2]))})])
+       samples=lambda rng: [((S.randn(rng, 3, 1, 3),), {"shape": (4, 5), "key": (slice(1, None), None, torch.tensor([0, 2, 2]))})],
+       complex_grad=True)
 def _getitem_grad(dy, shape, key):
     """Scatter-adds dy into zeros of `shape` at `key` (repeated indices accumulate)."""
     with torch.enable_grad():
@@ -321,7 +326,7 @@ def _split_samples(rng):
             ((S.randn(rng, 2, 7),), {"num_or_size_splits": [2, -1, 1], "axis": -1})]
 
 
-@defop(multi_output=True, samples=_split_samples, saves="none")
+@defop(multi_output=True, samples=_split_samples, saves="none", complex_grad=True)
 def split(value, num_or_size_splits, axis=0):
     """Splits `value` along `axis` into pieces.
 
@@ -601,7 +606,8 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     return Tensor(torch.arange(*vals, dtype=as_dtype(dtype), device=default_device()))
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})], saves="none")
+@defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})], saves="none",
+       complex_grad=True)
 def copy_to_device(x, device):
     """A copy of x on `device` (torch.device); the gradient is copied back to x's device.
 

@@ -22,7 +22,8 @@ __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "neg
 
 
 # -- arithmetic ---------------------------------------------------------------
-@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary, saves="none")
+@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary, saves="none",
+       complex_grad=True)
 def add(x, y):
     """x + y, broadcasting. Any numeric dtype, same device. Source: tf.math.add."""
     return torch.add(x, y)
@@ -33,7 +34,8 @@ def _(dy, ans, x, y):
     return dy, dy
 
 
-@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary, saves="none")
+@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary, saves="none",
+       complex_grad=True)
 def subtract(x, y):
     """x - y, broadcasting. Source: tf.math.subtract."""
     return torch.sub(x, y)
@@ -45,7 +47,7 @@ def _(dy, ans, x, y, needs=(True, True)):
 
 
 @defop(n_in=2, torch_fns=(torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__),
-       samples=S.binary, saves="inputs")
+       samples=S.binary, saves="inputs", complex_grad=True)
 def multiply(x, y):
     """x * y, broadcasting. Source: tf.math.multiply."""
     return torch.mul(x, y)
@@ -53,11 +55,13 @@ def multiply(x, y):
 
 @multiply.grad
 def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product for the constant
+    if dy.dtype.is_complex:  # dy times the conjugate derivative (torch's and TF's convention)
+        x, y = conj(x), conj(y)
     return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
 
 
 @defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive,
-       saves="denominator")
+       saves="denominator", complex_grad=True)
 def divide(x, y):
     """x / y (true division; ints give float), broadcasting. Source: tf.math.divide."""
     return torch.div(x, y)
@@ -67,6 +71,8 @@ def divide(x, y):
 def _(dy, ans, x, y, needs=(True, True)):
     # `scores / scale`: x is kept only if the tape watches y (as torch's DivBackward), and no
     # gradient is computed for a constant scale
+    if dy.dtype.is_complex:  # dy times the conjugate derivative
+        x, y = conj(x), conj(y)
     gx = dy / y
     return (gx if needs[0] else None), (-gx * x / y if needs[1] else None)
 
@@ -88,7 +94,8 @@ def _(dy, ans, x, y):
     return dy, -dy * torch.floor(x / y)
 
 
-@defop(torch_fns=(torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.__neg__), samples=S.unary, saves="none")
+@defop(torch_fns=(torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.__neg__), samples=S.unary, saves="none",
+       complex_grad=True)
 def negative(x):
     """-x. Source: tf.math.negative."""
     return torch.neg(x)
@@ -99,7 +106,8 @@ def _(dy, ans, x):
     return -dy
 
 
-@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary, saves="inputs")
+@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary, saves="inputs",
+       complex_grad=True)
 def abs(x):  # noqa: A001 - TF's name
     """|x| (the real magnitude for complex x); gradient sign(x), x / |x| for complex x (0 at 0).
     Source: tf.math.abs; complex gradients in torch's convention."""
@@ -316,7 +324,7 @@ def _matmul_samples(rng):
             ((S.randn(rng, 2, 4, 3), S.randn(rng, 5, 4)), {"transpose_a": True, "transpose_b": True})]
 
 
-@defop(n_in=2, samples=_matmul_samples, saves="other_input")
+@defop(n_in=2, samples=_matmul_samples, saves="other_input", complex_grad=True)
 def matmul(a, b, transpose_a=False, transpose_b=False):
     """Matrix product of [..., m, k] and [..., k, n] (batch dims broadcast) -> [..., m, n].
 
@@ -356,6 +364,8 @@ def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
     ga = gb = None
     if type(dy) is torch.Tensor:  # raw walk: autocast may have mixed the operands' dtypes
         a, b = as_dy_dtype(dy, a, needs[1]), as_dy_dtype(dy, b, needs[0])
+    if dy.dtype.is_complex:  # dy times the conjugate derivative: products with conj(a), conj(b)
+        a, b = conj(a), conj(b)
     if needs[0]:
         if transpose_a:
             ga = torch.matmul(b, t(dy)) if not transpose_b else torch.matmul(t(b), t(dy))
@@ -379,6 +389,17 @@ def _shared_weight_grad(dy, a, transpose_b):
     a2 = torch.reshape(a, (-1, a.shape[-1]))
     dy2 = torch.reshape(dy, (-1, dy.shape[-1]))
     return torch.matmul(_t(dy2), a2) if transpose_b else at_b(a2, dy2)
+
+
+def conj(x):
+    """The complex conjugate of a saved operand (a lazy view for torch tensors; recorded for
+    dtape.Tensors; real values and shape-only metadata as they are), for rules of complex gradients."""
+    if isinstance(x, complex):
+        return x.conjugate()
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not dtype.is_complex or not hasattr(x, "conj"):
+        return x
+    return x.conj()
 
 
 def as_dy_dtype(dy, x, used=True):
@@ -482,7 +503,7 @@ def _add_n_samples(rng):
     return [(([S.randn(rng, 3, 2), S.randn(rng, 3, 2), S.randn(rng, 3, 2)],), {})]
 
 
-@defop(list_input=True, samples=_add_n_samples, saves="none")
+@defop(list_input=True, samples=_add_n_samples, saves="none", complex_grad=True)
 def add_n(inputs):
     """Sum of a list of same-shape tensors. Source: tf.math.add_n."""
     out = inputs[0]
@@ -516,7 +537,7 @@ def expand_back(g, x, axis, keepdims):
     return g
 
 
-@defop(samples=S.reduction, saves="none")
+@defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_sum(x, axis=None, keepdims=False):
     """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
     axes = reduction_axes(x.ndim, axis)
@@ -528,7 +549,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape)
 
 
-@defop(samples=S.reduction, saves="none")
+@defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
     axes = reduction_axes(x.ndim, axis)
