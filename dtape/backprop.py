@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from dtape import nest, ops
+from dtape.ops.math_ops import conj as _conj
 from dtape import tape as _tp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, storage_held_alone
 
@@ -167,11 +168,15 @@ def _backward_record(rec, dys, grads, reach, raw):
     op, in_ids = rec.op, rec.in_ids
     n = len(in_ids)
     inputs, outputs = rec.split()
-    cplx = dys[0].dtype.is_complex
-    if cplx and not getattr(op, "complex_grad", True):
-        raise NotImplementedError(_complex_message(op))
     if not (raw and getattr(op, "raw_saved", False)):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
+    cplx = dys[0].dtype.is_complex
+    if cplx:
+        how = getattr(op, "complex_grad", True)
+        if not how:
+            raise NotImplementedError(_complex_message(op))
+        if how == "conj":  # the rule's dy * f'(x) on conjugates: dy * conj(f'(x)) (recorded off the raw walk)
+            inputs, outputs = tuple([_conj(x) for x in inputs]), tuple([_conj(o) for o in outputs])
     if getattr(op, "takes_needs", False):
         needs = (in_ids[0] in reach, in_ids[1] in reach) if n == 2 else tuple([i in reach for i in in_ids])
         if getattr(op, "saves", None) in _tp.PARTNER_SAVES:  # watched after the op ran: partner not kept

@@ -239,9 +239,11 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         "denominator" (the second input, the first only if a tape watches
         the second: divide). The rest reaches the rule as an object with only
         `shape`, `dtype`, `device` and `ndim` (issue 7 point 1).
-      complex_grad: the rule is right for complex values too (torch's and
-        TF's convention: dy times the conjugate derivative); the walk refuses
-        a complex gradient through any other op.
+      complex_grad: True if the rule is right for complex values too (torch's
+        and TF's convention: dy times the conjugate derivative); "conj" if it
+        is a holomorphic function's rule written with real coefficients
+        (dy * f'(x)), which the walk then gives the conjugates of the saved
+        tensors. The walk refuses a complex gradient through any other op.
 
     The returned function has `.opdef`, `.grad` (decorator for the rule) and
     `.any` (runs on raw torch tensors without wrapping, or as the op on dtape tensors).

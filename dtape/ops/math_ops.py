@@ -155,7 +155,7 @@ def _is_float(t):
     return t.dtype.is_floating_point
 
 
-@defop(torch_fns=(torch.square,), samples=S.unary, saves="inputs")
+@defop(torch_fns=(torch.square,), samples=S.unary, saves="inputs", complex_grad="conj")
 def square(x):
     """x * x. Source: tf.math.square."""
     return torch.square(x)
@@ -166,7 +166,7 @@ def _(dy, ans, x):
     return dy * 2 * x
 
 
-@defop(torch_fns=(torch.sqrt, torch.Tensor.sqrt), samples=S.unary_positive, saves="output")
+@defop(torch_fns=(torch.sqrt, torch.Tensor.sqrt), samples=S.unary_positive, saves="output", complex_grad="conj")
 def sqrt(x):
     """Square root (x >= 0). Source: tf.math.sqrt."""
     return torch.sqrt(x)
@@ -177,7 +177,7 @@ def _(dy, ans, x):
     return dy * 0.5 / ans
 
 
-@defop(torch_fns=(torch.rsqrt,), samples=S.unary_positive)
+@defop(torch_fns=(torch.rsqrt,), samples=S.unary_positive, complex_grad="conj")
 def rsqrt(x):
     """1 / sqrt(x) (x > 0). Source: tf.math.rsqrt."""
     return torch.rsqrt(x)
@@ -188,7 +188,7 @@ def _(dy, ans, x):
     return dy * -0.5 * ans / x
 
 
-@defop(torch_fns=(torch.exp, torch.Tensor.exp), samples=S.unary, saves="output")
+@defop(torch_fns=(torch.exp, torch.Tensor.exp), samples=S.unary, saves="output", complex_grad="conj")
 def exp(x):
     """e ** x. Source: tf.math.exp."""
     return torch.exp(x)
@@ -199,7 +199,8 @@ def _(dy, ans, x):
     return dy * ans
 
 
-@defop(torch_fns=(torch.log, torch.Tensor.log), samples=S.unary_positive, saves="inputs")
+@defop(torch_fns=(torch.log, torch.Tensor.log), samples=S.unary_positive, saves="inputs",
+       complex_grad="conj")
 def log(x):
     """Natural logarithm (x > 0). Source: tf.math.log."""
     return torch.log(x)
@@ -210,7 +211,7 @@ def _(dy, ans, x):
     return dy / x
 
 
-@defop(torch_fns=(torch.log1p,), samples=S.unary_positive, saves="inputs")
+@defop(torch_fns=(torch.log1p,), samples=S.unary_positive, saves="inputs", complex_grad="conj")
 def log1p(x):
     """log(1 + x) (x > -1). Source: tf.math.log1p."""
     return torch.log1p(x)
@@ -221,7 +222,7 @@ def _(dy, ans, x):
     return dy / (1 + x)
 
 
-@defop(torch_fns=(torch.sin,), samples=S.unary, saves="inputs")
+@defop(torch_fns=(torch.sin,), samples=S.unary, saves="inputs", complex_grad="conj")
 def sin(x):
     """Sine (radians). Source: tf.math.sin."""
     return torch.sin(x)
@@ -232,7 +233,7 @@ def _(dy, ans, x):
     return dy * torch.cos(x)
 
 
-@defop(torch_fns=(torch.cos,), samples=S.unary, saves="inputs")
+@defop(torch_fns=(torch.cos,), samples=S.unary, saves="inputs", complex_grad="conj")
 def cos(x):
     """Cosine (radians). Source: tf.math.cos."""
     return torch.cos(x)
@@ -243,7 +244,8 @@ def _(dy, ans, x):
     return -dy * torch.sin(x)
 
 
-@defop(torch_fns=(torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh), samples=S.unary, saves="output")
+@defop(torch_fns=(torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh), samples=S.unary, saves="output",
+       complex_grad=True)
 def tanh(x):
     """Hyperbolic tangent. Source: tf.math.tanh."""
     return torch.tanh(x)
@@ -251,12 +253,13 @@ def tanh(x):
 
 @tanh.grad
 def _(dy, ans, x):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.tanh_backward(dy, ans)
-    return dy * (1 - ans * ans)
+    return dy * conj(1 - ans * ans)
 
 
-@defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary, saves="output")
+@defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary, saves="output",
+       complex_grad=True)
 def sigmoid(x):
     """1 / (1 + exp(-x)). Source: tf.math.sigmoid."""
     return torch.sigmoid(x)
@@ -264,9 +267,9 @@ def sigmoid(x):
 
 @sigmoid.grad
 def _(dy, ans, x):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.sigmoid_backward(dy, ans)
-    return dy * ans * (1 - ans)
+    return dy * conj(ans * (1 - ans))
 
 
 @defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct, saves="inputs")
