@@ -155,6 +155,7 @@ def parse_args(argv=None):
     check_numbers(args)
     check_flags(args)
     check_devices(args)
+    check_launch(args)
     check_folders(args)
     return args
 
@@ -355,12 +356,8 @@ def make_strategy(args):
     WORLD_SIZE > 1 would train duplicate copies that overwrite each other's
     files: it exits with a message pointing to multi_worker.
     """
+    check_launch(args)
     devices = args.devices.split(",") if args.devices else None
-    world = _world_size()
-    if args.strategy != "multi_worker" and world > 1:
-        fail(f"--strategy {args.strategy} runs in one process, but this is one of WORLD_SIZE={world} processes "
-             "(torchrun); every process would train its own copy and overwrite the others' checkpoints. "
-             "Use --strategy multi_worker under torchrun (see launch/README.md)")
     if args.strategy == "multi_worker" and "WORLD_SIZE" not in os.environ:
         print(f"{PROG}: note: no torchrun environment (WORLD_SIZE unset): training as one worker; launch "
               "with torchrun for more (see launch/README.md)", file=sys.stderr)
@@ -368,10 +365,19 @@ def make_strategy(args):
         return dtape.distribute.OneDeviceStrategy(devices[0] if devices else "cpu")
     if args.strategy == "mirrored":
         return dtape.distribute.MirroredStrategy(devices=devices or ["cpu:0", "cpu:1"], seed=args.seed)
-    if devices and len(devices) > 1:
+    return dtape.distribute.MultiWorkerMirroredStrategy(device=devices[0] if devices else None, seed=args.seed)
+
+
+def check_launch(args):
+    """The strategy fits how the job was launched (checked before any folder is made)."""
+    world = _world_size()
+    if args.strategy != "multi_worker" and world > 1:
+        fail(f"--strategy {args.strategy} runs in one process, but this is one of WORLD_SIZE={world} processes "
+             "(torchrun); every process would train its own copy and overwrite the others' checkpoints. "
+             "Use --strategy multi_worker under torchrun (see launch/README.md)")
+    if args.strategy == "multi_worker" and args.devices and len(args.devices.split(",")) > 1:
         fail(f"--strategy multi_worker runs one replica per process on one device; got --devices {args.devices}. "
              "Launch one process per device with torchrun instead (see launch/README.md)")
-    return dtape.distribute.MultiWorkerMirroredStrategy(device=devices[0] if devices else None, seed=args.seed)
 
 
 def make_optimizer(config):

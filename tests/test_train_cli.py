@@ -211,3 +211,12 @@ def test_a_world_size_that_is_not_a_number_is_one_error_line_and_exit_2(train, m
     err = capsys.readouterr().err.splitlines()
     assert exc.value.code == 2 and len(err) == 1, err
     assert err[0] == f"train.py: error: WORLD_SIZE={world!r} is not a whole number; unset it, or launch with torchrun", err
+
+
+def test_single_process_strategy_under_torchrun_is_refused_before_any_folder_is_made(tmp_path):
+    env = dict(ENV, WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, SCRIPT, "--no-progress", "--strategy", "mirrored", "--out", tmp_path / "out",
+                           "--checkpoint-dir", tmp_path / "ckpt"], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=ROOT, check=False)
+    _assert_usage_error(proc, "--strategy mirrored runs in one process, but this is one of WORLD_SIZE=2 processes")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
