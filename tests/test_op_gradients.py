@@ -587,6 +587,9 @@ _COMPLEX_CASES = {  # ns: torch or dtape (the same names)
     "log_sqrt_rsqrt": lambda z, w, r, ns: ns.log(z * w) + ns.sqrt(z) * ns.rsqrt(w),
     "tanh_sigmoid_square": lambda z, w, r, ns: ns.tanh(z * 0.3) * ns.sigmoid(w * 0.2) + ns.square(z),
     "log1p": lambda z, w, r, ns: ns.log1p(z * 0.5) * w,
+    # second order walks the reductions' recorded rules (broadcast_to, reshape) with complex gradients
+    "reduce_sum_mean_axis": lambda z, w, r, ns: (
+        (z * w).sum(0) * w.mean() if ns is torch else dtape.reduce_sum(z * w, axis=0) * dtape.reduce_mean(w)),
 }
 
 
@@ -629,3 +632,40 @@ def test_complex_gradient_through_an_op_with_a_real_only_rule_is_refused():
         loss = dtape.reduce_sum(dtape.abs(dtape.nn.softplus(z)))
     with pytest.raises(NotImplementedError, match=r"softplus for complex values.*multiply"):
         tape.gradient(loss, z)
+
+
+def test_global_norm_and_norm_clipping_of_complex_tensors_use_the_modulus():
+    # The norm of a complex tensor is sqrt(sum |t|^2) (torch.linalg.vector_norm, clip_grad_norm_):
+    # global_norm used to cast to real (dropping the imaginary part: 3 for [3+4j]) and clip_by_norm
+    # failed in `greater` on a complex sum.
+    g = torch.Generator().manual_seed(11)
+    a, b = _complex(g, 2, 3), torch.randn(4, dtype=torch.float64, generator=g)
+    want_norm = torch.sqrt((a.abs() ** 2).sum() + (b ** 2).sum())
+    norm = dtape.global_norm([dtape.constant(a), dtape.constant(b)])
+    assert norm.dtype == torch.float64
+    torch.testing.assert_close(norm.torch(), want_norm, rtol=1e-12, atol=0)
+    assert float(dtape.global_norm([dtape.constant(torch.tensor([3 + 4j], dtype=torch.complex64))])) == 5.0
+    (ca, cb), _ = dtape.clip_by_global_norm([dtape.constant(a), dtape.constant(b)], 1.0)
+    assert ca.dtype == torch.complex128
+    torch.testing.assert_close(ca.torch(), a / want_norm, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(cb.torch(), b / want_norm, rtol=1e-12, atol=1e-15)
+    clipped = dtape.clip_by_norm(dtape.constant(a), 1.0, axes=[1])
+    torch.testing.assert_close(clipped.torch(), a / torch.linalg.vector_norm(a, dim=1, keepdim=True),
+                               rtol=1e-12, atol=1e-15)
+
+
+def test_output_gradients_real_for_a_complex_target_or_complex_for_a_real_one_are_refused():
+    # A real upstream gradient for a complex target skipped every conjugation (dy * w instead of
+    # dy * conj(w)); a complex one for a real target kept only its real part. torch refuses both.
+    z = dtape.constant(torch.tensor([1 + 2j, 3 - 1j]))
+    r = dtape.constant([1.0, 2.0])
+    with dtape.GradientTape(persistent=True) as tape:
+        tape.watch([z, r])
+        y = z * dtape.constant(torch.tensor([2 - 1j, 1j]))
+        q = r * r
+    with pytest.raises(TypeError, match=r"output_gradients.*float64.*complex64"):
+        tape.gradient(y, z, output_gradients=dtape.ones((2,), dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"output_gradients.*complex64.*float32"):
+        tape.gradient(q, r, output_gradients=dtape.constant(torch.tensor([1j, 1j])))
+    got = tape.gradient(y, z, output_gradients=dtape.constant(torch.tensor([1 + 0j, 1 + 0j])))
+    torch.testing.assert_close(got.torch(), torch.tensor([2 + 1j, -1j]))

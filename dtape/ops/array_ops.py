@@ -131,7 +131,7 @@ def _(dy, ans, values, axis=0):
     return tuple(torch.unbind(dy, dim=axis))
 
 
-@defop(samples=lambda rng: [((S.randn(rng, 3, 1),), {"shape": (2, 3, 4)})])
+@defop(samples=lambda rng: [((S.randn(rng, 3, 1),), {"shape": (2, 3, 4)})], complex_grad=True)
 def broadcast_to(input, shape):  # noqa: A002
     """Broadcasts `input` to `shape` (numpy rules). Source: tf.broadcast_to."""
     return torch.broadcast_to(input, tuple(shape)).clone()
