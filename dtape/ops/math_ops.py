@@ -744,7 +744,7 @@ def clip_by_norm(t, clip_norm, axes=None):
     """`t * clip_norm / max(l2norm(t), clip_norm)`: rescales t so its L2 norm (over `axes`) is at most clip_norm.
 
     Args:
-      t: floating tensor, any shape.
+      t: floating or complex tensor, any shape (complex: the norm of the modulus).
       clip_norm: positive scalar.
       axes: None (the whole tensor) or axes to compute the norm over.
 
@@ -756,18 +756,19 @@ def clip_by_norm(t, clip_norm, axes=None):
     """
     from dtape.ops import array_ops
     t = _convert(t)
-    l2sum = reduce_sum(t * t, axis=axes, keepdims=True)
-    pred = array_ops.cast(greater(l2sum, 0.0), t.dtype)
+    m = abs(t) if t.dtype.is_complex else t  # complex t: the modulus (sum |t|^2, as torch's vector_norm)
+    l2sum = reduce_sum(m * m, axis=axes, keepdims=True)
+    pred = array_ops.cast(greater(l2sum, 0.0), l2sum.dtype)
     l2norm = sqrt(l2sum + (1.0 - pred)) * pred  # sqrt(1) where l2sum == 0: no inf in the backward
     clip = float(clip_norm)
     return t * clip / maximum(l2norm, clip)
 
 
 def global_norm(t_list):
-    """`sqrt(sum of sum(t ** 2) over t_list)` (None entries skipped), in float32 at least.
+    """`sqrt(sum of sum(|t| ** 2) over t_list)` (None entries skipped), in float32 at least.
 
     Returns:
-      A scalar Tensor (float32, or float64 if a tensor is float64) on the first tensor's device.
+      A scalar Tensor (float32, or float64 if a tensor is float64 or complex128) on the first tensor's device.
 
     Raises:
       ValueError: t_list holds no tensor.
@@ -778,8 +779,9 @@ def global_norm(t_list):
     ts = [_convert(t) for t in t_list if t is not None]
     if not ts:
         raise ValueError("global_norm: t_list holds no tensor (every entry is None)")
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+    dtype = torch.float64 if any(t.dtype in (torch.float64, torch.complex128) for t in ts) else torch.float32
     device = ts[0].device
+    ts = [abs(t) if t.dtype.is_complex else t for t in ts]  # complex: the modulus (a cast drops the imaginary part)
     sums = [array_ops.to_device(reduce_sum(square(array_ops.cast(t, dtype))), device) for t in ts]
     return sqrt(add_n(sums) if len(sums) > 1 else sums[0])
 
