@@ -325,6 +325,9 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
     source_ids = [s._id for s in sources]
     target_ids = [t._id for t in targets]
     dys = [None if dy is None else convert_to_tensor(dy) for dy in (output_gradients or [None] * len(targets))]
+    for k, (t, dy) in enumerate(zip(targets, dys)):
+        if dy is not None and dy.dtype.is_complex != t.dtype.is_complex:
+            raise TypeError(_dy_kind_message(k, dy, t))
     with profile_range("dtape.gradient"):  # a named range in torch.profiler traces
         records, reach = _prune(tape._live(), target_ids, source_ids)
         raw = _walk_is_raw(records, target_ids, dys)
@@ -339,6 +342,14 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
         _walk(records, reach, grads, set(source_ids), raw, ready, free)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
+
+
+def _dy_kind_message(k, dy, t):
+    # The walk picks each rule's complex form from the gradient's dtype: a real gradient for a complex
+    # target would skip the conjugations, a complex one for a real target lose its imaginary part.
+    return (f"output_gradients[{k}] has dtype {dy.dtype} but its target has dtype {t.dtype}: a complex target "
+            "needs a complex upstream gradient and a real target a real one (torch refuses the mismatch too); "
+            f"cast it, e.g. dtape.cast(dy, {t.dtype})")
 
 
 class GradientTape:
@@ -470,7 +481,8 @@ class GradientTape:
         Args:
           target: Tensor or nest of Tensors (each floating).
           sources: Tensor, Variable, or nest of them.
-          output_gradients: optional nest like `target`: the upstream gradients.
+          output_gradients: optional nest like `target`: the upstream gradients
+            (complex for a complex target, real for a real one).
           unconnected_gradients: `UnconnectedGradients.NONE` (None) or `.ZERO`.
 
         Returns:
@@ -480,6 +492,8 @@ class GradientTape:
         Raises:
           RuntimeError: on a second call of a non-persistent tape, or before
             the tape was entered.
+          TypeError: an output gradient is real for a complex target, or
+            complex for a real one.
         """
         self._begin_use("gradient")
         try:
