@@ -95,14 +95,38 @@ def chain_case(n, device):
 
 
 # -- (b) MLP training step -----------------------------------------------------
-def mlp_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
+def _mlp_setup(sizes, batch, device="cpu"):
+    """The MLP cases' seeded start: weights [W1, b1, W2, b2, ...] (W [in, out] scaled by fan_in ** -0.5,
+    b zeros), data [batch, sizes[0]] and int64 labels [batch], on `device`; the same in every case."""
     g = torch.Generator().manual_seed(0)
     init = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
         init += [torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5, torch.zeros(fan_out)]
-    init = [p.to(device) for p in init]
-    data = torch.randn(batch, sizes[0], generator=g).to(device)
-    labels = torch.randint(0, sizes[-1], (batch,), generator=g).to(device)
+    data = torch.randn(batch, sizes[0], generator=g)
+    labels = torch.randint(0, sizes[-1], (batch,), generator=g)
+    return [p.to(device) for p in init], data.to(device), labels.to(device)
+
+
+def _dtape_logits(h, params):
+    """The MLP forward on dtape: x @ W + b per layer, relu between layers."""
+    for i in range(0, len(params), 2):
+        h = dtape.matmul(h, params[i]) + params[i + 1]
+        if i + 2 < len(params):
+            h = dtape.nn.relu(h)
+    return h
+
+
+def _torch_logits(h, params):
+    """The same forward in plain torch."""
+    for i in range(0, len(params), 2):
+        h = h @ params[i] + params[i + 1]
+        if i + 2 < len(params):
+            h = torch.relu(h)
+    return h
+
+
+def mlp_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
+    init, data, labels = _mlp_setup(sizes, batch, device)
 
     dvars = [dtape.Variable(p) for p in init]
     dx, dy = dtape.constant(data), dtape.constant(labels)
@@ -111,23 +135,13 @@ def mlp_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
 
     def run_dtape():
         with dtape.GradientTape() as tape:
-            h = dx
-            for i in range(0, len(dvars), 2):
-                h = dtape.matmul(h, dvars[i]) + dvars[i + 1]
-                if i + 2 < len(dvars):
-                    h = dtape.nn.relu(h)
-            loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dy, h))
+            loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dy, _dtape_logits(dx, dvars)))
         grads = tape.gradient(loss, dvars)
         opt.apply_gradients(zip(grads, dvars))
         return loss
 
     def run_torch():
-        h = data
-        for i in range(0, len(tparams), 2):
-            h = h @ tparams[i] + tparams[i + 1]
-            if i + 2 < len(tparams):
-                h = torch.relu(h)
-        loss = F.cross_entropy(h, labels)
+        loss = F.cross_entropy(_torch_logits(data, tparams), labels)
         grads = torch.autograd.grad(loss, tparams)
         with torch.no_grad():
             for p, gr in zip(tparams, grads):
@@ -226,12 +240,7 @@ def mlp_layers_case(device, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
 # -- (e) replicas: 2 CPU replicas vs 1 on the same global batch ------------------------------
 def replica_case(n_replicas, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
     """A MirroredStrategy MLP step on `n_replicas` CPU devices; each replica takes batch / n examples."""
-    g = torch.Generator().manual_seed(0)
-    init = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-        init += [torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5, torch.zeros(fan_out)]
-    data = torch.randn(batch, sizes[0], generator=g)
-    labels = torch.randint(0, sizes[-1], (batch,), generator=g)
+    init, data, labels = _mlp_setup(sizes, batch)
     strategy = dtape.distribute.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n_replicas)])
     with strategy.scope():
         dvars = [dtape.Variable(p) for p in init]
@@ -243,12 +252,8 @@ def replica_case(n_replicas, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
     def replica_step():
         x, y = shards[dtape.distribute.get_replica_context().replica_id_in_sync_group]
         with dtape.GradientTape() as tape:
-            h = x
-            for i in range(0, len(dvars), 2):
-                h = dtape.matmul(h, dvars[i]) + dvars[i + 1]
-                if i + 2 < len(dvars):
-                    h = dtape.nn.relu(h)
-            loss = dtape.reduce_sum(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, h)) / batch
+            per_example = dtape.nn.sparse_softmax_cross_entropy_with_logits(y, _dtape_logits(x, dvars))
+            loss = dtape.reduce_sum(per_example) / batch
         opt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
         return loss
 
@@ -259,21 +264,12 @@ def replica_case(n_replicas, sizes=(784, 1024, 1024, 10), batch=256, lr=0.01):
 
 def torch_threads_case(n_threads, sizes=(784, 1024, 1024, 10), batch=256):
     """Plain torch forward+backward of the same MLP split over n threads (the reference for (e))."""
-    g = torch.Generator().manual_seed(0)
-    params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-        params += [(torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5).requires_grad_(),
-                   torch.zeros(fan_out, requires_grad=True)]
-    data = torch.randn(batch, sizes[0], generator=g)
-    labels = torch.randint(0, sizes[-1], (batch,), generator=g)
+    init, data, labels = _mlp_setup(sizes, batch)
+    params = [p.requires_grad_() for p in init]
     per = batch // n_threads
 
     def work(i):
-        h = data[i * per:(i + 1) * per]
-        for j in range(0, len(params), 2):
-            h = h @ params[j] + params[j + 1]
-            if j + 2 < len(params):
-                h = torch.relu(h)
+        h = _torch_logits(data[i * per:(i + 1) * per], params)
         torch.autograd.grad(F.cross_entropy(h, labels[i * per:(i + 1) * per]), params)
 
     def run():
@@ -298,20 +294,10 @@ def _storage_bytes(tensors):
 
 def memory_case(device, sizes=(784, 1024, 1024, 10), batch=256):
     """(dtape tape.nbytes(), records, torch saved bytes) for one forward of the MLP step."""
-    g = torch.Generator().manual_seed(0)
-    init = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-        init += [torch.randn(fan_in, fan_out, generator=g) * fan_in ** -0.5, torch.zeros(fan_out)]
-    init = [p.to(device) for p in init]
-    data = torch.randn(batch, sizes[0], generator=g).to(device)
-    labels = torch.randint(0, sizes[-1], (batch,), generator=g).to(device)
+    init, data, labels = _mlp_setup(sizes, batch, device)
     dvars = [dtape.Variable(p) for p in init]
     with dtape.GradientTape() as tape:
-        h = dtape.constant(data)
-        for i in range(0, len(dvars), 2):
-            h = dtape.matmul(h, dvars[i]) + dvars[i + 1]
-            if i + 2 < len(dvars):
-                h = dtape.nn.relu(h)
+        h = _dtape_logits(dtape.constant(data), dvars)
         loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dtape.constant(labels), h))
     if hasattr(tape, "nbytes"):
         d_bytes, d_records = tape.nbytes(), tape.num_records()
@@ -324,12 +310,7 @@ def memory_case(device, sizes=(784, 1024, 1024, 10), batch=256):
     saved = []
     tparams = [p.clone().requires_grad_() for p in init]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        h = data
-        for i in range(0, len(tparams), 2):
-            h = h @ tparams[i] + tparams[i + 1]
-            if i + 2 < len(tparams):
-                h = torch.relu(h)
-        loss = F.cross_entropy(h, labels)
+        loss = F.cross_entropy(_torch_logits(data, tparams), labels)
     t_bytes = _storage_bytes(saved)
     torch.autograd.grad(loss, tparams)
     return d_bytes, d_records, t_bytes
