@@ -112,6 +112,8 @@ def reduce_non_distributed_value(reduce_op, value, num_replicas):
 def broadcast(value, devices):
     """One Tensor per device, each a distinct object: an identity on the value's own device, a copy elsewhere."""
     value = convert_to_tensor(value)
+    if len(devices) == 1 and devices[0] == value.device:  # one replica on the value's device (an optimizer step)
+        return (ops.identity(value),)
     out = []
     with profile_range("dtape.broadcast"):
         for d in devices:

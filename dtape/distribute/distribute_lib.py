@@ -447,10 +447,7 @@ class StrategyExtended:
         if value is None:
             return None
         total = self._reduce(reduce_op, value)
-        destinations = self._destinations(total)
-        if len(destinations) == 1 and total.device == destinations[0]:  # one replica: no copy, a new object
-            return Mirrored((ops.identity(total),))
-        return Mirrored(cross_device_ops.broadcast(total, destinations))
+        return Mirrored(cross_device_ops.broadcast(total, self._destinations(total)))
 
 
 class Strategy:
