@@ -12,9 +12,12 @@ global batch (and plain torch in 2 threads / 1), (f) bytes the tape holds for
 one MLP step vs what torch autograd saves (saved_tensors_hooks), (g) RSS
 growth over 200 MLP steps (each variant in a fresh process; resident size
 after glibc's malloc_trim: live memory, not the allocator's cache), (h) the
-charlm step vs the same transformer as a torch.nn.Module with torch.optim.Adam.
+charlm step vs the same transformer as a torch.nn.Module with torch.optim.Adam,
+(i) on the CPU, 2 torchrun workers (gloo) with dtape's MultiWorkerMirroredStrategy
+against 2 with torch DistributedDataParallel, for the MLP and charlm steps
+(scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden).
 
-  python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--json PATH]
+  python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--json PATH]
 """
 import argparse
 import ctypes
@@ -416,6 +419,17 @@ class _TorchCharLM(torch.nn.Module):
         return F.layer_norm(h, (c.WIDTH,), g, bb, eps=1e-3) @ wh + bh
 
 
+# -- (i) 2 torchrun workers: dtape against DistributedDataParallel (issue 6 point 9) -------
+def multiworker_case(quick):
+    """scripts/bench_multiworker.py's launches (3 sets of 60 steps; --quick: 1 of 20); prints its ratios."""
+    import bench_multiworker
+    repeat, steps = (1, 20) if quick else (3, 60)
+    print(f"(i) 2 torchrun workers (gloo), dtape vs DistributedDataParallel: {repeat} set(s) of {steps} steps")
+    out = bench_multiworker.measure(steps, repeat, verbose=False)
+    bench_multiworker.print_summary(out["ratios"], repeat)
+    return out
+
+
 # -- (d) counts: tape scope (issue 7 point 3) and Python calls per variable read (point 7) ----
 def count_calls(fn):
     """Python function calls (sys.setprofile 'call' events, this thread) made by fn(), fn itself included."""
@@ -524,6 +538,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--counts", action="store_true", help="only the record and call counts")
+    ap.add_argument("--no-multiworker", action="store_true", help="skip case (i), the torchrun launches")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -591,6 +606,8 @@ def main():
             print(f"(g) RSS growth over 200 MLP steps ({style}), after malloc_trim: dtape {gd / 2**10:.0f} KiB, "
                   f"torch {gt / 2**10:.0f} KiB ({verdict})")
     count_results = counts() if cpu else {}
+    if cpu and not args.no_multiworker:
+        extra["multiworker"] = multiworker_case(q)
 
     print(f"\n{'case':58s} {'dtape (ms)':>11s} {'torch (ms)':>11s} {'ratio':>7s} {'reps':>5s}")
     for name, d, t, r in rows:

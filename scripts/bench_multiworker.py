@@ -10,7 +10,9 @@ loss divided by the global batch size (TF semantics), DDP averages the
 gradients of per-worker mean losses; both give the one-device update. The
 first-step losses are checked equal.
 
-  python scripts/bench_multiworker.py [--steps 60] [--json PATH]
+  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--json PATH]
+
+(`scripts/bench.py` runs it too, as its case (i).)
 
 runs `torchrun --standalone --nproc-per-node W` for the MLP at W = 1 and 2
 and charlm at W = 2, with this checkout's dtape. Inside one launch the cases
@@ -26,7 +28,11 @@ warm-up, each step between two barriers. It prints dtape/DDP at 2 workers,
 (1 - (extra time apply_gradients spends at 2 workers with GradientSync) /
 (the same without)), and rank 0's phase times per step: dtape's forward,
 gradient walk and apply_gradients (all-reduce wait + update), DDP's forward,
-backward (with its all-reduce) and optimizer.step.
+backward (with its all-reduce) and optimizer.step; and each step's CPU time
+on rank 0 (the process's, its communication threads included: with one
+core per worker the step is CPU-bound, and this is the steadier measure).
+The launches are repeated `--repeat` times; each ratio is given as the
+median over the sets, with its range.
 Under the hood it re-runs itself with `--worker`.
 """
 import argparse
@@ -228,17 +234,19 @@ def _worker(model, steps):
              "ddp": make_ddp(rank, world, lr)}
     names = list(cases)
     first = {name: cases[name][0](0) for name in names}
-    times = {name: [] for name in names}
+    times, cpu = {name: [] for name in names}, {name: [] for name in names}
     for k in range(1, steps + 1):
         for name in names[k % len(names):] + names[:k % len(names)]:  # rotate: no case always goes first
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             cases[name][0](k)
+            cpu[name].append(time.process_time() - c0)  # this process, its communication threads included
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
     out = {}
     for name in names:
-        out[name] = {"first_loss": first[name], "step_s": statistics.median(times[name][steps // 5:])}
+        out[name] = {"first_loss": first[name], "step_s": statistics.median(times[name][steps // 5:]),
+                     "cpu_s": statistics.median(cpu[name][steps // 5:])}
         out[name].update(cases[name][1].medians())
     out["dtape_file"] = dtape.__file__
     dist.barrier()
@@ -267,14 +275,61 @@ def _hidden_share(mlp1, mlp2):
 
 def _report(res):
     for key, r in res.items():
-        print(f"{key:20s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:7.2f} ms   " + "  ".join(
-            f"{p} {r[p + '_s'] * 1e3:6.2f}" for p in ("forward", "walk", "apply", "backward", "optimizer")
-            if p + "_s" in r))
+        print(f"{key:20s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:6.2f} ms  cpu {r['cpu_s'] * 1e3:6.2f}"
+              "  " + "  ".join(f"{p} {r[p + '_s'] * 1e3:5.2f}" for p in ("forward", "walk", "apply", "backward",
+                                                                      "optimizer") if p + "_s" in r))
+
+
+def _ratios(runs):
+    """The ratios of one set of launches (see the module docstring)."""
+    res = {f"{m}_{case}_{w}": r for (m, w), cases in runs.items() for case, r in cases.items()}
+    for m in ("mlp", "charlm"):
+        for case in ("dtape", "dtape_sync"):
+            assert abs(res[f"{m}_{case}_2"]["first_loss"] - res[f"{m}_ddp_2"]["first_loss"]) < 1e-5, \
+                f"{m}: {case} and DDP disagree"
+    step = {k: r["step_s"] for k, r in res.items()}
+    cpu = {k: r["cpu_s"] for k, r in res.items()}
+    # the headline is train.py's step: GradientSync overlaps the all-reduce with the walk, as DDP does
+    return res, {"mlp dtape/ddp at 2 workers": step["mlp_dtape_sync_2"] / step["mlp_ddp_2"],
+                 "charlm dtape/ddp at 2 workers": step["charlm_dtape_sync_2"] / step["charlm_ddp_2"],
+                 "mlp dtape, no overlap/ddp": step["mlp_dtape_2"] / step["mlp_ddp_2"],
+                 "charlm dtape, no overlap/ddp": step["charlm_dtape_2"] / step["charlm_ddp_2"],
+                 "mlp cpu time dtape/ddp": cpu["mlp_dtape_sync_2"] / cpu["mlp_ddp_2"],
+                 "charlm cpu time dtape/ddp": cpu["charlm_dtape_sync_2"] / cpu["charlm_ddp_2"],
+                 "communication hidden (share)": _hidden_share(runs[("mlp", 1)], runs[("mlp", 2)]),
+                 "mlp dtape/ddp at 1 worker": step["mlp_dtape_1"] / step["mlp_ddp_1"],
+                 "dtape 2 workers / 1 worker": step["mlp_dtape_sync_2"] / step["mlp_dtape_1"],
+                 "ddp 2 workers / 1 worker": step["mlp_ddp_2"] / step["mlp_ddp_1"]}
+
+
+def measure(steps=60, repeat=3, verbose=True):
+    """`repeat` sets of launches (MLP at 1 and 2 workers, charlm at 2); returns
+    {"runs": [{"results", "ratios"} per set], "ratios": {name: (median, min, max) over the sets}}."""
+    sets = []
+    for i in range(repeat):
+        runs = {(m, w): _launch(m, w, steps) for m, w in (("mlp", 1), ("mlp", 2), ("charlm", 2))}
+        files = {cases.pop("dtape_file") for cases in runs.values()}
+        res, ratios = _ratios(runs)
+        sets.append({"results": res, "ratios": ratios, "dtape": sorted(files)})
+        if verbose:
+            print(f"-- set {i + 1} of {repeat} (dtape imported by the workers: {', '.join(files)})")
+            _report(res)
+            print("   " + "   ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    summary = {k: (statistics.median(s["ratios"][k] for s in sets), min(s["ratios"][k] for s in sets),
+                   max(s["ratios"][k] for s in sets)) for k in sets[0]["ratios"]}
+    return {"runs": sets, "ratios": summary}
+
+
+def print_summary(summary, repeat):
+    print(f"ratios over {repeat} set(s) of launches: median (min - max)")
+    for k, (med, lo, hi) in summary.items():
+        print(f"  {k:32s} {med:.2f}x  ({lo:.2f} - {hi:.2f})")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=3, help="sets of launches; ratios are given as their median")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--worker", choices=["mlp", "charlm"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -284,31 +339,14 @@ def main():
         if int(os.environ.get("RANK", "0")) == 0:
             json.dump(result, open(args.out, "w"))
         return
-    runs = {(m, w): _launch(m, w, args.steps) for m, w in (("mlp", 1), ("mlp", 2), ("charlm", 2))}
-    dtape_file = {cases.pop("dtape_file") for cases in runs.values()}
-    print(f"dtape imported by the workers: {', '.join(dtape_file)}")
-    res = {f"{m}_{case}_{w}": r for (m, w), cases in runs.items() for case, r in cases.items()}
-    _report(res)
-    for m in ("mlp", "charlm"):
-        for case in ("dtape", "dtape_sync"):
-            assert abs(res[f"{m}_{case}_2"]["first_loss"] - res[f"{m}_ddp_2"]["first_loss"]) < 1e-5, \
-                f"{m}: {case} and DDP disagree"
-    ratio = {k: res[k]["step_s"] for k in res}
-    # the headline is train.py's step: GradientSync overlaps the all-reduce with the walk, as DDP does
-    ratios = {"mlp dtape/ddp at 2 workers": ratio["mlp_dtape_sync_2"] / ratio["mlp_ddp_2"],
-              "charlm dtape/ddp at 2 workers": ratio["charlm_dtape_sync_2"] / ratio["charlm_ddp_2"],
-              "mlp dtape, no overlap/ddp": ratio["mlp_dtape_2"] / ratio["mlp_ddp_2"],
-              "charlm dtape, no overlap/ddp": ratio["charlm_dtape_2"] / ratio["charlm_ddp_2"],
-              "communication hidden (share)": _hidden_share(runs[("mlp", 1)], runs[("mlp", 2)]),
-              "mlp dtape/ddp at 1 worker": ratio["mlp_dtape_1"] / ratio["mlp_ddp_1"],
-              "dtape 2 workers / 1 worker": ratio["mlp_dtape_sync_2"] / ratio["mlp_dtape_1"],
-              "ddp 2 workers / 1 worker": ratio["mlp_ddp_2"] / ratio["mlp_ddp_1"]}
-    for k, v in ratios.items():
-        print(f"{k:30s} {v:.2f}x")
+    if args.steps < 5 or args.repeat < 1:
+        ap.error("--steps must be at least 5 and --repeat at least 1")
+    out = measure(args.steps, args.repeat)
+    print_summary(out["ratios"], args.repeat)
     print(f"load average {os.getloadavg()}")
     if args.json:
-        json.dump({"results": res, "ratios": ratios, "loadavg": os.getloadavg(), "dtape": sorted(dtape_file)},
-                  open(args.json, "w"), indent=1)
+        out["loadavg"] = os.getloadavg()
+        json.dump(out, open(args.json, "w"), indent=1)
 
 
 if __name__ == "__main__":
