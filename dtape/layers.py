@@ -359,10 +359,12 @@ class Dense(Layer):
         return tuple(input_shape[:-1]) + (self.units,)
 
     def call(self, x):
+        if self.use_bias:  # folds leading dimensions itself: one record for any rank
+            return self.activation(_nn.xw_plus_b(x, self.kernel, self.bias))
         lead = tuple(x.shape[:-1])
         if len(lead) != 1:
             x = _array.reshape(x, (-1, x.shape[-1]))
-        y = _nn.xw_plus_b(x, self.kernel, self.bias) if self.use_bias else _math.matmul(x, self.kernel)
+        y = _math.matmul(x, self.kernel)
         if len(lead) != 1:
             y = _array.reshape(y, lead + (self.units,))
         return self.activation(y)

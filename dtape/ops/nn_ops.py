@@ -442,7 +442,8 @@ def _conv_grad_filter(g, x, w, s, d, pads, filters):
 
 # -- bias, moments, embeddings ------------------------------------------------
 def _xw_plus_b_samples(rng):
-    return [((S.randn(rng, 3, 4), S.randn(rng, 4, 2), S.randn(rng, 2)), {})]
+    return [((S.randn(rng, 3, 4), S.randn(rng, 4, 2), S.randn(rng, 2)), {}),
+            ((S.randn(rng, 3, 5, 4), S.randn(rng, 4, 2), S.randn(rng, 2)), {})]
 
 
 @defop(n_in=3, samples=_xw_plus_b_samples, saves="inputs")
@@ -450,12 +451,13 @@ def xw_plus_b(x, weights, biases):
     """x @ weights + biases in one fused kernel (`torch.addmm`): what `layers.Dense` computes.
 
     Args:
-      x: floating tensor [batch, in]; any device.
+      x: floating tensor [..., in] (TF's takes [batch, in] only; leading
+        dimensions here are folded into rows, as Keras' Dense does); any device.
       weights: [in, out], x's dtype and device.
       biases: [out].
 
     Returns:
-      [batch, out].
+      [..., out].
 
     Raises:
       TypeError: operands of different dtypes (the message names the cast).
@@ -464,7 +466,10 @@ def xw_plus_b(x, weights, biases):
     try:
         if _autocast_on(x.device):  # the product in low precision, the bias added after (as matmul + bias)
             return torch.matmul(x, weights) + biases
-        return torch.addmm(biases, x, weights)
+        if x.ndim == 2:
+            return torch.addmm(biases, x, weights)
+        # rows folded inside the op: one record, not a reshape on each side (a transformer's Dense layers)
+        return torch.addmm(biases, x.reshape(-1, x.shape[-1]), weights).view(x.shape[:-1] + weights.shape[1:])
     except RuntimeError:  # dtypes checked only on failure: the fast path stays one torch call
         if x.dtype != weights.dtype:
             raise TypeError(mixed_dtype_message(x.dtype, weights.dtype)) from None
@@ -486,6 +491,8 @@ def _(dy, ans, x, weights, biases, needs=(True, True, True)):
     if type(dy) is torch.Tensor:  # raw walk: autocast may have mixed the operands' dtypes
         x, weights = as_dy_dtype(dy, x, needs[1]), as_dy_dtype(dy, weights, needs[0])
     gx = torch.matmul(dy, torch.transpose(weights, 0, 1)) if needs[0] else None
+    if dy.ndim != 2:  # [..., out]: the weights' and biases' gradients sum over every leading row
+        x, dy = torch.reshape(x, (-1, x.shape[-1])), torch.reshape(dy, (-1, dy.shape[-1]))
     gw = at_b(x, dy) if needs[1] else None
     return gx, gw, (torch.sum(dy, dim=0) if needs[2] else None)
 
