@@ -106,6 +106,26 @@ def test_gather_default_axis_is_batch_dims_matches_tf():
     np.testing.assert_allclose(got.numpy(), _np_gather(params, indices, 1, 1))
 
 
+@pytest.mark.parametrize("indices", [[[4, 0], [4, 2]], [[-1, 0], [4, -5]]], ids=["repeated", "negative"])
+def test_gather_rows_gradient_matches_torch_autograd_first_and_second_order(indices):
+    """Rows of a table (axis 0, an embedding): repeated rows accumulate, negative indices count from the end."""
+    idx = torch.tensor(indices)
+    p0 = torch.randn(5, 3, dtype=torch.float64)
+    w = torch.randn(2, 2, 3, dtype=torch.float64)
+    p = dtape.Variable(p0)
+    with dtape.GradientTape() as outer:
+        with dtape.GradientTape() as inner:
+            loss = dtape.reduce_sum(dtape.gather(p, idx) ** 2 * w)
+        g = inner.gradient(loss, p)
+        gg = dtape.reduce_sum(g * g)
+    h = outer.gradient(gg, p)
+    tp = p0.clone().requires_grad_()
+    (tg,) = torch.autograd.grad((tp[idx] ** 2 * w).sum(), tp, create_graph=True)
+    (th,) = torch.autograd.grad((tg * tg).sum(), tp)
+    torch.testing.assert_close(g.torch(), tg, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.torch(), th, rtol=1e-12, atol=1e-12)
+
+
 def test_gather_nd_batch_dims_matches_tf_example():
     params = np.arange(24.0).reshape(2, 3, 4)
     got = dtape.gather_nd(params, np.array([[[1, 2]], [[0, 3]]]), batch_dims=1)
