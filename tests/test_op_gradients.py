@@ -66,7 +66,8 @@ def _float_outs(outs):
 
 def _torch_forward(opdef, args, attrs, flat):
     """The op's forward on plain torch tensors (no tape involved): float outputs."""
-    return _float_outs(_as_tuple(opdef.forward(*_pack(opdef, args, flat), **attrs)))
+    out = opdef.forward(*_pack(opdef, args, flat), **attrs)
+    return _float_outs(_as_tuple(out[0] if opdef.stash else out))  # a stash (layer_norm's statistics) is not an output
 
 
 def _cotangents(outs, seed):

@@ -215,3 +215,22 @@ def test_transpose_materialises_above_two_dimensions_so_batched_matmuls_copy_not
     want = torch.autograd.grad(torch.sum(s * s), [tx, ty])
     for a, b in zip(got, want):
         torch.testing.assert_close(a.torch(), b, rtol=1e-12, atol=1e-12)
+
+
+def test_layer_norm_walk_reuses_the_forwards_statistics():
+    """The record keeps native_layer_norm's mean and 1/std (as torch saves them): the walk runs only the
+    backward kernel, no second normalisation, and the gradients are torch's."""
+    g = torch.Generator().manual_seed(0)
+    x0, w0, b0 = (torch.randn(*s, generator=g, dtype=D) for s in ((2, 5, 4), (4,), (4,)))
+    x, w, b = dtape.constant(x0), dtape.Variable(w0), dtape.Variable(b0)
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        y = dtape.reduce_sum(dtape.sin(dtape.nn.layer_norm(x, w, b, epsilon=1e-3)))
+    with _AtenCounts() as seen:
+        got = tape.gradient(y, [x, w, b])
+    assert seen.counts.get("native_layer_norm", 0) == 0, seen.counts
+    assert seen.counts.get("native_layer_norm_backward", 0) == 1, seen.counts
+    tx, tw, tb = (t.clone().requires_grad_() for t in (x0, w0, b0))
+    want = torch.autograd.grad(torch.sin(F.layer_norm(tx, (4,), tw, tb, eps=1e-3)).sum(), [tx, tw, tb])
+    for a, ref in zip(got, want):
+        torch.testing.assert_close(a.torch(), ref, rtol=1e-12, atol=1e-12)

@@ -38,14 +38,15 @@ class OpDef:
 
     __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
                  "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs", "saves",
-                 "complex_grad")
+                 "complex_grad", "stash")
 
     # The raw walk passes the saved torch tensors (and metadata) to `backward` as they are.
     raw_saved = True
 
     def __init__(self, name, forward, n_in, list_input, samples, second_order, multi_output, saves="all",
-                 complex_grad=False):
+                 complex_grad=False, stash=False):
         self.name = name
+        self.stash = stash
         self.complex_grad = complex_grad
         self.forward = forward
         self.n_in = n_in
@@ -209,6 +210,10 @@ def _make_nary(opdef):
             inputs = tuple(as_input(v) for v in args[:n])
             attrs = _attrs(opdef, args[n:], attrs)
             raw = fwd(*[_raw(t) for t in inputs], **attrs)
+        if opdef.stash:  # (result, what the forward computed for the rule): the latter rides in the record's attrs
+            raw, stash = raw
+            if _tp._tape_set:
+                attrs = dict(attrs, stash=stash)
         return _finish_multi(opdef, raw, inputs, attrs)
     return call
 
@@ -221,7 +226,7 @@ def _keyword_inputs(opdef, args, attrs):
 
 
 def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=True,
-          multi_output=False, name=None, saves="all", complex_grad=False):
+          multi_output=False, name=None, saves="all", complex_grad=False, stash=False):
     """Declares an op from its forward on torch tensors; returns the public function.
 
     Args:
@@ -244,13 +249,20 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         is a holomorphic function's rule written with real coefficients
         (dy * f'(x)), which the walk then gives the conjugates of the saved
         tensors. The walk refuses a complex gradient through any other op.
+      stash: the forward returns (result, stash): torch tensors it computed
+        that the rule would otherwise recompute (layer_norm's mean and 1/std,
+        as torch saves them). A record keeps them in its attrs and the rule
+        gets them as its `stash` argument (None outside a record: a rule must
+        not rely on them). Single-output ops of three or more inputs.
 
     The returned function has `.opdef`, `.grad` (decorator for the rule) and
     `.any` (runs on raw torch tensors without wrapping, or as the op on dtape tensors).
     """
     def deco(forward):
         opdef = OpDef(name or forward.__name__, forward, n_in, list_input, samples,
-                      second_order, multi_output, saves, complex_grad)
+                      second_order, multi_output, saves, complex_grad, stash)
+        if stash and not (n_in > 2 and not list_input and not multi_output):
+            raise ValueError(f"op {opdef.name}: stash is for single-output ops of three or more inputs")
         if list_input or n_in > 2:
             call = _make_nary(opdef)
         else:
@@ -260,7 +272,7 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         call.__module__ = forward.__module__
         call.opdef = opdef
         call.grad = opdef.grad
-        call.any = _make_any(call, forward)
+        call.any = _make_any(call, (lambda *a, **k: forward(*a, **k)[0]) if stash else forward)
         opdef.fn = call
         REGISTRY.append(opdef)
         for entry in torch_fns:

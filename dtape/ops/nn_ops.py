@@ -571,7 +571,7 @@ def _layer_norm_samples(rng):
             ((S.randn(rng, 2, 3, 5), S.randn(rng, 5), S.randn(rng, 5)), {"epsilon": 0.1})]
 
 
-@defop(n_in=3, samples=_layer_norm_samples, saves="inputs")
+@defop(n_in=3, samples=_layer_norm_samples, saves="inputs", stash=True)
 def layer_norm(x, gamma, beta, epsilon=1e-3):
     """Normalises the last axis: `gamma * (x - mean) / sqrt(var + epsilon) + beta` (population variance).
 
@@ -589,7 +589,8 @@ def layer_norm(x, gamma, beta, epsilon=1e-3):
         half-precision x are fine).
     """
     try:
-        return torch.native_layer_norm(x, (x.shape[-1],), gamma, beta, epsilon)[0]
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), gamma, beta, epsilon)
+        return y, (mean, rstd)  # the statistics go to the record: the rule's kernel takes them (as torch saves them)
     except RuntimeError:  # dtypes checked only on failure (half x with float32 gamma/beta is fine)
         if gamma.dtype != beta.dtype or gamma.dtype not in (x.dtype, torch.float32):
             raise TypeError(f"layer_norm: x is {x.dtype}, gamma {gamma.dtype}, beta {beta.dtype}; give gamma "
@@ -598,10 +599,10 @@ def layer_norm(x, gamma, beta, epsilon=1e-3):
 
 
 @layer_norm.grad
-def _(dy, ans, x, gamma, beta, epsilon=1e-3, needs=(True, True, True)):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (mean and 1/std recomputed: cheap)
+def _(dy, ans, x, gamma, beta, epsilon=1e-3, needs=(True, True, True), stash=None):
+    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel, with the forward's mean and 1/std
         shape = (x.shape[-1],)
-        _, mean, rstd = torch.native_layer_norm(x, shape, gamma, beta, epsilon)
+        mean, rstd = stash if stash is not None else torch.native_layer_norm(x, shape, gamma, beta, epsilon)[1:]
         # dy in x's dtype: the walk widens a half-precision dy next to float32 weights (autocast)
         return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta,
                                                          list(needs))
