@@ -41,6 +41,7 @@ class _ReadVariableOp:
     __slots__ = ()
     name = "ReadVariableOp"
     saves = "none"  # the gradient passes through: the record keeps no snapshot alive (issue 7 point 1)
+    raw_saved = True  # the rule reads nothing saved: the raw walk skips rebuilding dtape.Tensors for it
 
     def backward(self, dys, outputs, inputs, attrs, raw):
         return dys
