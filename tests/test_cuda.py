@@ -43,3 +43,18 @@ def test_mirrored_strategy_on_gpus_keeps_components_identical():
         assert c.device == torch.device(c.device) and torch.equal(c.torch().cpu(), first)
     expected = torch.ones(4, 1) - 0.1 * x.mean(0, keepdim=True).T
     torch.testing.assert_close(first, expected)
+
+
+def test_gather_rows_gradient_with_cpu_ids_into_a_cuda_table_matches_autograd():
+    """Rows of a CUDA table at CPU ids (a CPU dataset's batch): the gradient's index_add needs them on the GPU."""
+    p0 = torch.randn(5, 3, dtype=torch.float64, device="cuda:0")
+    ids = torch.tensor([[1, -1], [1, 0]])
+    w = torch.randn(2, 2, 3, dtype=torch.float64, device="cuda:0")
+    p = dtape.Variable(p0)
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(dtape.gather(p, ids) * w)
+    g = tape.gradient(loss, p)
+    tp = p0.clone().requires_grad_()
+    (want,) = torch.autograd.grad((tp[ids.cuda()] * w).sum(), tp)
+    assert g.device.type == "cuda"
+    torch.testing.assert_close(g.torch(), want, rtol=1e-12, atol=1e-12)

@@ -126,6 +126,16 @@ def test_gather_rows_gradient_matches_torch_autograd_first_and_second_order(indi
     torch.testing.assert_close(h.torch(), th, rtol=1e-12, atol=1e-12)
 
 
+def test_gather_rows_gradient_with_ids_on_another_device_than_the_table():
+    """The forward indexes a table with ids on another device (CPU ids, CUDA table); so must its gradient.
+    index_add_ checks devices in its meta function, so a meta table stands in for CUDA here."""
+    p = dtape.Variable(torch.zeros(5, 3, device="meta"))
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(dtape.gather(p, torch.tensor([[1, -1], [1, 0]])))
+    g = tape.gradient(loss, p).torch()
+    assert g.device.type == "meta" and g.shape == (5, 3)
+
+
 def test_gather_nd_batch_dims_matches_tf_example():
     params = np.arange(24.0).reshape(2, 3, 4)
     got = dtape.gather_nd(params, np.array([[[1, 2]], [[0, 3]]]), batch_dims=1)

@@ -465,7 +465,8 @@ def _gather_grad(dy, indices, shape, axis=None, batch_dims=0):
     """Scatter-adds `dy` (gather's output shape) into zeros of `shape`: gather's transpose."""
     axis, batch_dims, perm = _gather_layout(shape, indices.shape, axis, batch_dims)
     if axis == 0 and batch_dims == 0:  # rows of a table (an embedding): one index_add, ~4x faster than index_put
-        n, flat = shape[0], torch.reshape(indices, (-1,))
+        # index_add_ wants the indices on dy's device (index_put, the forward's indexing, take CPU ones too)
+        n, flat = shape[0], torch.reshape(indices, (-1,)).to(dy.device)
         flat = torch.where(flat < 0, flat + n, flat)  # negative indices count from the end, as the forward's
         z = torch.zeros(tuple(shape), dtype=dy.dtype, device=dy.device)
         return z.index_add_(0, flat, torch.reshape(dy, (flat.shape[0],) + tuple(shape[1:])))
