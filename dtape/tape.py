@@ -444,16 +444,27 @@ class Tape:
     def nbytes(self):
         """Bytes of tensor storage the records keep alive, each storage counted once.
 
-        Counts the torch tensors saved for gradient rules (a view counts its
-        whole storage, which it keeps alive); variables are not counted.
+        Counts the torch tensors saved for gradient rules, those stashed in
+        attrs included (a view counts its whole storage, which it keeps
+        alive); variables are not counted.
         """
         seen = {}
         for rec in self._live():
-            for x in rec.saved:
+            for x in rec.saved + _attr_tensors(rec.attrs):
                 if type(x) is torch.Tensor:
                     st = x.untyped_storage()
                     seen[(x.device, st.data_ptr())] = st.nbytes()
         return sum(seen.values())
+
+
+def _attr_tensors(attrs):
+    """Torch tensors a record keeps in its attrs (what a forward stashed for its rule: layer_norm's statistics)."""
+    if not attrs:
+        return ()
+    out = ()
+    for v in attrs.values():
+        out += (v,) if type(v) is torch.Tensor else tuple(v) if type(v) is tuple else ()
+    return out
 
 
 def push_new_tape(persistent=False, watch_accessed_variables=True):

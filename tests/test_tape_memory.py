@@ -289,3 +289,15 @@ def test_raw_walk_never_accumulates_into_memory_a_gradient_rule_borrowed_from_nu
         y = dtape.reduce_sum(a) + dtape.reduce_sum(f(x))
     assert (t.gradient(y, x).numpy() == 15.0).all()
     assert (user == 10.0).all()
+
+
+def test_nbytes_counts_the_statistics_a_layer_norm_record_keeps():
+    """layer_norm's record keeps native_layer_norm's mean and 1/std (its attrs) beside its inputs: nbytes counts them."""
+    x = dtape.constant(torch.randn(6, 4, dtype=D))
+    gamma, beta = _c(torch.ones(4)), _c(torch.zeros(4))
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = dtape.nn.layer_norm(x, gamma, beta)
+        inputs = 6 * 4 * 8 + 2 * 4 * 8
+        assert t.nbytes() == inputs + 2 * 6 * 8  # mean and 1/std: one float64 per row each
+    assert t.gradient(y, x).shape == (6, 4)
