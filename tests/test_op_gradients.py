@@ -531,6 +531,13 @@ def test_fused_dense_and_layer_norm_name_the_mixed_dtype(case):
                                 dtape.constant(torch.zeros(3, dtype=torch.float64)))
 
 
+def test_fused_dense_refuses_a_scalar_x_with_a_message():
+    """xw_plus_b folds x's leading dimensions into rows: a 0-d x has no [in] axis (it gave a bare IndexError)."""
+    w, b = dtape.constant(torch.ones(3, 4)), dtape.constant(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"xw_plus_b: x is a scalar \(0-d\).*\[\.\.\., 3\]"):
+        dtape.nn.xw_plus_b(dtape.constant(1.0), w, b)
+
+
 # -- weight gradients with few output columns (computed transposed on the CPU) ----------------
 @pytest.mark.parametrize("op", ["matmul", "xw_plus_b", "batched_matmul"])
 @pytest.mark.parametrize("n", [2, 10, 16])

@@ -461,6 +461,7 @@ def xw_plus_b(x, weights, biases):
 
     Raises:
       TypeError: operands of different dtypes (the message names the cast).
+      ValueError: a 0-d x.
     Source: tf.compat.v1.nn.xw_plus_b.
     """
     try:
@@ -468,6 +469,8 @@ def xw_plus_b(x, weights, biases):
             return torch.matmul(x, weights) + biases
         if x.ndim == 2:
             return torch.addmm(biases, x, weights)
+        if x.ndim == 0:  # x.shape[-1] below would be an IndexError naming nothing
+            raise ValueError(f"xw_plus_b: x is a scalar (0-d); give it shape [..., in], here [..., {weights.shape[0]}]")
         # rows folded inside the op: one record, not a reshape on each side (a transformer's Dense layers)
         return torch.addmm(biases, x.reshape(-1, x.shape[-1]), weights).view(x.shape[:-1] + weights.shape[1:])
     except RuntimeError:  # dtypes checked only on failure: the fast path stays one torch call
