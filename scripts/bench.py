@@ -606,12 +606,13 @@ def main():
             print(f"(g) RSS growth over 200 MLP steps ({style}), after malloc_trim: dtape {gd / 2**10:.0f} KiB, "
                   f"torch {gt / 2**10:.0f} KiB ({verdict})")
     count_results = counts() if cpu else {}
-    if cpu and not args.no_multiworker:
-        extra["multiworker"] = multiworker_case(q)
 
     print(f"\n{'case':58s} {'dtape (ms)':>11s} {'torch (ms)':>11s} {'ratio':>7s} {'reps':>5s}")
     for name, d, t, r in rows:
         print(f"{name:58s} {d * 1e3:11.3f} {t * 1e3:11.3f} {d / t:7.2f} {r:5d}")
+    if cpu and not args.no_multiworker:  # after the table: its launches take a while
+        print()
+        extra["multiworker"] = multiworker_case(q)
     load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"load average at end {load_end}")
     if args.json:

@@ -337,8 +337,14 @@ def main():
     if args.worker:
         result = _worker(args.worker, args.steps)
         if int(os.environ.get("RANK", "0")) == 0:
-            json.dump(result, open(args.out, "w"))
-        return
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The group is destroyed and the result written. Interpreter teardown after a torch.distributed run
+        # aborts now and then ("terminate called without an active exception", SIGABRT: ~1 launch in 15
+        # here, with a DDP-only worker too), which would fail the launch after the measurement; skip it.
+        os._exit(0)
     if args.steps < 5 or args.repeat < 1:
         ap.error("--steps must be at least 5 and --repeat at least 1")
     out = measure(args.steps, args.repeat)
