@@ -352,11 +352,9 @@ def make_strategy(args):
     """The strategy named by --strategy, on --devices.
 
     multi_worker: MultiWorkerMirroredStrategy from torchrun's environment
-    (one replica per process). A single-process strategy under torchrun with
-    WORLD_SIZE > 1 would train duplicate copies that overwrite each other's
-    files: it exits with a message pointing to multi_worker.
+    (one replica per process). `args` come from `parse_args`, whose
+    `check_launch` has refused a single-process strategy under torchrun.
     """
-    check_launch(args)
     devices = args.devices.split(",") if args.devices else None
     if args.strategy == "multi_worker" and "WORLD_SIZE" not in os.environ:
         print(f"{PROG}: note: no torchrun environment (WORLD_SIZE unset): training as one worker; launch "
