@@ -5,11 +5,13 @@ set shared by every thread, so a tape opened on one thread records the ops
 other threads run on tensors it watches (what replica threads need), while
 `stop_recording()` pauses recording on the calling thread only.
 
-Automatic watching of variable reads is scoped by thread lineage (issue 7
-point 3): a tape is owned by the thread that creates it, the replica threads
-of a `strategy.run` inherit their caller's lineage (`lineage_scope`), and a
-read watches and records only on tapes owned by the reading thread's
-lineage, or on tapes that watched that variable explicitly.
+Automatic watching of variable reads is global too, as the seed's
+`TFE_Py_TapeSetWatchVariable` (a read on any thread is watched by every
+active tape), with one narrowing: a tape opened on one replica thread of a
+`strategy.run` neither watches nor records the reads of the sibling replica
+threads of that same run (`replica_run_scope`), unless it watched that
+variable explicitly. Otherwise each replica's tape would record every other
+replica's forward pass, records growing with the number of replicas.
 
 Concurrency: the set is mutated under `_set_lock` and published as an
 immutable tuple, so the hot path reads one module global with no lock. Each
@@ -36,24 +38,24 @@ _set_lock = threading.Lock()
 
 
 class _ThreadState(threading.local):
-    """Per-thread state: stop flag, tapes paused on this thread, variable-read captures, lineage,
+    """Per-thread state: stop flag, tapes paused on this thread, variable-read captures, replica run,
     and the tracker of the tapes pushed on this thread (a PushedTapes or None).
 
     `scope` is this thread's own tape-scope token (a tape created here is
-    owned by it); `lineage` is `scope` followed by the scopes of the threads
-    that started this one's current job through `strategy.run`
-    (`lineage_scope`). A variable read notifies only the tapes whose owner is
-    in the reading thread's lineage.
+    owned by it); `run` is the token of the `strategy.run` whose replica job
+    this thread runs now (`replica_run_scope`), None elsewhere. A variable
+    read is not watched by the tapes of the sibling replicas: tapes made
+    under the same `run` token on another thread.
     """
 
     stopped = False
     paused = ()
     captures = ()
     pushed = None
+    run = None
 
     def __init__(self):  # threading.local runs it once per thread, on first use there
         self.scope = object()
-        self.lineage = (self.scope,)
 
 
 _thread_state = _ThreadState()
@@ -300,7 +302,8 @@ class Tape:
 
     __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_usage",
                  "_producer", "_pending", "_on_death",
-                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "_stands_for", "__weakref__")
+                 "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "_run", "_stands_for",
+                 "__weakref__")
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
@@ -314,6 +317,7 @@ class Tape:
         self._accessed = set()   # _id of variables whose reads were already resolved and watched
         self._explicit = set()   # _id of variables watched by `watch`: their reads follow to any thread
         self._owner = _thread_state.scope  # the creating thread's tape scope
+        self._run = _thread_state.run  # the strategy.run whose replica created it (None elsewhere)
         self._stands_for = ()  # dtape.function's private tape: the caller's tapes it records for
 
     def _clear_records(self):
@@ -481,7 +485,7 @@ def push_new_tape(persistent=False, watch_accessed_variables=True):
 def push_tape(tape):
     """Adds an existing tape back to the active set (no-op if present); the calling thread owns it."""
     global _tape_set
-    tape._owner = _thread_state.scope
+    tape._owner, tape._run = _thread_state.scope, _thread_state.run
     with _set_lock:
         if tape not in _tape_set:
             _tape_set = _tape_set + (tape,)
@@ -568,12 +572,13 @@ def watch_variable(tape, variable):
 
 
 def variable_accessed(variable):
-    """Notifies the tapes recording on this thread that `variable` was read.
+    """Notifies the active tapes that `variable` was read on this thread.
 
-    Tapes with `watch_accessed_variables` owned by this thread's lineage
-    (this thread, or the caller of the `strategy.run` whose replica this
-    thread runs) watch it; an active `capture_variable_reads()` on this
-    thread records it regardless of the stop flag.
+    Every tape with `watch_accessed_variables` watches it, on whatever
+    thread it was opened (seed 1), except the tapes of the sibling replicas
+    of the `strategy.run` this thread serves (see `replica_run_scope`) and
+    tapes paused here; an active `capture_variable_reads()` on this thread
+    records it regardless of the stop flag.
     """
     state = _thread_state
     if state.captures:
@@ -581,10 +586,10 @@ def variable_accessed(variable):
     if state.stopped:
         return
     key = getattr(variable, "_id", None)
-    lineage, paused = state.lineage, state.paused
+    run, scope, paused = state.run, state.scope, state.paused
     for tape in _tape_set:
-        if tape._owner in lineage and tape.watch_accessed_variables and \
-                not (paused and tape in paused) and (key is None or key not in tape._accessed):
+        if tape.watch_accessed_variables and not (run is not None and tape._run is run and tape._owner is not scope) \
+                and not (paused and tape in paused) and (key is None or key not in tape._accessed):
             if key is None:
                 for v in _resolve_watched(variable):
                     tape._watch_variable(v)
@@ -595,21 +600,21 @@ def variable_accessed(variable):
 def variable_read(variable, out, op):
     """The tape side of `Variable.read_value`: notifies the tapes, then records `op` from the variable to `out`.
 
-    The read is recorded on the tapes that watch the variable, except tapes
-    of other threads that only watch it because their own thread read it.
-    A tape that already resolved this variable is skipped without calling
-    the resolver or taking its lock (issue 7 point 7).
+    The read is recorded on the tapes that watch the variable, except the
+    tapes of sibling replicas (same `strategy.run`, another replica thread)
+    that did not watch it explicitly. A tape that already resolved this
+    variable is skipped without calling the resolver or taking its lock.
     """
     state = _thread_state
     trainable = variable._trainable
     if trainable and state.captures:
         state.captures[-1].setdefault(id(variable), variable)
     vid = variable._id
-    foreign = ()  # tapes of other threads that must not record this read (issue 7 point 3)
+    foreign = ()  # sibling replicas' tapes: they must not record this replica's read
     if not state.stopped:  # variable_accessed inlined: this is the hot path of every variable operand
-        lineage, paused = state.lineage, state.paused
+        run, scope, paused = state.run, state.scope, state.paused
         for tape in _tape_set:
-            if tape._owner not in lineage:
+            if run is not None and tape._run is run and tape._owner is not scope:
                 if vid not in tape._explicit:
                     foreign += (tape,)
             elif trainable and tape.watch_accessed_variables and vid not in tape._accessed and \
@@ -644,24 +649,19 @@ def stand_in(tape):
             tape._watched.update(explicit)
 
 
-def current_lineage():
-    """This thread's tape-scope lineage (for the replica threads of a `strategy.run` called here)."""
-    return _thread_state.lineage
+class replica_run_scope(ThreadLocalScope):
+    """Thread-local: this thread runs one replica of the `strategy.run` call identified by `run`.
 
-
-class lineage_scope(ThreadLocalScope):
-    """Thread-local: this thread runs a job for a thread of lineage `parent` (`strategy.run`'s caller).
-
-    Variable reads here notify the tapes owned by this thread or by any
-    thread in `parent`; restores the previous lineage on exit.
+    `run` is any object, one per `strategy.run` call, entered by every
+    replica thread of that call: a tape opened inside the block ignores the
+    variable reads of the other threads in the same run (the sibling
+    replicas), so its records do not grow with the number of replicas.
+    Restores the previous value on exit.
     """
 
     __slots__ = ()
     _state = _thread_state
-    _attr = "lineage"
-
-    def _new(self, prev):
-        return (_thread_state.scope,) + tuple(self._value)
+    _attr = "run"
 
 
 def _ids(tensors):
@@ -898,7 +898,7 @@ class capture_variable_reads(ThreadLocalScope):
 
 
 __all__ = ["Tape", "PARTNER_SAVES", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
-           "variable_accessed", "variable_read", "current_lineage", "lineage_scope", "should_record", "record",
+           "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
            "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

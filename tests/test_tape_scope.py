@@ -1,10 +1,14 @@
-"""Which tapes see a variable read (issue 7 points 3 and 7).
+"""Which tapes see a variable read (issue 7 points 3 and 7; seed 1).
 
-A tape watches the variables read on its own thread and on the replica
-threads of a `strategy.run` called from that thread; reads on other threads
-add nothing to it, while explicit watches follow data to any thread (seed 1).
-A read of a variable a tape already watches resolves nothing again.
+A variable read on any thread (the tape's own, a plain thread, a pool
+thread, a replica) is watched by every active tape, as the seed's
+`TFE_Py_TapeSetWatchVariable` walks the whole set; the one exception is a
+tape opened inside one replica of a `strategy.run`, which ignores the reads
+of the sibling replicas of that run, so its records do not grow with the
+number of replicas. Explicit watches follow data to any thread. A read of a
+variable a tape already watches resolves nothing again.
 """
+import concurrent.futures
 import threading
 
 import pytest
@@ -19,49 +23,82 @@ TIMEOUT = 5
 
 
 
+_SCALE = 0.5
+
+
 def _replica_step(n):
     """One small step per replica, every replica inside its tape at the same time; returns
-    (records per replica tape, gradients per replica as torch tensors, the variables' values)."""
+    (records per replica tape, gradients per replica as torch tensors). `w`, `b` are mirrored;
+    `s`, made outside the strategy's scope, is one plain variable every replica reads."""
     strategy = MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)])
     with strategy.scope():
         w = dtape.Variable(torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(4, 3))
         b = dtape.Variable(torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64))
+    s = dtape.Variable(torch.tensor(_SCALE, dtype=torch.float64))
     x = dtape.constant(torch.linspace(0.5, 2.0, 8, dtype=torch.float64).reshape(2, 4))
     barrier = threading.Barrier(n, timeout=TIMEOUT)
 
     def step():
         with dtape.GradientTape() as tape:
             barrier.wait()  # every replica reads and computes while the others' tapes are open
-            h = dtape.nn.relu(dtape.matmul(x, w) + b)
+            h = dtape.nn.relu(dtape.matmul(x, w) + b) * s
             loss = dtape.reduce_mean(h * h)
             barrier.wait()
         records = dtape.constant(tape._tape.num_records())  # a distinct object per replica
-        gw, gb = tape.gradient(loss, [w, b])
-        return records, gw.torch(), gb.torch()
+        gw, gb, gs = tape.gradient(loss, [w, b, s])
+        return records, gw.torch(), gb.torch(), gs.torch()
 
     out = strategy.run(step)
-    parts = strategy.experimental_local_results(out[0]), strategy.experimental_local_results(out[1]), \
-        strategy.experimental_local_results(out[2])
-    return [int(r) for r in parts[0]], list(zip(parts[1], parts[2]))
+    parts = [strategy.experimental_local_results(o) for o in out]
+    return [int(r) for r in parts[0]], list(zip(*parts[1:]))
 
 
 def _reference_grads():
     w = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(4, 3).requires_grad_()
     b = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(_SCALE, dtype=torch.float64, requires_grad=True)
     x = torch.linspace(0.5, 2.0, 8, dtype=torch.float64).reshape(2, 4)
-    h = torch.relu(x @ w + b)
-    return torch.autograd.grad(torch.mean(h * h), [w, b])
+    h = torch.relu(x @ w + b) * s
+    return torch.autograd.grad(torch.mean(h * h), [w, b, s])
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_records_per_replica_tape_do_not_grow_with_replicas(n, fast_switching):
     records, grads = _replica_step(n)
-    # 2 reads, matmul, add, relu, mul, reduce_mean: the replica's own ops only (12, 38, 90-style growth before)
-    assert records == [7] * n
-    ref_w, ref_b = _reference_grads()
-    for gw, gb in grads:
-        torch.testing.assert_close(gw, ref_w, rtol=0, atol=1e-12)
-        torch.testing.assert_close(gb, ref_b, rtol=0, atol=1e-12)
+    # 3 reads, matmul, add, relu, 2 mul, reduce_mean: the replica's own ops only, for the mirrored
+    # variables and for the plain one all replicas read (12, 38, 90-style growth without the narrowing)
+    assert records == [9] * n
+    ref = _reference_grads()
+    for got in grads:
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+def _cube_on_a_plain_thread(v):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("y", v * v * v))
+    t.start()
+    t.join(TIMEOUT)
+    assert not t.is_alive()
+    return out["y"]
+
+
+def _cube_on_a_pool_thread(v):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: v * v * v).result(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("run_in_thread", [_cube_on_a_plain_thread, _cube_on_a_pool_thread], ids=["thread", "pool"])
+def test_a_read_on_a_worker_thread_is_watched_by_a_tape_open_on_another_thread(run_in_thread, fast_switching):
+    v = dtape.Variable(2.0)
+    with dtape.GradientTape() as tape:
+        y = run_in_thread(v)
+    assert tape.watched_variables() == (v,)
+    assert float(y) == 8.0 and float(tape.gradient(y, v)) == 12.0  # 3 v**2 (None before)
+    w = dtape.Variable(torch.tensor([0.5, -1.5], dtype=torch.float64))
+    with dtape.GradientTape() as tape:
+        y = dtape.reduce_sum(run_in_thread(w))
+    torch.testing.assert_close(tape.gradient(y, w).torch(), 3 * w.torch() ** 2, rtol=0, atol=1e-12)
 
 
 def _own_ops(vs):
@@ -71,7 +108,8 @@ def _own_ops(vs):
     return dtape.reduce_sum(y)
 
 
-def test_unrelated_threads_reading_the_same_variables_add_no_records(fast_switching):
+def test_unrelated_threads_reading_the_same_variables_leave_no_records(fast_switching):
+    """Their reads are watched and recorded, and trace deletion drops them with their dead results."""
     vs = [dtape.Variable(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) * (i + 1)) for i in range(3)]
     with dtape.GradientTape() as solo:
         solo_loss = _own_ops(vs)  # alive: the tape keeps the records of live tensors only (trace deletion)
@@ -125,7 +163,7 @@ def test_main_thread_tape_records_replica_reads_and_the_reduce(fast_switching):
     torch.testing.assert_close(g.torch(), 2 * v.torch() * (xs[0] + xs[1]), rtol=0, atol=1e-12)
 
 
-def test_tape_of_a_thread_that_calls_run_sees_its_replicas_but_a_main_thread_tape_does_not(fast_switching):
+def test_a_main_thread_tape_sees_the_replicas_of_a_run_called_on_another_thread(fast_switching):
     strategy = MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         v = dtape.Variable(torch.tensor([1.0, -2.0], dtype=torch.float64))
@@ -135,6 +173,7 @@ def test_tape_of_a_thread_that_calls_run_sees_its_replicas_but_a_main_thread_tap
         with dtape.GradientTape() as tape:
             out = strategy.run(lambda: dtape.reduce_sum(v * v))
             loss = strategy.reduce("SUM", out)
+        result["loss"] = loss
         result["grad"] = tape.gradient(loss, v).torch()
 
     with dtape.GradientTape() as main_tape:
@@ -143,8 +182,8 @@ def test_tape_of_a_thread_that_calls_run_sees_its_replicas_but_a_main_thread_tap
         t.join(TIMEOUT)
     assert not t.is_alive()
     torch.testing.assert_close(result["grad"], 2 * 2 * v.torch(), rtol=0, atol=1e-12)
-    assert main_tape._tape.num_records() == 0
-    assert main_tape.watched_variables() == ()
+    assert main_tape.watched_variables() == (v,)
+    torch.testing.assert_close(main_tape.gradient(result["loss"], v).torch(), 2 * 2 * v.torch(), rtol=0, atol=1e-12)
 
 
 def test_explicit_watch_follows_data_to_any_thread(fast_switching):

@@ -13,9 +13,10 @@ state does not cross threads by itself, so each replica job enters:
     `capture_caller_state()` when `run` is called: grad mode, inference
     mode and autocast (enabled, dtype, cache) for the CPU and CUDA.
     torch's default dtype is process-global, so replicas see it as is;
-  * the caller's tape lineage (`dtape.tape.lineage_scope`): tapes active on
-    the caller thread watch the variables the replicas read, tapes of other
-    threads do not (issue 7 point 3).
+  * the run's token (`dtape.tape.replica_run_scope`), one per `run` call:
+    a tape opened inside one replica does not watch the variable reads of
+    the sibling replicas of the same call, while every other tape (the
+    caller's, another thread's) does, as for reads on any thread.
 
 Source: DESIGN.md "A replica runs like its caller"; the per-replica
 generators follow tf.random.Generator.split (one independent stream per
@@ -129,13 +130,13 @@ def _seeded(gen, seed):
 class CallerState:
     """The caller thread's thread-local torch state, to be re-entered on each replica thread."""
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "lineage")
+    __slots__ = ("grad_enabled", "inference", "autocast", "run")
 
-    def __init__(self, grad_enabled, inference, autocast, lineage=()):
+    def __init__(self, grad_enabled, inference, autocast, run=None):
         self.grad_enabled = grad_enabled
         self.inference = inference
         self.autocast = autocast  # ((device_type, dtype, cache_enabled), ...) for enabled types
-        self.lineage = lineage    # the caller's tape-scope lineage
+        self.run = run if run is not None else object()  # this run call's token (replica_run_scope)
 
     def enter(self, stack):
         """Enters this state on the current thread, on `stack` (a contextlib.ExitStack)."""
@@ -145,15 +146,18 @@ class CallerState:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for device_type, dtype, cache in self.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache))
-        stack.enter_context(_tp.lineage_scope(self.lineage))
+        stack.enter_context(_tp.replica_run_scope(self.run))
 
 
 def capture_caller_state():
-    """Captures the calling thread's grad mode, inference mode, autocast settings and tape lineage."""
+    """Captures the calling thread's grad mode, inference mode and autocast settings; a new run token.
+
+    Call it once per `strategy.run` call: its replicas share the token.
+    """
     cache = torch.is_autocast_cache_enabled()
     autocast = tuple((t, torch.get_autocast_dtype(t), cache)
                      for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t))
-    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, _tp.current_lineage())
+    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, object())
 
 
 @contextlib.contextmanager
