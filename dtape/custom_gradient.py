@@ -1,10 +1,18 @@
 """`dtape.custom_gradient`: a function recorded as one op with a user gradient.
 
-Source: tf.custom_gradient (eager mode, `_eager_mode_decorator`). The body
-runs under `stop_recording()` so that only the single custom op reaches the
-tapes; the trainable variables it reads are reported to the tapes and become
-extra inputs of that op, so their gradients come from `grad_fn(...,
-variables=...)`.
+Source: tf.custom_gradient (eager mode, `_eager_mode_decorator`). As in TF
+eager, the body runs with the tapes recording, so the intermediates that
+`grad_fn` closes over (`e = exp(x)` in TF's `log1pexp`) stay connected to
+the inputs and a tape recording the backward walk differentiates `grad_fn`
+through them (higher order). The outputs are then rewired as TF does with
+its `identity` + `record_operation`: the caller gets new tensors (new ids)
+whose only producer on the tapes is the custom op from the inputs, so the
+body's records give no second path from the outputs to the inputs and a
+first-order gradient is exactly `grad_fn`'s. The body's records of tensors
+that die (its own outputs) are dropped by trace deletion; those `grad_fn`
+keeps alive stay as long as the custom op's record does. The trainable
+variables the body reads are extra inputs of that op, so their gradients
+come from `grad_fn(..., variables=...)`.
 """
 import functools
 import inspect
@@ -27,9 +35,12 @@ def custom_gradient(f):
         `(input_grads, variable_grads)`, one per variable in `vars`.
 
     Returns:
-      A function with `f`'s arguments returning `y`. On the tapes it is one op
-      named after `f`; higher order through `grad_fn` works when `grad_fn` is
-      written with dtape ops (the backward walk records it on outer tapes).
+      A function with `f`'s arguments returning `y`. The body runs with the
+      tapes recording (as in TF eager), but `y` is produced on the tapes by
+      one op named after `f` from the inputs, so gradients of `y` come from
+      `grad_fn` only; higher order through `grad_fn` works when `grad_fn` is
+      written with dtape ops, on its arguments or on tensors of the body it
+      closes over (the backward walk records it on outer tapes).
 
     Raises:
       TypeError: if `f` reads variables and `grad_fn` takes no `variables`.
@@ -51,7 +62,7 @@ def custom_gradient(f):
 
 
 def _call(f, args, kwargs):
-    with _tp.capture_variable_reads() as captured, _tp.stop_recording():
+    with _tp.capture_variable_reads() as captured:
         result, grad_fn = f(*args, **kwargs)
     flat_args = nest.flatten(args)
     variables = [v for v in captured.values() if not any(v is a for a in flat_args)]
@@ -61,6 +72,7 @@ def _call(f, args, kwargs):
         return result
     _check_variables_arg(f, grad_fn, variables)
     inputs = tuple(_as_input(a) for a in flat_args) + tuple(v._handle() for v in variables)
+    # New Tensors (new ids) over the body's values: the custom op is their only producer.
     flat_out = [Tensor(convert_to_tensor(y).torch()) for y in nest.flatten(result)]
     op = CustomGradientOp(getattr(f, "__name__", "custom_gradient"), grad_fn, variables, len(flat_args))
     _tp.record(op, tuple([getattr(x, "_id", None) for x in inputs]), inputs, tuple(flat_out), None)
