@@ -133,13 +133,35 @@ def _chain(creator, next_creator):
     return lambda **kw: creator(next_creator, **kw)
 
 
-def _normalize_args(initial_value=None, trainable=True, name=None, dtype=None, device=None,
+def _normalize_args(initial_value=None, trainable=None, name=None, dtype=None, device=None,
                     synchronization=VariableSynchronization.AUTO,
                     aggregation=VariableAggregation.NONE):
     if initial_value is None:
         raise ValueError("Variable needs an initial_value (a tensor-like value or a callable returning one)")
+    # Resolved before the creators run, so a strategy's creator sees the final value (TF's
+    # validate_synchronization_aggregation_trainable: trainable defaults to sync != ON_READ).
+    synchronization = _synchronization(synchronization)
+    if trainable is None:
+        trainable = synchronization != VariableSynchronization.ON_READ
     return dict(initial_value=initial_value, trainable=trainable, name=name, dtype=dtype,
                 device=device, synchronization=synchronization, aggregation=aggregation)
+
+
+def _synchronization(value):
+    """`value` as a VariableSynchronization (None is AUTO, as in TF; its int values are accepted).
+
+    Raises:
+      ValueError: a value that is not one of VariableSynchronization's.
+    """
+    if value is None:
+        return VariableSynchronization.AUTO
+    if isinstance(value, VariableSynchronization):
+        return value
+    try:
+        return VariableSynchronization(value)
+    except ValueError:
+        raise ValueError(f"invalid variable synchronization {value!r}; use one of "
+                         f"{[str(m) for m in VariableSynchronization]}") from None
 
 
 # References to a variable's tensor, seen in `_sole_owner(self._t)`, when only the variable holds
@@ -194,7 +216,10 @@ class Variable(metaclass=_VariableMeta):
 
     Args:
       initial_value: tensor-like, or a callable returning one (any shape).
-      trainable: watched automatically by tapes when read.
+      trainable: watched automatically by tapes when read. Default: True,
+        unless `synchronization` is ON_READ (then False, as tf.Variable: a
+        sync-on-read variable holds per-replica state such as metric
+        totals); an explicit `trainable=True` stays trainable.
       name: a name for checkpoints and messages (default "Variable_N").
       dtype: torch dtype; default that of `initial_value`.
       device: torch device or name; default that of `initial_value`.
@@ -213,8 +238,11 @@ class Variable(metaclass=_VariableMeta):
       4.0
     """
 
-    def __init__(self, initial_value=None, trainable=True, name=None, dtype=None, device=None,
+    def __init__(self, initial_value=None, trainable=None, name=None, dtype=None, device=None,
                  synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
+        synchronization = _synchronization(synchronization)
+        if trainable is None:  # a creator may pass it on unresolved
+            trainable = synchronization != VariableSynchronization.ON_READ
         if callable(initial_value):
             with _tp.stop_recording():
                 initial_value = initial_value()

@@ -92,6 +92,37 @@ def test_variable_non_trainable_explicit_watch_gets_gradient():
     assert float(t.gradient(y, v)) == 12.0
 
 
+def test_on_read_variable_defaults_to_not_trainable_as_tf():
+    """tf.Variable: trainable defaults to True unless synchronization is ON_READ; explicit True stays."""
+    on_read = dtape.VariableSynchronization.ON_READ
+    sum_ = dtape.VariableAggregation.SUM
+    strategy = dtape.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        m_default = dtape.Variable([1.0, -2.0])
+        s_default = dtape.Variable([1.0, -2.0], synchronization=on_read, aggregation=sum_)
+        s_trainable = dtape.Variable([1.0, -2.0], synchronization=on_read, aggregation=sum_, trainable=True)
+    made_in_run = []
+    strategy.run(lambda: made_in_run.append(  # created inside run: one merge_call makes it for all replicas
+        dtape.Variable(3.0, synchronization=on_read, aggregation=sum_)))
+    plain = [dtape.Variable(2.0, synchronization=on_read), dtape.Variable(2.0, synchronization=on_read,
+                                                                           trainable=True),
+             dtape.Variable(2.0), dtape.Variable(2.0, synchronization=None)]
+    assert [v.trainable for v in plain] == [False, True, True, True]
+    assert (m_default.trainable, s_default.trainable, s_trainable.trainable) == (True, False, True)
+    assert [c.trainable for c in s_default.values] == [False, False]
+    assert [c.trainable for c in s_trainable.values] == [True, True]
+    assert made_in_run[0] is made_in_run[1] and made_in_run[0].trainable is False
+    module = dtape.Module()
+    module.vs = [m_default, s_default, s_trainable, plain[0], plain[1]]
+    assert list(module.trainable_variables) == [m_default, s_trainable, plain[1]]
+    with dtape.GradientTape(persistent=True) as t:  # not trainable: not watched automatically
+        y = plain[0] * plain[1]
+    assert t.watched_variables() == (plain[1],)
+    assert t.gradient(y, plain[0]) is None and float(t.gradient(y, plain[1])) == 2.0
+    with pytest.raises(ValueError, match="invalid variable synchronization 'on_read'"):
+        dtape.Variable(1.0, synchronization="on_read")
+
+
 def test_variable_in_operators_gradient_vs_torch():
     vt = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=D)
     v = dtape.Variable(vt)
@@ -192,7 +223,7 @@ def test_variables_share_tensors_operator_table():
     with strategy.scope():
         mirrored = dtape.Variable([1.0, -2.0])
         on_read = dtape.Variable([1.0, -2.0], synchronization=dtape.VariableSynchronization.ON_READ,
-                                 aggregation=dtape.VariableAggregation.ONLY_FIRST_REPLICA)
+                                 aggregation=dtape.VariableAggregation.ONLY_FIRST_REPLICA, trainable=True)
     plain = dtape.Variable([1.0, -2.0])
     t = dtape.constant([1.0, -2.0])
     for v in (plain, mirrored, on_read):
