@@ -1,4 +1,4 @@
-"""Which tapes see a variable read (issue 7 points 3 and 7; seed 1).
+"""Which tapes see a variable read (seed 1), and reads resolved once per tape.
 
 A variable read on any thread (the tape's own, a plain thread, a pool
 thread, a replica) is watched by every active tape, as the seed's
