@@ -39,6 +39,30 @@ def test_sparse_categorical_crossentropy_matches_torch_value_and_gradient(from_l
     np.testing.assert_allclose(grad.numpy(), ref_x.grad.numpy(), rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.parametrize("labels", [[1.7, 0.0], [1.0, 0.0], [True, False]], ids=["fraction", "integral", "bool"])
+@pytest.mark.parametrize("loss_fn", [
+    lambda y, p: dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=p),
+    lambda y, p: losses.SparseCategoricalCrossentropy(from_logits=True)(y, p),
+    lambda y, p: losses.SparseCategoricalCrossentropy()(y, dtape.nn.softmax(p)),
+    lambda y, p: losses.sparse_categorical_crossentropy(y, p, from_logits=True, axis=0),
+], ids=["tf.nn", "keras_logits", "keras_probs", "keras_axis0"])
+def test_sparse_cross_entropy_non_integer_labels_raise(labels, loss_fn):
+    # 1.7 was truncated to class 1 silently; TF refuses label dtypes other than int32/int64.
+    with pytest.raises(TypeError, match="expected an integer dtype.*cast integer-valued labels"):
+        loss_fn(dtape.constant(labels), dtape.constant(LOGITS[:2, :2]))
+
+
+def test_sparse_cross_entropy_int32_and_int64_labels_give_the_same_loss():
+    logits = dtape.constant(LOGITS)
+    want = F.cross_entropy(LOGITS, LABELS, reduction="none").numpy()
+    for dtype in (torch.int32, torch.int64):
+        labels = dtape.constant(LABELS.to(dtype))
+        np.testing.assert_allclose(
+            dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits).numpy(), want, rtol=1e-12)
+        np.testing.assert_allclose(
+            losses.sparse_categorical_crossentropy(labels, logits, from_logits=True).numpy(), want, rtol=1e-12)
+
+
 def test_categorical_crossentropy_label_smoothing_matches_torch():
     onehot = F.one_hot(LABELS, 4).double()
     loss = losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.2)(onehot, LOGITS)
