@@ -356,8 +356,8 @@ class GradientTape:
     """Records operations for automatic differentiation (TF 2 semantics).
 
     Args:
-      persistent: allow more than one `gradient()`/`jacobian()` call.
-      watch_accessed_variables: watch every trainable variable read while active.
+      persistent: bool, allow more than one `gradient()`/`jacobian()` call.
+      watch_accessed_variables: bool, watch every trainable variable read while active.
       gradient_sync: None, or a `dtape.distribute.GradientSync`: under a
         strategy, `gradient()` starts all-reducing each bucket of gradients
         as soon as the walk has finished it (it still returns the local
@@ -372,6 +372,10 @@ class GradientTape:
     a watched `MirroredVariable` is its container in a replica context and
     its components in the cross-replica context (seed 2).
 
+    Raises:
+      TypeError: `persistent` or `watch_accessed_variables` is not a bool;
+        `gradient_sync` has no `start` method.
+
     Source: tf.GradientTape.
 
     Example:
@@ -384,6 +388,10 @@ class GradientTape:
     """
 
     def __init__(self, persistent=False, watch_accessed_variables=True, gradient_sync=None):
+        for name, flag in (("persistent", persistent), ("watch_accessed_variables", watch_accessed_variables)):
+            if not isinstance(flag, bool):  # persistent="no" would be truthy: a persistent tape, silently
+                raise TypeError(f"GradientTape({name}=...) must be True or False, got {type(flag).__name__} "
+                                f"{flag!r}; pass a bool, e.g. GradientTape({name}=True)")
         if gradient_sync is not None and not callable(getattr(gradient_sync, "start", None)):
             raise TypeError(f"gradient_sync must be a dtape.distribute.GradientSync (or None), got "
                             f"{type(gradient_sync).__name__}")

@@ -72,14 +72,20 @@ def sparse_categorical_crossentropy(y_true, y_pred, from_logits=False, axis=-1):
     Returns:
       [batch, ...] of y_pred's dtype.
 
+    Raises:
+      TypeError: y_true of a floating, complex or bool dtype.
+
     Source: tf.keras.losses.sparse_categorical_crossentropy.
     """
     y_pred = _tensor(y_pred)
     y_true = _tensor(y_true)
     if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
         y_true = _array.squeeze(y_true, -1)
-    if y_true.dtype.is_floating_point:
-        y_true = _array.cast(y_true, torch.int64)
+    if y_true.dtype.is_floating_point or y_true.dtype.is_complex or y_true.dtype == torch.bool:
+        raise TypeError(f"sparse_categorical_crossentropy: y_true has dtype {y_true.dtype}, expected an integer "
+                        "dtype of class ids: a float label would be truncated to a class silently (1.7 -> 1); "
+                        "cast integer-valued labels with dtape.cast(y_true, 'int64'), or use "
+                        "CategoricalCrossentropy for one-hot or soft labels")
     if from_logits and axis in (-1, y_pred.ndim - 1):
         return _nn.sparse_softmax_cross_entropy_with_logits(labels=y_true, logits=y_pred)
     log_p = _log_probs(y_pred, from_logits, axis)

@@ -2,6 +2,7 @@
 import torch
 
 from dtape import _replica_info
+from dtape import tape as _tape
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.ops.nn_ops import *  # noqa: F401,F403
@@ -17,37 +18,47 @@ def _check_replica_context(what):
                            "called in replica context: call it inside the function given to strategy.run")
 
 
-def compute_average_loss(per_example_loss, global_batch_size=None, sample_weight=None):
+def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
     """Scales per-example losses by the GLOBAL batch size: `sum(per_example_loss * sample_weight) / global_batch_size`.
 
     Under a strategy every replica calls it on its own examples; the
     optimizer then SUMS the replicas' gradients (TF semantics), and the sum
     of the replicas' results is the mean over the global batch, so training
-    matches one device on the whole batch. DDP/Horovod users note: those
-    AVERAGE gradients over replicas and so divide each replica's loss by
-    the per-replica batch size; with dtape divide by the global batch size
+    matches one device on the whole batch, also when the replicas' slices
+    differ in size or one is empty. DDP/Horovod users note: those AVERAGE
+    gradients over replicas and so divide each replica's loss by the
+    per-replica batch size; with dtape divide by the global batch size
     (this function), never by the per-replica size, or the gradients are
-    num_replicas times too large.
+    num_replicas times too large. `dtape.distribute.compute_average_loss`
+    is this same function.
 
     Args:
-      per_example_loss: floating tensor-like of rank >= 1, [batch, ...]; all
-        elements are summed.
-      global_batch_size: positive int (or integer scalar tensor), the batch
-        size across all replicas. None: the local batch size times
-        `num_replicas_in_sync` (TF's default; wrong for a short last batch:
-        pass the real global size then).
+      per_example_loss: floating tensor-like of rank >= 1, [batch, ...]
+        (batch may be 0 on a replica whose slice of a short batch is
+        empty); all elements are summed.
       sample_weight: None, or weights broadcastable to per_example_loss.
+      global_batch_size: positive int (or integer scalar tensor), the batch
+        size across all replicas. None: the real count, `batch` summed over
+        the replicas in sync (one small all-reduce, so every replica must
+        call it, as any collective), so uneven and short last batches weigh
+        every example once; a global batch of 0 examples gives 0.
 
     Returns:
-      A scalar Tensor of per_example_loss's dtype and device.
+      A scalar Tensor of per_example_loss's dtype and device, differentiable
+      with respect to the losses.
 
     Raises:
       ValueError: a scalar per_example_loss; a non-integer or non-positive
         global_batch_size.
-      RuntimeError: called in a cross-replica context (inside a strategy's
-        scope but outside strategy.run), as TF.
+      RuntimeError: global_batch_size omitted in a cross-replica context
+        (inside a strategy's scope but outside strategy.run), as TF.
 
-    Source: tf.nn.compute_average_loss.
+    Source: tf.nn.compute_average_loss (whose default, the local batch times
+    the number of replicas, is wrong for uneven batches; this one counts).
+
+    Example:
+      >>> float(compute_average_loss([1.0, 2.0, 3.0], global_batch_size=6))
+      1.0
     """
     loss = convert_to_tensor(per_example_loss)
     if loss.ndim < 1:
@@ -56,11 +67,21 @@ def compute_average_loss(per_example_loss, global_batch_size=None, sample_weight
     dtype = loss.dtype
     if sample_weight is not None:
         loss = _math.multiply(loss, _array.cast(convert_to_tensor(sample_weight), dtype))
+    total = _math.reduce_sum(loss)
     if global_batch_size is None:
         _check_replica_context("compute_average_loss")
-        global_batch_size = loss.shape[0] * _replica_info.num_replicas_in_sync()
-    global_batch_size = _check_batch_size(global_batch_size)
-    return _math.reduce_sum(loss) / float(global_batch_size)
+        return total / float(max(_global_count(loss.shape[0]), 1))
+    return total / float(_check_batch_size(global_batch_size))
+
+
+def _global_count(local_count):
+    """The number of examples summed over the replicas in sync (a collective when there are several)."""
+    rctx = _replica_info.replica_context()
+    if rctx is None or rctx.num_replicas_in_sync == 1:
+        return local_count
+    with _tape.stop_recording():
+        count = rctx.all_reduce("SUM", Tensor(torch.tensor(float(local_count), dtype=torch.float64)))
+    return int(round(float(count.torch())))
 
 
 def _check_batch_size(n):

@@ -58,7 +58,10 @@ class Optimizer:
 
     Raises:
       ValueError: more than one clipping option, or a non-positive/non-finite
-        one; a negative or non-finite learning rate.
+        one; a negative or non-finite learning rate; a hyperparameter out of
+        its range (betas in [0, 1), momentum and rho in [0, 1], epsilon,
+        weight_decay and initial_accumulator_value >= 0).
+      TypeError: a hyperparameter that is not a number.
     """
 
     _slot_names = ()
@@ -136,10 +139,15 @@ class Optimizer:
           The iterations variable.
 
         Raises:
-          ValueError: (under a strategy) a gradient that is the same object
-            on every replica (not distributed) cannot be summed.
+          ValueError: a gradient whose shape is not its variable's; (under a
+            strategy) a gradient that is the same object on every replica
+            (not distributed) cannot be summed.
+          TypeError: a gradient whose dtype is not its variable's.
+          Either is raised before any variable is written.
         """
         pairs = [(g, v) for g, v in grads_and_vars]
+        for g, v in pairs:
+            _check_gradient(g, v)
         ctx = distribute.get_replica_context()
         if ctx is not None and ctx.num_replicas_in_sync > 1:
             reduced = distribute.gradient_sync.reduce_gradients(pairs)
@@ -290,6 +298,43 @@ def _check_learning_rate(lr):
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"learning_rate must be a finite float >= 0, got {lr!r}")
     return lr
+
+
+def _check_gradient(grad, var):
+    """A gradient (or each replica's part of a distributed one) must have its variable's shape and dtype.
+
+    Broadcasting a [1] gradient over a [2] variable, or casting a float64
+    one into a float32 variable, would apply an update the tape never
+    computed; TF's apply ops refuse both.
+    """
+    if grad is None:
+        return
+    parts = grad.values if isinstance(grad, distribute.DistributedValues) else (grad,)
+    for part in parts:
+        if part is None:
+            continue
+        t = convert_to_tensor(part)
+        if tuple(t.shape) != tuple(var.shape):
+            raise ValueError(f"apply_gradients: the gradient for variable {var.name!r} has shape {list(t.shape)}, "
+                             f"but the variable has shape {list(var.shape)}; pass a gradient of the variable's "
+                             "shape (tape.gradient(loss, variable) gives one)")
+        if t.dtype != var.dtype:
+            raise TypeError(f"apply_gradients: the gradient for variable {var.name!r} has dtype {t.dtype}, but "
+                            f"the variable is {var.dtype}; cast the gradient to the variable's dtype "
+                            "(dtape.cast(grad, variable.dtype))")
+
+
+def _check_hyper(owner, name, value, low, high, high_open=False):
+    """`value` as a float in [low, high] ([low, high) when high_open); `owner` names the optimizer for the message."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: {name} must be a number, got {type(value).__name__} {value!r}") from None
+    above = x >= high if high_open else x > high
+    if math.isnan(x) or x < low or above:
+        interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        raise ValueError(f"{owner}: {name} must be in {interval}, got {value!r}; pass a value in that range")
+    return x
 
 
 def _check_clipping(clipnorm, clipvalue, global_clipnorm):
@@ -480,9 +525,7 @@ class SGD(Optimizer):
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD", **clipping):
         super().__init__(learning_rate, name, **clipping)
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"SGD momentum must be in [0, 1], got {momentum}")
-        self.momentum = float(momentum)
+        self.momentum = _check_hyper("SGD", "momentum", momentum, 0.0, 1.0)
         self.nesterov = bool(nesterov)
         self._slot_names = ("momentum",) if momentum else ()
 
@@ -513,7 +556,10 @@ class Adam(Optimizer):
 
     def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="Adam", **clipping):
         super().__init__(learning_rate, name, **clipping)
-        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        owner = type(self).__name__
+        self.beta_1 = _check_hyper(owner, "beta_1", beta_1, 0.0, 1.0, high_open=True)
+        self.beta_2 = _check_hyper(owner, "beta_2", beta_2, 0.0, 1.0, high_open=True)
+        self.epsilon = _check_hyper(owner, "epsilon", epsilon, 0.0, math.inf, high_open=True)
 
     def _update_many(self, variables, grads, slots, step):
         b1, b2, eps, lr = self.beta_1, self.beta_2, self.epsilon, self._lr()
@@ -593,7 +639,8 @@ class AdamW(Adam):
     def __init__(self, learning_rate=1e-3, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name="AdamW", **clipping):
         super().__init__(learning_rate, beta_1, beta_2, epsilon, name, **clipping)
-        self.weight_decay = float(weight_decay)
+        self.weight_decay = _check_hyper(type(self).__name__, "weight_decay", weight_decay, 0.0, math.inf,
+                                         high_open=True)
 
     def _decay(self, w, lr):
         return w - lr * self.weight_decay * w
@@ -614,7 +661,7 @@ class RMSprop(Optimizer):
     Args:
       learning_rate: float, schedule or callable (default 0.001).
       rho: decay of the squared-gradient average (0.9).
-      momentum: float >= 0 (0.0).
+      momentum: float in [0, 1] (0.0).
       epsilon: 1e-7.
       centered: divide by the estimated variance instead of the second moment.
       name, clipnorm, clipvalue, global_clipnorm: see `Optimizer`.
@@ -625,9 +672,9 @@ class RMSprop(Optimizer):
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False, name="RMSprop",
                  **clipping):
         super().__init__(learning_rate, name, **clipping)
-        if not 0.0 <= float(rho) <= 1.0 or float(momentum) < 0:
-            raise ValueError(f"RMSprop needs 0 <= rho <= 1 and momentum >= 0, got rho={rho}, momentum={momentum}")
-        self.rho, self.momentum, self.epsilon = float(rho), float(momentum), float(epsilon)
+        self.rho = _check_hyper("RMSprop", "rho", rho, 0.0, 1.0)
+        self.momentum = _check_hyper("RMSprop", "momentum", momentum, 0.0, 1.0)
+        self.epsilon = _check_hyper("RMSprop", "epsilon", epsilon, 0.0, math.inf, high_open=True)
         self.centered = bool(centered)
         self._slot_names = ("velocity",) + (("momentum",) if self.momentum else ()) + \
             (("average_gradient",) if self.centered else ())
@@ -663,9 +710,9 @@ class Adagrad(Optimizer):
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7, name="Adagrad", **clipping):
         super().__init__(learning_rate, name, **clipping)
-        if float(initial_accumulator_value) < 0:
-            raise ValueError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
-        self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
+        self.initial_accumulator_value = _check_hyper("Adagrad", "initial_accumulator_value",
+                                                      initial_accumulator_value, 0.0, math.inf, high_open=True)
+        self.epsilon = _check_hyper("Adagrad", "epsilon", epsilon, 0.0, math.inf, high_open=True)
         self._slot_initial = {"accumulator": self.initial_accumulator_value}
 
     def _update_many(self, variables, grads, slots, step):

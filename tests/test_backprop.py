@@ -95,6 +95,17 @@ def test_non_persistent_gradient_that_raises_midway_still_frees_the_tape():
             t.gradient(w, x)
 
 
+@pytest.mark.parametrize("kwargs", [{"persistent": "yes"}, {"persistent": "no"}, {"persistent": 1},
+                                    {"persistent": None}, {"watch_accessed_variables": "no"},
+                                    {"watch_accessed_variables": 0}])
+def test_gradient_tape_flags_that_are_not_bools_raise(kwargs):
+    # persistent="no" was truthy: a persistent tape that kept its records, silently
+    (name, value), = kwargs.items()
+    with pytest.raises(TypeError, match=rf"GradientTape\({name}=...\) must be True or False, got "
+                                        rf"{type(value).__name__}"):
+        dtape.GradientTape(**kwargs)
+
+
 def test_gradient_nested_structures_result_has_sources_structure():
     a, b, c = _c([1.0, 2.0]), _c(3.0), _c([[0.5]])
     with dtape.GradientTape() as t:

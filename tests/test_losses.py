@@ -1,4 +1,6 @@
 """Loss classes (Keras formulas, reductions) and tf.nn.compute_average_loss / scale_regularization_loss."""
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -35,6 +37,30 @@ def test_sparse_categorical_crossentropy_matches_torch_value_and_gradient(from_l
     ref.backward()
     np.testing.assert_allclose(float(loss), float(ref.detach()), rtol=1e-10)
     np.testing.assert_allclose(grad.numpy(), ref_x.grad.numpy(), rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("labels", [[1.7, 0.0], [1.0, 0.0], [True, False]], ids=["fraction", "integral", "bool"])
+@pytest.mark.parametrize("loss_fn", [
+    lambda y, p: dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=p),
+    lambda y, p: losses.SparseCategoricalCrossentropy(from_logits=True)(y, p),
+    lambda y, p: losses.SparseCategoricalCrossentropy()(y, dtape.nn.softmax(p)),
+    lambda y, p: losses.sparse_categorical_crossentropy(y, p, from_logits=True, axis=0),
+], ids=["tf.nn", "keras_logits", "keras_probs", "keras_axis0"])
+def test_sparse_cross_entropy_non_integer_labels_raise(labels, loss_fn):
+    # 1.7 was truncated to class 1 silently; TF refuses label dtypes other than int32/int64.
+    with pytest.raises(TypeError, match="expected an integer dtype.*cast integer-valued labels"):
+        loss_fn(dtape.constant(labels), dtape.constant(LOGITS[:2, :2]))
+
+
+def test_sparse_cross_entropy_int32_and_int64_labels_give_the_same_loss():
+    logits = dtape.constant(LOGITS)
+    want = F.cross_entropy(LOGITS, LABELS, reduction="none").numpy()
+    for dtype in (torch.int32, torch.int64):
+        labels = dtape.constant(LABELS.to(dtype))
+        np.testing.assert_allclose(
+            dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits).numpy(), want, rtol=1e-12)
+        np.testing.assert_allclose(
+            losses.sparse_categorical_crossentropy(labels, logits, from_logits=True).numpy(), want, rtol=1e-12)
 
 
 def test_categorical_crossentropy_label_smoothing_matches_torch():
@@ -116,13 +142,66 @@ def test_under_strategy_replica_losses_sum_to_the_global_mean(strategy):
     values = np.arange(6, dtype=np.float32)
 
     def fn(x):
-        return dtape.nn.compute_average_loss(x)  # global batch = 3 per replica * 2 replicas
+        return dtape.nn.compute_average_loss(x)  # global batch: 3 + 3 examples, counted over the replicas
 
     per_replica = ds.PerReplica((dtape.constant(values[:3]), dtape.constant(values[3:])))
     total = strategy.reduce(ds.ReduceOp.SUM, strategy.run(fn, (per_replica,)))
     np.testing.assert_allclose(float(total), values.mean(), rtol=1e-6)
     reg = strategy.run(lambda: dtape.nn.scale_regularization_loss([dtape.constant(3.0), dtape.constant(1.0)]))
     np.testing.assert_allclose([float(v) for v in strategy.experimental_local_results(reg)], [2.0, 2.0])
+
+
+# x such that one device gives d(mean(w * x))/dw = 40 / 5 = 8.00, while dividing each replica by its local
+# batch times 2 replicas gives 4 / 6 + 36 / 4 = 9.67 on a 3/2 split.
+UNEVEN_X = np.array([1.0, 1.0, 2.0, 16.0, 20.0])
+
+
+def _summed_replica_gradient(strategy, slices, **kwargs):
+    """The sum over replicas of d(compute_average_loss(w * x_r))/dw, each replica given its slice x_r."""
+    with strategy.scope():
+        w = dtape.Variable(1.0, dtype=torch.float64)
+
+    def step(xb):
+        with dtape.GradientTape() as tape:
+            loss = dtape.nn.compute_average_loss(w * xb, **kwargs)
+        return tape.gradient(loss, w)
+    per_replica = ds.PerReplica(tuple(dtape.constant(x) for x in slices))
+    grads = strategy.experimental_local_results(strategy.run(step, (per_replica,)))
+    return sum(float(g) for g in grads)
+
+
+def test_compute_average_loss_uneven_replicas_give_the_one_device_gradient(strategy):
+    assert _summed_replica_gradient(strategy, (UNEVEN_X[:3], UNEVEN_X[3:])) == pytest.approx(8.0, abs=1e-12)
+
+
+def test_compute_average_loss_an_empty_replica_gives_the_one_device_gradient(strategy):
+    assert _summed_replica_gradient(strategy, (UNEVEN_X[:1], UNEVEN_X[1:1])) == pytest.approx(1.0, abs=1e-12)
+    assert _summed_replica_gradient(strategy, (UNEVEN_X[:0], UNEVEN_X[:0])) == 0.0   # no example anywhere: 0
+
+
+def test_compute_average_loss_explicit_global_batch_size_is_used_as_given(strategy):
+    got = _summed_replica_gradient(strategy, (UNEVEN_X[:3], UNEVEN_X[3:]), global_batch_size=10)
+    assert got == pytest.approx(40.0 / 10, abs=1e-12)
+
+
+def test_compute_average_loss_sample_weight_under_uneven_replicas(strategy):
+    weight = np.array([1.0, 0.0, 2.0, 0.5, 1.0])
+    with strategy.scope():
+        w = dtape.Variable(1.0, dtype=torch.float64)
+
+    def step(xb, wb):
+        with dtape.GradientTape() as tape:
+            loss = dtape.nn.compute_average_loss(w * xb, sample_weight=wb)
+        return tape.gradient(loss, w)
+    split = lambda a: ds.PerReplica((dtape.constant(a[:3]), dtape.constant(a[3:])))  # noqa: E731
+    grads = strategy.experimental_local_results(strategy.run(step, (split(UNEVEN_X), split(weight))))
+    assert sum(float(g) for g in grads) == pytest.approx(float(np.sum(weight * UNEVEN_X)) / 5, abs=1e-12)
+
+
+def test_compute_average_loss_is_one_function_under_both_names():
+    assert dtape.nn.compute_average_loss is dtape.distribute.compute_average_loss
+    assert list(inspect.signature(dtape.nn.compute_average_loss).parameters) == [
+        "per_example_loss", "sample_weight", "global_batch_size"]
 
 
 def test_cross_replica_context_raises_as_tf(strategy):

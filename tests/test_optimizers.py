@@ -211,12 +211,12 @@ _CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.9, "ne
 
 @pytest.mark.parametrize("name,kw", _CASES)
 def test_batched_update_equals_per_variable_formula_bit_for_bit(name, kw):
-    # Shapes of every kind (scalar, vector, matrix), a float64 variable and a float32 variable
-    # with float64 gradients (type promotion): one batch of foreach ops must give exactly the
-    # per-variable results, slots included, over several steps.
+    # Shapes of every kind (scalar, vector, matrix), float32 and float64 variables in one batch:
+    # one batch of foreach ops must give exactly the per-variable results, slots included, over
+    # several steps. (A gradient of another dtype than its variable's is refused.)
     gen = torch.Generator().manual_seed(0)
     specs = [((), torch.float32, torch.float32), ((5,), torch.float32, torch.float32),
-             ((3, 4), torch.float32, torch.float64), ((2, 3), torch.float64, torch.float64)]
+             ((3, 4), torch.float32, torch.float32), ((2, 3), torch.float64, torch.float64)]
     init = [torch.randn(s, generator=gen, dtype=d) for s, d, _ in specs]
     variables = [dtape.Variable(t.clone()) for t in init]
     opt = getattr(dtape.optimizers, name)(0.05, **kw)
@@ -416,12 +416,75 @@ def test_fused_adam_pairs_elements_of_any_layout():
             torch.testing.assert_close(v.torch(), w, rtol=1e-12, atol=0)
 
 
-def test_adam_with_beta_2_one_takes_keras_zero_step():
-    """beta_2 = 1: Keras's step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) is 0 (weights unchanged, m
-    still updated), not a ZeroDivisionError from the fused kernel's epsilon / sqrt(1 - beta_2^t)."""
-    v = dtape.Variable(torch.tensor([1.0, -2.0]))
-    opt = dtape.optimizers.Adam(0.1, beta_2=1.0)
-    for _ in range(2):
-        opt.apply_gradients([(dtape.constant([0.5, 1.0]), v)])
-    assert v.numpy().tolist() == [1.0, -2.0]
-    np.testing.assert_allclose(opt._slots_for(v)["m"].numpy(), [0.095, 0.19], rtol=1e-6)
+_OPTIMIZERS = [dtape.optimizers.SGD, lambda lr: dtape.optimizers.SGD(lr, momentum=0.9), dtape.optimizers.Adam,
+               dtape.optimizers.AdamW, dtape.optimizers.RMSprop, dtape.optimizers.Adagrad]
+
+
+@pytest.mark.parametrize("make, kwargs, name", [
+    (dtape.optimizers.Adam, {"beta_1": 1.5}, "beta_1"), (dtape.optimizers.Adam, {"beta_1": 1.0}, "beta_1"),
+    (dtape.optimizers.Adam, {"beta_1": -0.1}, "beta_1"), (dtape.optimizers.Adam, {"beta_2": 1.0}, "beta_2"),
+    (dtape.optimizers.AdamW, {"beta_2": float("nan")}, "beta_2"),
+    (dtape.optimizers.Adam, {"epsilon": -1e-8}, "epsilon"),
+    (dtape.optimizers.Adam, {"epsilon": float("inf")}, "epsilon"),
+    (dtape.optimizers.AdamW, {"weight_decay": -0.1}, "weight_decay"),
+    (dtape.optimizers.SGD, {"momentum": 1.5}, "momentum"), (dtape.optimizers.SGD, {"momentum": -0.1}, "momentum"),
+    (dtape.optimizers.RMSprop, {"momentum": 1.5}, "momentum"), (dtape.optimizers.RMSprop, {"rho": 1.5}, "rho"),
+    (dtape.optimizers.RMSprop, {"epsilon": -1.0}, "epsilon"), (dtape.optimizers.Adagrad, {"epsilon": -1.0}, "epsilon"),
+    (dtape.optimizers.Adagrad, {"initial_accumulator_value": -1.0}, "initial_accumulator_value"),
+    (dtape.optimizers.Adam, {"learning_rate": -1e-3}, "learning_rate"),
+    (dtape.optimizers.SGD, {"learning_rate": float("inf")}, "learning_rate"),
+])
+def test_optimizer_hyperparameter_out_of_range_raises(make, kwargs, name):
+    # Adam(beta_1=1.5) trained silently (and beta_1 = 1 divided by zero at the first step).
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        make(**kwargs)
+
+
+def test_optimizer_hyperparameter_not_a_number_raises():
+    with pytest.raises(TypeError, match="beta_1 must be a number, got str"):
+        dtape.optimizers.Adam(beta_1="0.9x")
+
+
+def test_optimizer_hyperparameters_at_the_ends_of_their_ranges_are_accepted():
+    opt = dtape.optimizers.Adam(0.0, beta_1=0.0, beta_2=0.0, epsilon=0.0)
+    assert (opt.beta_1, opt.beta_2, opt.epsilon) == (0.0, 0.0, 0.0)
+    assert dtape.optimizers.SGD(momentum=1.0).momentum == 1.0
+    assert dtape.optimizers.RMSprop(rho=1.0, momentum=1.0).rho == 1.0
+    assert dtape.optimizers.AdamW(weight_decay=0.0).weight_decay == 0.0
+
+
+@pytest.mark.parametrize("make", _OPTIMIZERS, ids=["SGD", "SGD_momentum", "Adam", "AdamW", "RMSprop", "Adagrad"])
+@pytest.mark.parametrize("bad, error, match", [
+    (torch.tensor([1.0]), ValueError, r"has shape \[1\], but the variable has shape \[2\]"),
+    (torch.tensor([1.0, 1.0], dtype=torch.float64), TypeError,
+     "has dtype torch.float64, but the variable is torch.float32; cast"),
+], ids=["shape", "dtype"])
+def test_apply_gradients_wrong_gradient_raises_before_any_write(make, bad, error, match):
+    # A [1] gradient was broadcast over a [2] variable, a float64 one cast into float32. The bad pair
+    # comes second: the first variable, the slots and iterations must be untouched.
+    first, second = dtape.Variable([1.0, 2.0], name="first"), dtape.Variable([3.0, 4.0], name="second")
+    opt = make(0.1)
+    with pytest.raises(error, match=f"variable 'second' {match}"):
+        opt.apply_gradients([(dtape.constant([1.0, 1.0]), first), (dtape.constant(bad), second)])
+    assert first.numpy().tolist() == [1.0, 2.0] and second.numpy().tolist() == [3.0, 4.0]
+    assert int(opt.iterations.numpy()) == 0 and opt._slots == {}
+
+
+def test_apply_gradients_wrong_gradient_under_a_strategy_raises_before_any_write(strategy):
+    with strategy.scope():
+        first, second = dtape.Variable([1.0, 2.0], name="first"), dtape.Variable([3.0, 4.0], name="second")
+        opt = dtape.optimizers.Adam(0.1)
+    good = dtape.constant([1.0, 1.0])
+
+    def step(bad_on):   # the replicas in `bad_on` pass a [1] gradient for `second`
+        bad = _rid() in bad_on
+        opt.apply_gradients([(good, first), (dtape.constant([1.0] if bad else [1.0, 1.0]), second)])
+    for bad_on in ((0, 1), (1,)):
+        with pytest.raises(ValueError, match=r"variable 'second' has shape \[1\]"):
+            strategy.run(step, (bad_on,))
+    with strategy.scope():   # the cross-replica context
+        with pytest.raises(TypeError, match="variable 'second' has dtype torch.float64"):
+            opt.apply_gradients([(good, first), (dtape.constant([1.0, 1.0], dtype=torch.float64), second)])
+    for v, want in ((first, [1.0, 2.0]), (second, [3.0, 4.0])):
+        assert [c.numpy().tolist() for c in v.values] == [want, want]
+    assert int(opt.iterations.numpy()) == 0

@@ -48,11 +48,12 @@ import threading
 
 import torch
 
-from dtape import _config, ops
+from dtape import _config
 from dtape import tape as _tp
 from dtape.distribute import context
 from dtape.distribute.cross_device_ops import accumulation_dtype
 from dtape.distribute.reduce_util import ReduceOp
+from dtape.nn import compute_average_loss  # noqa: F401  (one function, public under both names)
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -379,38 +380,6 @@ def _reduce_fresh(ext, pairs, caps, timeout):
 
 def _timeout(strategy):
     return getattr(strategy, "_timeout", None) or _config.DISTRIBUTE_TIMEOUT_S
-
-
-# -- uneven batches ----------------------------------------------------------------------
-def compute_average_loss(per_example_loss, global_batch_size=None):
-    """The sum of this replica's per-example losses divided by the global batch size.
-
-    Args:
-      per_example_loss: Tensor of shape [b, ...] (b may be 0 on a replica
-        whose slice of a short batch is empty).
-      global_batch_size: the number of examples in the global batch; default
-        (None): the real count, summed over the replicas (one small
-        all-reduce), so uneven and short last batches weigh every example
-        once: summing every replica's gradient of this loss gives the
-        gradient of the mean loss over the global batch, as on one device.
-
-    Returns:
-      A scalar Tensor (differentiable w.r.t. the losses).
-
-    Source: tf.nn.compute_average_loss (whose default, per-replica batch
-    times replicas, is wrong for uneven batches; this one counts).
-    """
-    loss = convert_to_tensor(per_example_loss)
-    total = ops.reduce_sum(loss)
-    if global_batch_size is None:
-        count = loss.shape[0] if loss.ndim else 1
-        rctx = context.get_replica_context()
-        if rctx is not None and rctx.num_replicas_in_sync > 1:
-            with _tp.stop_recording():
-                count = rctx.all_reduce(ReduceOp.SUM, Tensor(torch.tensor(float(count), dtype=torch.float64)))
-            count = float(count.torch())
-        global_batch_size = count
-    return total / max(float(global_batch_size), 1.0)
 
 
 # -- gradient accumulation ---------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 Source: tf.distribute.MirroredStrategy.
 """
+import re
 import weakref
 
 import torch
@@ -16,15 +17,17 @@ from dtape.variables import VariableSynchronization
 
 
 def _validate_devices(devices):
+    """The replicas' device names in canonical form ('cpu:N', 'cuda:N'), distinct and available."""
     if devices is None:
         n = torch.cuda.device_count()
         devices = [f"cuda:{i}" for i in range(n)] if n else ["cpu:0"]
-    devices = [str(d) for d in devices]
-    if not devices:
+    given = [str(d) for d in devices]
+    if not given:
         raise ValueError("MirroredStrategy needs at least one device, e.g. devices=['cpu:0', 'cpu:1']")
+    devices = [_canonical_device(d) for d in given]
     if len(set(devices)) != len(devices):
-        raise ValueError(f"MirroredStrategy devices must be distinct, got {devices}; "
-                         "name CPU replicas 'cpu:0', 'cpu:1', ...")
+        raise ValueError(f"MirroredStrategy devices must be distinct, got {given}, which name {devices}; "
+                         "name CPU replicas 'cpu:0', 'cpu:1', ... ('cpu' is 'cpu:0', case does not matter)")
     for d in devices:
         dev = normalize_device(d)
         if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
@@ -33,12 +36,39 @@ def _validate_devices(devices):
     return devices
 
 
+def _canonical_device(name):
+    """'CPU:0', 'cpu' -> 'cpu:0'; 'gpu:1', 'CUDA:1' -> 'cuda:1'; 'cuda' -> the current CUDA device.
+
+    Two spellings of one device would otherwise make two replicas share it,
+    and a malformed index ('cpu:x') would be taken as 'cpu'.
+    """
+    kind, sep, index = name.strip().lower().partition(":")
+    kind = "cuda" if kind == "gpu" else kind
+    if sep and not re.fullmatch("[0-9]+", index):
+        raise ValueError(f"MirroredStrategy device {name!r} has no valid index (expected a number after ':'); "
+                         "name devices 'cpu:0', 'cpu:1', ... or 'cuda:0', 'cuda:1', ...")
+    if kind == "cpu":
+        return f"cpu:{int(index) if sep else 0}"
+    try:
+        dev = torch.device(f"{kind}:{int(index)}" if sep else kind)
+    except RuntimeError:
+        raise ValueError(f"MirroredStrategy device {name!r} is not a device name; name devices "
+                         "'cpu:0', 'cpu:1', ... or 'cuda:0', 'cuda:1', ...") from None
+    if dev.index is None:
+        current = torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0
+        dev = torch.device(dev.type, current)
+    return str(dev)
+
+
 class MirroredStrategy(Strategy):
     """Runs a step on every device at once, with variables mirrored on each.
 
     Args:
       devices: device names, e.g. ["cuda:0", "cuda:1"], or ["cpu:0", "cpu:1"]
         for replicas simulated as threads on the CPU. Default: every GPU, else one CPU.
+        Names are made canonical ('CPU:0' and 'cpu' are 'cpu:0', 'gpu:1' is
+        'cuda:1'; `extended.worker_devices` holds them) and must be distinct:
+        a ValueError names duplicates and malformed names ('cpu:x').
       timeout: seconds a step may wait on a replica, or a merge_fn may run,
         before TimeoutError (default DTAPE_DISTRIBUTE_TIMEOUT, 300). Finite
         and > 0: NaN, zero, negative and infinity raise ValueError (every

@@ -117,12 +117,14 @@ class CommunicationOptions:
         (NCCL for CUDA, gloo for the CPU).
 
     Raises:
-      ValueError: a non-positive timeout or an unknown implementation.
+      ValueError: a timeout that is not a finite positive number (NaN,
+        zero, negative, infinite), or an unknown implementation.
+      TypeError: a timeout that is not a number.
     """
 
     def __init__(self, timeout_seconds=None, implementation=None):
-        if timeout_seconds is not None and not float(timeout_seconds) > 0:
-            raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
+        if timeout_seconds is not None:  # here, not at the first collective (infinity: an OverflowError there)
+            timeout_seconds = _config.validate_timeout(timeout_seconds, "CommunicationOptions(timeout_seconds=...)")
         impl = None if implementation is None else str(getattr(implementation, "name", implementation)).lower()
         if impl not in (None, "gloo", "nccl", "auto"):
             raise ValueError(f"implementation must be 'gloo', 'nccl' or None, got {implementation!r}")

@@ -169,6 +169,13 @@ def _sparse_xent_samples(rng):
             ((torch.tensor([[2, 0], [1, 1]]), S.randn(rng, 2, 2, 3)), {})]
 
 
+def _check_class_ids(labels, what):
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"{what} has dtype {labels.dtype}, expected an integer dtype (int32 or int64) of class ids: "
+                        "a float label would be truncated to a class silently; cast integer-valued labels with "
+                        "dtape.cast(labels, 'int64'), or use softmax_cross_entropy_with_logits for soft labels")
+
+
 @defop(n_in=2, samples=_sparse_xent_samples, saves="inputs")
 def sparse_softmax_cross_entropy_with_logits(labels, logits):
     """Per-example softmax cross-entropy against integer class labels.
@@ -180,8 +187,13 @@ def sparse_softmax_cross_entropy_with_logits(labels, logits):
     Returns:
       Losses [d...], logits' dtype. No gradient flows to `labels`.
 
+    Raises:
+      TypeError: labels of a floating, complex or bool dtype (a label 1.7
+        would silently become class 1).
+
     Source: tf.nn.sparse_softmax_cross_entropy_with_logits.
     """
+    _check_class_ids(labels, "sparse_softmax_cross_entropy_with_logits: labels")
     logp = torch.log_softmax(logits, dim=-1)
     return -torch.squeeze(torch.gather(logp, -1, torch.unsqueeze(labels.long(), -1)), -1)
 

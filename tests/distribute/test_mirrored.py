@@ -270,6 +270,24 @@ def test_mirrored_strategy_bad_devices_raise():
             ds.MirroredStrategy(["cuda:0"])
 
 
+@pytest.mark.parametrize("devices, match", [
+    (["CPU:0", "cpu:0"], "must be distinct.*which name \\['cpu:0', 'cpu:0'\\]"),
+    (["cpu", "cpu:0"], "must be distinct"), (["cpu:1", "cpu:01"], "must be distinct"),
+    (["cpu:x", "cpu:1"], "'cpu:x' has no valid index"), (["cpu:0", "cpu:-1"], "'cpu:-1' has no valid index"),
+    (["cpu:0", "tpu:0"], "'tpu:0' is not a device name"),
+])
+def test_mirrored_strategy_devices_that_name_one_device_twice_or_none_raise(devices, match):
+    # Two spellings of one device made two replicas share it; 'cpu:x' was taken as the CPU.
+    with pytest.raises(ValueError, match=match):
+        ds.MirroredStrategy(devices)
+
+
+def test_mirrored_strategy_device_names_are_canonical():
+    strategy = ds.MirroredStrategy(["CPU:0", torch.device("cpu", 1), "cpu:2"])
+    assert strategy.extended.worker_devices == ("cpu:0", "cpu:1", "cpu:2")
+    assert ds.MirroredStrategy(["cpu"]).extended.worker_devices == ("cpu:0",)
+
+
 def test_optimizer_build_creates_mirrored_slots_before_any_step(strategy):
     with strategy.scope():
         v = dtape.Variable(torch.ones(3))

@@ -136,6 +136,15 @@ def test_communication_options_validates():
     assert dd.CommunicationOptions(5, "NCCL").implementation == "nccl"
 
 
+@pytest.mark.parametrize("bad, error", [(float("inf"), ValueError), (float("nan"), ValueError), (-1.0, ValueError),
+                                        (0.0, ValueError), ("10", TypeError)])
+def test_communication_options_refuses_a_timeout_that_is_not_finite_and_positive(bad, error):
+    # infinity was accepted here and failed only at the first collective, with an OverflowError
+    with pytest.raises(error, match=r"CommunicationOptions\(timeout_seconds=...\)"):
+        dd.CommunicationOptions(timeout_seconds=bad)
+    assert dd.CommunicationOptions(timeout_seconds=86400).timeout_seconds == 86400.0
+
+
 def test_peer_exception_keeps_builtin_type_and_names_rank():
     try:
         raise ZeroDivisionError("boom")
