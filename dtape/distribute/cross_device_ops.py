@@ -11,13 +11,11 @@ threads (the engine behind `StrategyExtended._all_reduce_flat_async`):
 launches are matched by order, the last replica to arrive sums.
 Source: tensorflow/python/distribute/cross_device_ops.py.
 """
-import threading
-import weakref
-
 import torch
 
 from dtape import ops
 from dtape.backprop import profile_range
+from dtape.distribute.interrupts import StepAborted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.ops.array_ops import copy_to_device, to_device
 from dtape.tensor import convert_to_tensor, normalize_device
@@ -260,7 +258,6 @@ class ThreadCollectives:
                     raise slot.error
                 return slot.result[replica_id]
         if ok:
-            from dtape.distribute.mirrored_run import StepAborted  # noqa: PLC0415 - mirrored_run imports this module
             raise StepAborted(f"replica {replica_id}: step aborted while waiting for an all-reduce")
         missing = [r for r in range(self._n) if slot.parts[r] is None]
         raise TimeoutError(f"replica {replica_id} waited {timeout:g} s for an all-reduce that replicas {missing} "
@@ -277,17 +274,13 @@ def _check_same_collective(seq, slot):
                          "sizes (the same tape.gradient sources and apply_gradients var_list)")
 
 
-_groups = weakref.WeakKeyDictionary()   # step coordinator -> ThreadCollectives
-_groups_lock = threading.Lock()
-
-
 def thread_collectives(coordinator, devices):
-    """The ThreadCollectives of one `run` step (made on first use, dropped with the step)."""
-    with _groups_lock:
-        group = _groups.get(coordinator)
-        if group is None:
-            group = _groups[coordinator] = ThreadCollectives(coordinator, devices)
-        return group
+    """The ThreadCollectives of one `run` step: made on first use, kept on the step's coordinator
+    (`coordinator.collectives`), which drops it when the step ends."""
+    with coordinator.cond:
+        if coordinator.collectives is None:
+            coordinator.collectives = ThreadCollectives(coordinator, devices)
+        return coordinator.collectives
 
 
 __all__ = ["reduce_values", "reduce_non_distributed_value", "broadcast", "copy_to_device", "widen", "narrow",

@@ -32,8 +32,9 @@ How the overlap works (DDP's reducer, on the tape):
 * `tape.gradient` returns the local gradients (TF semantics, exactly).
   `optimizer.apply_gradients` in a replica context uses the launched
   reductions only if every gradient it is given is the very object
-  `tape.gradient` returned for that variable (an identity check; None
-  included); otherwise (clipped, scaled, accumulated gradients) it reduces
+  `tape.gradient` returned for that variable in the same step (an identity
+  check; None included; the record goes with the step's replica context);
+  otherwise (clipped, scaled, accumulated gradients) it reduces
   what it is given afresh, bucketed the same way: one reduction per bucket,
   not per variable.
 
@@ -310,17 +311,9 @@ class _Entry:
         self.source, self.grad, self.session, self.index = source, grad, session, index
 
 
-class _Registry(threading.local):
-    entries = None
-
-
-_local = _Registry()  # per replica thread: id(source) -> _Entry of the latest synced tape.gradient
-
-
 def _registry():
-    if _local.entries is None:
-        _local.entries = {}
-    return _local.entries
+    """id(source) -> _Entry of this replica's latest synced tape.gradient in the current step."""
+    return context.get_replica_context().synced_gradients
 
 
 # -- the reduction apply_gradients uses --------------------------------------------------

@@ -36,6 +36,7 @@ from dtape import tape as _tp
 from dtape import variables
 from dtape.distribute import context, replica_scope
 from dtape.distribute.distribute_lib import ReplicaContext
+from dtape.distribute.interrupts import StepAborted
 from dtape.distribute.values import regroup, select_replica
 
 # Seconds an interrupted step (and interpreter exit) waits for replicas to stop.
@@ -61,10 +62,6 @@ def _wait_for(cond, predicate, timeout):
         cond.wait(min(remaining, _SIGNAL_POLL_S))
         result = predicate()
     return result
-
-
-class StepAborted(BaseException):
-    """Raised inside replicas whose step was ended by another replica's failure, a timeout or an interrupt."""
 
 
 def add_note(exc, note):
@@ -235,6 +232,7 @@ class Coordinator:
         self.tapes = [_tp.PushedTapes() for _ in range(num_replicas)]
         self.aborted = False
         self.progress_at = time.monotonic()  # last time the coordinator moved the step on
+        self.collectives = None  # the step's all-reduces among replica threads (cross_device_ops)
 
     # -- replica side ---------------------------------------------------------
     def replica_job(self, fn, replica_id, args, kwargs, stack, creators, caller):
@@ -400,6 +398,7 @@ class Coordinator:
             self.results = [None] * self.n
             self.errors = [None] * self.n
             self.pending, self.merged = {}, {}
+            self.collectives = None  # it refers back to this coordinator: no cycle outlives the step
         for i in stuck:
             self.tapes[i].detach()
         return stuck
