@@ -211,6 +211,8 @@ class ThreadCollectives:
     def launch(self, replica_id, reduce_op, tensors):
         """Contributes `tensors` (torch tensors) as replica `replica_id`; returns a ThreadCollectiveHandle."""
         with self._cond:
+            if self._coord.aborted:  # an abandoned replica still running: it must not complete a collective
+                raise StepAborted(f"replica {replica_id}: step aborted before this all-reduce")
             seq = self._seq[replica_id]
             self._seq[replica_id] = seq + 1
             slot = self._slots.get(seq)

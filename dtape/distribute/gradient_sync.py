@@ -109,7 +109,10 @@ class GradientSync:
             _check_cap(bucket_cap_mb), _check_cap(first_bucket_cap_mb, "first_bucket_cap_mb"))
         self.order = order
         self._lock = threading.Lock()
-        self._orders = {}  # (strategy id, replica id, sources' shapes and dtypes) -> agreed readiness order
+        # (strategy id, sources' shapes and dtypes) -> agreed readiness order. One entry for all the
+        # replicas of a process: the first replica back from the agreement adopts the order for every
+        # replica, so a step that fails on some replicas after it cannot leave them with different orders.
+        self._orders = {}
 
     def start(self, sources):
         """The tape's hook: a session for one `tape.gradient` call, or None (nothing to synchronise)."""
@@ -117,8 +120,7 @@ class GradientSync:
         if rctx is None or rctx.num_replicas_in_sync == 1:
             return None
         sources = list(sources)
-        key = (id(rctx.strategy), rctx.replica_id_in_sync_group,
-               tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
+        key = (id(rctx.strategy), tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
         order, learn = None, None
         if self.order == "readiness":
             with self._lock:
@@ -130,7 +132,7 @@ class GradientSync:
 
     def _learned(self, key, order):
         with self._lock:
-            self._orders[key] = order
+            self._orders.setdefault(key, order)  # every replica agreed on this order: any copy will do
 
 
 # -- bucket layout ----------------------------------------------------------------------
