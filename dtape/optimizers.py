@@ -32,6 +32,7 @@ from dtape import ops as _ops
 from dtape import tape as _tp
 from dtape.backprop import GradientTape
 from dtape.distribute.cross_device_ops import reduce_non_distributed_value
+from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation, update_together
@@ -207,7 +208,8 @@ class Optimizer:
         for _, var in pairs:  # slots are made here, once, in the cross-replica context
             self._slots_for(distribute.value_container(var))
         step = int(self.iterations.numpy()) + 1
-        with _tp.stop_recording():
+        # Ctrl-C waits for the whole update: every component and `iterations`, or nothing.
+        with _tp.stop_recording(), uninterrupted():
             # one batched update per replica index (not one per variable): see the module docstring
             strategy.extended._update_many([v for _, v in pairs], functools.partial(self._apply_group, step=step),
                                            args=([g for g, _ in pairs],))

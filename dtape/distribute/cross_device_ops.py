@@ -11,13 +11,11 @@ threads (the engine behind `StrategyExtended._all_reduce_flat_async`):
 launches are matched by order, the last replica to arrive sums.
 Source: tensorflow/python/distribute/cross_device_ops.py.
 """
-import threading
-import weakref
-
 import torch
 
 from dtape import ops
 from dtape.backprop import profile_range
+from dtape.distribute.interrupts import StepAborted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.ops.array_ops import copy_to_device, to_device
 from dtape.tensor import convert_to_tensor, normalize_device
@@ -157,9 +155,10 @@ class DoneHandle:
 class _Slot:
     """One collective in flight: every replica's contribution, then every replica's result."""
 
-    __slots__ = ("parts", "arrived", "reduce_op", "result", "error", "finished")
+    __slots__ = ("seq", "parts", "arrived", "reduce_op", "result", "error", "finished")
 
-    def __init__(self, n):
+    def __init__(self, seq, n):
+        self.seq = seq
         self.parts = [None] * n
         self.arrived = 0
         self.reduce_op = [None] * n
@@ -184,8 +183,11 @@ class ThreadCollectiveHandle:
 
         Raises:
           The collective's error (mismatched contributions: ValueError);
-          StepAborted if another replica failed; TimeoutError after `timeout`
-          (default: the strategy's timeout) seconds.
+          StepAborted if another replica failed or the step timed out (the
+          step's TimeoutError, raised by `run`, names the replicas that never
+          launched); TimeoutError after `timeout` (default: the strategy's
+          timeout) plus the strategy's timeout seconds if the step's
+          coordinator has not ended the step by then.
         """
         return self._group.wait(self._slot, self._replica, timeout)
 
@@ -213,11 +215,13 @@ class ThreadCollectives:
     def launch(self, replica_id, reduce_op, tensors):
         """Contributes `tensors` (torch tensors) as replica `replica_id`; returns a ThreadCollectiveHandle."""
         with self._cond:
+            if self._coord.aborted:  # an abandoned replica still running: it must not complete a collective
+                raise StepAborted(f"replica {replica_id}: step aborted before this all-reduce")
             seq = self._seq[replica_id]
             self._seq[replica_id] = seq + 1
             slot = self._slots.get(seq)
             if slot is None:
-                slot = self._slots[seq] = _Slot(self._n)
+                slot = self._slots[seq] = _Slot(seq, self._n)
             slot.parts[replica_id] = list(tensors)
             slot.reduce_op[replica_id] = reduce_op
             slot.arrived += 1
@@ -252,20 +256,29 @@ class ThreadCollectives:
     def wait(self, slot, replica_id, timeout):
         coord = self._coord
         timeout = coord.timeout if timeout is None else timeout
+
+        def ended():
+            return slot.finished or coord.aborted or any(e is not None for e in coord.errors)
         with self._cond:
-            ok = self._cond.wait_for(
-                lambda: slot.finished or coord.aborted or any(e is not None for e in coord.errors), timeout)
+            coord.in_collective[replica_id] = slot.seq  # the step's timeout names who waits where
+            try:
+                ok = self._cond.wait_for(ended, timeout)
+                if not ok:
+                    # The step's coordinator times out too and names the replicas that never launched; its
+                    # verdict is the step's error. This replica times out on its own only if it gets none.
+                    ok = self._cond.wait_for(ended, coord.timeout)
+            finally:
+                coord.in_collective.pop(replica_id, None)
             if slot.finished:
                 if slot.error is not None:
                     raise slot.error
                 return slot.result[replica_id]
         if ok:
-            from dtape.distribute.mirrored_run import StepAborted  # noqa: PLC0415 - mirrored_run imports this module
             raise StepAborted(f"replica {replica_id}: step aborted while waiting for an all-reduce")
         missing = [r for r in range(self._n) if slot.parts[r] is None]
-        raise TimeoutError(f"replica {replica_id} waited {timeout:g} s for an all-reduce that replicas {missing} "
-                           "never launched; every replica must make the same collective calls in the same "
-                           "order (the same tape.gradient sources and apply_gradients var_list)")
+        raise TimeoutError(f"replica {replica_id} waited {timeout + coord.timeout:g} s for all-reduce #{slot.seq} "
+                           f"that replicas {missing} never launched; every replica must make the same collective "
+                           "calls in the same order (the same tape.gradient sources and apply_gradients var_list)")
 
 
 def _check_same_collective(seq, slot):
@@ -277,17 +290,13 @@ def _check_same_collective(seq, slot):
                          "sizes (the same tape.gradient sources and apply_gradients var_list)")
 
 
-_groups = weakref.WeakKeyDictionary()   # step coordinator -> ThreadCollectives
-_groups_lock = threading.Lock()
-
-
 def thread_collectives(coordinator, devices):
-    """The ThreadCollectives of one `run` step (made on first use, dropped with the step)."""
-    with _groups_lock:
-        group = _groups.get(coordinator)
-        if group is None:
-            group = _groups[coordinator] = ThreadCollectives(coordinator, devices)
-        return group
+    """The ThreadCollectives of one `run` step: made on first use, kept on the step's coordinator
+    (`coordinator.collectives`), which drops it when the step ends."""
+    with coordinator.cond:
+        if coordinator.collectives is None:
+            coordinator.collectives = ThreadCollectives(coordinator, devices)
+        return coordinator.collectives
 
 
 __all__ = ["reduce_values", "reduce_non_distributed_value", "broadcast", "copy_to_device", "widen", "narrow",

@@ -8,9 +8,10 @@ import torch
 from dtape import nest, ops
 from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops, input_lib
+from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, PerReplica,
-                                     replica_operand, select_replica, value_container)
+from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
+                                     live_variables, replica_operand, select_replica, value_container)
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 from dtape.variables import current_creator_stack, variable_creator_scope
 
@@ -33,6 +34,9 @@ class ReplicaContext:
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
         self._coordinator = coordinator
+        # GradientSync's record of what tape.gradient returned in this step (id(source) -> entry):
+        # it goes with the step, so nothing of a finished step (or its strategy) stays on the thread.
+        self.synced_gradients = {}
 
     @property
     def strategy(self):
@@ -297,9 +301,6 @@ class StrategyExtended:
           ValueError: naming the first variable (in creation order) and the
             first replica whose component differs, with the largest difference.
         """
-        import torch  # local: keeps this addition to one method
-
-        from dtape.distribute.values import MirroredVariable, live_variables
         checked = 0
         for var in live_variables(self._strategy):
             if not isinstance(var, MirroredVariable):
@@ -328,16 +329,18 @@ class StrategyExtended:
 
         Mirrored/PerReplica arguments are split per component; plain values
         are given to every component. Returns the per-component results
-        (Mirrored), or fn's result for a plain variable.
+        (Mirrored), or fn's result for a plain variable. All or nothing with
+        respect to Ctrl-C (`interrupts.uninterrupted`).
         """
         kwargs = kwargs or {}
         if not isinstance(var, DistributedVariable):
             with _tp.stop_recording():
                 return fn(var, *select_replica(0, args), **select_replica(0, kwargs))
         results = []
-        for i, component in enumerate(var.values):
-            with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
-                results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
+        with uninterrupted():  # every component or none: Ctrl-C waits for the last one
+            for i, component in enumerate(var.values):
+                with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
+                    results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
         return Mirrored(results)
 
     def _update_many(self, var_list, fn, args=()):
@@ -350,7 +353,8 @@ class StrategyExtended:
         parallel to `var_list`; `parts` the same lists for the group, each
         item split like `update`'s arguments. Not recorded. One call per group
         instead of one per variable, so an optimizer can update every variable
-        with one batch of torch ops.
+        with one batch of torch ops. All or nothing with respect to Ctrl-C:
+        a KeyboardInterrupt is raised after the last group.
         """
         plain, groups = [], {}  # [(position in var_list, variable)]; index -> [(position, component)]
         for k, var in enumerate(var_list):
@@ -359,12 +363,13 @@ class StrategyExtended:
                     groups.setdefault(i, []).append((k, c))
             else:
                 plain.append((k, var))
-        if plain:
-            with _tp.stop_recording():
-                fn(0, [v for _, v in plain], *_parts(0, plain, args))
-        for i in sorted(groups):
-            with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
-                fn(i, [c for _, c in groups[i]], *_parts(i, groups[i], args))
+        with uninterrupted():  # every replica's components or none: Ctrl-C waits for the last group
+            if plain:
+                with _tp.stop_recording():
+                    fn(0, [v for _, v in plain], *_parts(0, plain, args))
+            for i in sorted(groups):
+                with context.enter_mode(self._strategy, None, update_index=i), _tp.stop_recording():
+                    fn(i, [c for _, c in groups[i]], *_parts(i, groups[i], args))
 
     # -- the flat all-reduce interface (replica side) ------------------------------
     # Gradient buckets, collectives on the tape and weighted means go through

@@ -32,8 +32,9 @@ How the overlap works (DDP's reducer, on the tape):
 * `tape.gradient` returns the local gradients (TF semantics, exactly).
   `optimizer.apply_gradients` in a replica context uses the launched
   reductions only if every gradient it is given is the very object
-  `tape.gradient` returned for that variable (an identity check; None
-  included); otherwise (clipped, scaled, accumulated gradients) it reduces
+  `tape.gradient` returned for that variable in the same step (an identity
+  check; None included; the record goes with the step's replica context);
+  otherwise (clipped, scaled, accumulated gradients) it reduces
   what it is given afresh, bucketed the same way: one reduction per bucket,
   not per variable.
 
@@ -109,7 +110,10 @@ class GradientSync:
             _check_cap(bucket_cap_mb), _check_cap(first_bucket_cap_mb, "first_bucket_cap_mb"))
         self.order = order
         self._lock = threading.Lock()
-        self._orders = {}  # (strategy id, replica id, sources' shapes and dtypes) -> agreed readiness order
+        # (strategy id, sources' shapes and dtypes) -> agreed readiness order. One entry for all the
+        # replicas of a process: the first replica back from the agreement adopts the order for every
+        # replica, so a step that fails on some replicas after it cannot leave them with different orders.
+        self._orders = {}
 
     def start(self, sources):
         """The tape's hook: a session for one `tape.gradient` call, or None (nothing to synchronise)."""
@@ -117,8 +121,7 @@ class GradientSync:
         if rctx is None or rctx.num_replicas_in_sync == 1:
             return None
         sources = list(sources)
-        key = (id(rctx.strategy), rctx.replica_id_in_sync_group,
-               tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
+        key = (id(rctx.strategy), tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
         order, learn = None, None
         if self.order == "readiness":
             with self._lock:
@@ -130,7 +133,7 @@ class GradientSync:
 
     def _learned(self, key, order):
         with self._lock:
-            self._orders[key] = order
+            self._orders.setdefault(key, order)  # every replica agreed on this order: any copy will do
 
 
 # -- bucket layout ----------------------------------------------------------------------
@@ -311,17 +314,9 @@ class _Entry:
         self.source, self.grad, self.session, self.index = source, grad, session, index
 
 
-class _Registry(threading.local):
-    entries = None
-
-
-_local = _Registry()  # per replica thread: id(source) -> _Entry of the latest synced tape.gradient
-
-
 def _registry():
-    if _local.entries is None:
-        _local.entries = {}
-    return _local.entries
+    """id(source) -> _Entry of this replica's latest synced tape.gradient in the current step."""
+    return context.get_replica_context().synced_gradients
 
 
 # -- the reduction apply_gradients uses --------------------------------------------------

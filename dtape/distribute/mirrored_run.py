@@ -36,6 +36,7 @@ from dtape import tape as _tp
 from dtape import variables
 from dtape.distribute import context, replica_scope
 from dtape.distribute.distribute_lib import ReplicaContext
+from dtape.distribute.interrupts import StepAborted
 from dtape.distribute.values import regroup, select_replica
 
 # Seconds an interrupted step (and interpreter exit) waits for replicas to stop.
@@ -61,10 +62,6 @@ def _wait_for(cond, predicate, timeout):
         cond.wait(min(remaining, _SIGNAL_POLL_S))
         result = predicate()
     return result
-
-
-class StepAborted(BaseException):
-    """Raised inside replicas whose step was ended by another replica's failure, a timeout or an interrupt."""
 
 
 def add_note(exc, note):
@@ -235,6 +232,9 @@ class Coordinator:
         self.tapes = [_tp.PushedTapes() for _ in range(num_replicas)]
         self.aborted = False
         self.progress_at = time.monotonic()  # last time the coordinator moved the step on
+        self.collectives = None  # the step's all-reduces among replica threads (cross_device_ops)
+        self.in_collective = {}  # replica id -> number of the all-reduce it waits in (kept by cross_device_ops)
+        self.raised = []  # replica ids in the order their errors arrived
 
     # -- replica side ---------------------------------------------------------
     def replica_job(self, fn, replica_id, args, kwargs, stack, creators, caller):
@@ -252,7 +252,9 @@ class Coordinator:
                     self._leave_user(replica_id)
                 self.results[replica_id] = result
             except BaseException as e:  # noqa: BLE001 - every failure must reach run()
-                self.errors[replica_id] = e
+                with self.cond:
+                    self.errors[replica_id] = e
+                    self.raised.append(replica_id)
             finally:
                 with self.cond:
                     self.done[replica_id] = True
@@ -380,7 +382,9 @@ class Coordinator:
         return error
 
     def _first_error(self):
-        for i, e in enumerate(self.errors):
+        """The error raised first (StepAborted aside: a consequence), noted with its replica."""
+        for i in self.raised:
+            e = self.errors[i]
             if e is not None and not isinstance(e, StepAborted):
                 add_note(e, f"(raised on replica {i}, device {self.strategy.extended.worker_devices[i]})")
                 return e
@@ -399,14 +403,28 @@ class Coordinator:
             stuck = [i for i in range(self.n) if not self.done[i]]
             self.results = [None] * self.n
             self.errors = [None] * self.n
+            self.raised = []
             self.pending, self.merged = {}, {}
+            self.collectives = None  # it refers back to this coordinator: no cycle outlives the step
         for i in stuck:
             self.tapes[i].detach()
         return stuck
 
     def _timeout_message(self):
-        stuck = [i for i in range(self.n) if not self.done[i] and i not in self.pending]
-        return (f"replicas {stuck} neither finished nor reached merge_call within {self.timeout:g} s; "
+        """Names the stalled replicas (neither finished nor waiting for the others), then who waits where."""
+        in_merge = self.in_merge_call | set(self.pending)
+        where = {}
+        for i in sorted(in_merge):
+            where.setdefault("merge_call", []).append(i)
+        for i, seq in sorted(self.in_collective.items()):
+            where.setdefault(f"all-reduce #{seq}", []).append(i)
+        waits = "; ".join(f"replicas {ids} are waiting in {name}" for name, ids in where.items())
+        stuck = [i for i in range(self.n) if not self.done[i] and i not in in_merge and i not in self.in_collective]
+        if not stuck:  # nobody is missing: the replicas wait for one another in different places
+            return (f"every unfinished replica waited {self.timeout:g} s for the others in another place "
+                    f"({waits}); every replica must make the same merge_call/all_reduce calls in the same order")
+        waits = f" ({waits})" if waits else ""
+        return (f"replicas {stuck} neither finished nor reached merge_call within {self.timeout:g} s{waits}; "
                 "raise DTAPE_DISTRIBUTE_TIMEOUT or the strategy's timeout if the step is just slow")
 
     def _slow_merge_message(self, calls):

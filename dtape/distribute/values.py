@@ -13,6 +13,7 @@ import torch
 from dtape import nest
 from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops
+from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor
 from dtape.variables import VariableAggregation, install_tensor_protocol
@@ -200,7 +201,7 @@ class MirroredVariable(DistributedVariable):
             return self
         if isinstance(value, DistributedValues):
             value = value.values[0]
-        with self._write_lock:
+        with self._write_lock, uninterrupted():  # Ctrl-C cannot leave the components different
             for c in self._values:
                 getattr(c, method)(value)
         return self
@@ -276,7 +277,7 @@ class SyncOnReadVariable(DistributedVariable):
             parts = split_sum(self._values[0]._coerce(value, method), len(self._values))
         else:
             parts = (value,) * len(self._values)
-        with self._write_lock:
+        with self._write_lock, uninterrupted():
             for c, part in zip(self._values, parts):
                 getattr(c, method)(part)
         return self

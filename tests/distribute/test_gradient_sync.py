@@ -1,5 +1,6 @@
 """GradientSync: bucketed gradient all-reduce launched during the backward walk; apply_gradients' reduction."""
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -383,3 +384,88 @@ def test_bucket_layouts_launch_as_the_devices_want_and_reduce_the_same(monkeypat
         local = [g.torch() for g in strategy.experimental_local_results(grads[k])]
         for got in strategy.experimental_local_results(reduced[k]):
             np.testing.assert_allclose(got.numpy(), (local[0] + local[1]).numpy(), rtol=1e-15)
+
+
+# -- the learned order after a failed first step ----------------------------------------
+
+def _three_sizes(strategy):
+    with strategy.scope():
+        return [dtape.Variable(torch.ones(k + 1)) for k in range(3)]   # sizes 1, 2, 3: a mismatch shows
+
+
+def _sized_loss(ws, hook=lambda x: x):
+    # Summed last-to-first, so the walk finishes w0 first: the learned order (0 1 2) is not the
+    # first call's reverse source order (2 1 0), and replicas that disagree launch different sizes.
+    r = _rid()
+    terms = [(k + 1) * (r + 1) * dtape.reduce_sum(hook(ws[k] * 1.0)) for k in (2, 1, 0)]
+    return dtape.add_n(terms)
+
+
+def _expect_sgd_steps(ws, steps):
+    # gradient of w_k: (k + 1)(r + 1), summed over replicas r = 0, 1: 3(k + 1); SGD(0.1)
+    for k, w in enumerate(ws):
+        for c in w.values:
+            np.testing.assert_allclose(c.numpy(), np.full(k + 1, 1 - steps * 0.3 * (k + 1)), rtol=1e-6)
+
+
+def test_first_step_failing_on_one_replica_after_the_order_agreement_leaves_later_steps_correct(monkeypatch):
+    strategy = _strategy()
+    ws = _three_sizes(strategy)
+    sync, opt = GradientSync(TINY_MB), dtape.optimizers.SGD(0.1)
+    learned = GradientSync._learned
+    failed = []
+
+    def fail_once_on_replica_1(self, key, order):   # e.g. Ctrl-C's StepAborted landing right here
+        if _rid() == 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("replica 1 fails between the order's all-reduce and adopting it")
+        return learned(self, key, order)
+    monkeypatch.setattr(GradientSync, "_learned", fail_once_on_replica_1)
+
+    def step():
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = _sized_loss(ws)
+        opt.apply_gradients(zip(tape.gradient(loss, ws), ws))
+    with pytest.raises(RuntimeError, match="replica 1 fails"):
+        strategy.run(step)
+    _expect_sgd_steps(ws, 0)
+    strategy.run(step)   # before: replica 0 used the learned order, replica 1 learned again (ValueError)
+    strategy.run(step)
+    _expect_sgd_steps(ws, 2)
+
+
+def test_first_step_timing_out_with_a_replica_stuck_in_its_walk_leaves_later_steps_correct():
+    strategy = _strategy()
+    ws = _three_sizes(strategy)
+    sync, opt = GradientSync(TINY_MB), dtape.optimizers.SGD(0.1)
+    stuck, release, left = threading.Event(), threading.Event(), threading.Event()
+
+    @dtape.custom_gradient
+    def stall_on_replica_1(x):
+        def grad(dy):
+            if _rid() == 1 and not release.is_set():
+                stuck.set()
+                release.wait(10)
+            return dy
+        return dtape.identity(x), grad
+
+    def step():
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = _sized_loss(ws, stall_on_replica_1)
+        try:
+            grads = tape.gradient(loss, ws)
+        finally:
+            if _rid() == 1 and stuck.is_set():
+                left.set()
+        opt.apply_gradients(zip(grads, ws))
+    strategy._timeout = 0.5   # replica 0 waits for replica 1 in the first step's all-reduces
+    with pytest.raises(TimeoutError):
+        strategy.run(step)
+    strategy._timeout = 5
+    release.set()
+    # The abandoned replica 1 finishes its walk now, on the failed step's collectives: it must not adopt an
+    # order (before: it completed the order's all-reduce alone and adopted it; replica 0 had not).
+    assert left.wait(10)
+    strategy.run(step)
+    strategy.run(step)
+    _expect_sgd_steps(ws, 2)

@@ -202,6 +202,58 @@ def test_merge_after_a_long_wait_for_a_slow_peer_is_not_aborted():
     assert strategy.run(fn) == 7
 
 
+def _stall_replica_1_once_the_others_wait_in_an_all_reduce(release, reduce_timeout=None):
+    """A step on 3 replicas: replicas 0 and 2 reach the gradient all-reduce, replica 1 stalls before it."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], timeout=1.5)
+    with strategy.scope():
+        w = dtape.Variable([1.0, 2.0])
+
+    def step():
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(w * w)
+        grad = tape.gradient(loss, w)
+        if _rid() == 1:
+            coordinator = ds.get_replica_context()._coordinator
+            _wait_until(lambda: set(coordinator.in_collective) == {0, 2})
+            release.wait(10)
+        return ds.gradient_sync.reduce_gradients([(grad, w)], timeout=reduce_timeout)
+    return strategy, step
+
+
+@pytest.mark.parametrize("reduce_timeout", [None, 0.2])
+def test_timeout_names_the_stalled_replica_not_those_waiting_for_it(fast_switching, reduce_timeout):
+    # reduce_timeout=0.2: the waiting replicas' own timeout expires first; the step's verdict still names replica 1.
+    release = threading.Event()
+    strategy, step = _stall_replica_1_once_the_others_wait_in_an_all_reduce(release, reduce_timeout)
+    try:
+        with pytest.raises(TimeoutError) as info:
+            strategy.run(step)
+    finally:
+        release.set()
+    assert str(info.value).startswith("replicas [1] neither finished nor reached merge_call within 1.5 s "
+                                      "(replicas [0, 2] are waiting in all-reduce #0)"), str(info.value)
+    assert not getattr(info.value, "__notes__", None)  # no "raised on replica k": no replica raised it
+    strategy._timeout = 5
+    assert strategy.run(_rid).values == (0, 1, 2)
+    strategy.close()
+
+
+def test_failure_note_goes_to_the_replica_that_raised_first_not_to_one_failing_because_of_it(fast_switching):
+    strategy = ds.MirroredStrategy(DEVICES, timeout=5)
+
+    def fn():
+        if _rid() == 1:
+            raise ValueError("bad batch")
+        try:
+            ds.get_replica_context().merge_call(lambda s: None)
+        except mirrored_run.StepAborted:
+            raise RuntimeError("replica 0's cleanup after the abort failed") from None
+
+    with pytest.raises(ValueError, match="bad batch") as info:
+        strategy.run(fn)
+    assert info.value.__notes__ == ["(raised on replica 1, device cpu:1)"]
+
+
 def test_failure_note_without_add_note_python_310(monkeypatch):
     monkeypatch.setattr(mirrored_run, "_HAS_ADD_NOTE", False)
     strategy = ds.MirroredStrategy(DEVICES, timeout=5)
