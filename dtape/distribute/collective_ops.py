@@ -313,7 +313,9 @@ class Communicator:
 
     def _timeout_message(self, what):
         behind = [r for r in range(self.world_size) if r != self.rank and not self._reached(r)]
-        who = f"ranks {behind} never reached it" if behind else "every rank reached it but it did not finish"
+        who = f"ranks {behind} never reached it" if behind else \
+            "every rank launched as many collectives but it did not finish (a peer may be in another collective " \
+            f"that is its #{self._seq}: the workers did not run the same steps)"
         return (f"rank {self.rank}: {what} did not finish within {self.timeout:g} s: {who}; raise "
                 "DTAPE_DISTRIBUTE_TIMEOUT or the strategy's timeout if the step is just slow")
 
