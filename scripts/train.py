@@ -38,8 +38,16 @@ BackupAndRestore), so a requeued batch job can always pass --resume.
 
 Stopping: SIGINT (Ctrl-C) or SIGTERM (what batch schedulers send before
 preemption) lets the current step finish, saves the checkpoint, writes the
-outputs and exits with 128 + the signal number (130, 143); a second signal
-stops at once.
+outputs and exits with 128 + the signal number (130, 143) after a line
+"train.py: stopped by SIGTERM after step N; ...". A signal during the final
+evaluation stops the same way (the evaluation is skipped; --resume does it);
+one while the last checkpoint or the outputs are written lets them finish
+first. Under multi_worker the workers agree on the step to stop after (the
+loss's all-reduce carries every worker's stop requests), so a signal that
+reaches one worker, or each at a different step, stops all of them after the
+same step, with the same checkpoint. A second signal stops at once; a repeat
+of the same signal within a second counts as the same request (torchrun
+passes on a Ctrl-C or SIGTERM its workers may already have received).
 
 Outputs: --out DIR gets metrics.json (per-step loss, per-epoch train/test
 accuracy, examples/second, total run time over all resumed sessions) and
@@ -66,6 +74,7 @@ CHECKPOINT_NAME = "last.pt"
 PROG = "train.py"
 MAX_SEED = 2**32 - 1  # scikit-learn's random_state range
 # Test hook: during step K (after its update, before its loss is recorded) print a line and wait for a signal.
+# "K": every process; "R:K,...": the worker of rank R only (multi_worker).
 TEST_WAIT_ENV = "DTAPE_TRAIN_TEST_WAIT_FOR_SIGNAL_AT_STEP"
 OPTIMIZER_SETTINGS = {"sgd": {"momentum": 0.9},
                       "adam": {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}}
@@ -401,15 +410,20 @@ class StopSignals:
 
     The handler only records the signal (the loop checks `signum` between
     steps); a second signal gets the previous handler (Ctrl-C twice raises
-    KeyboardInterrupt at once; SIGTERM twice terminates). A signal that was
-    ignored (SIG_IGN) stays ignored. Handlers can only be set in the main
-    thread; elsewhere this does nothing.
+    KeyboardInterrupt at once; SIGTERM twice terminates). The same signal
+    again within REPEAT_S seconds is the same request: torchrun passes the
+    SIGINT or SIGTERM it gets on to its workers, which a Ctrl-C in the
+    terminal or a scheduler's SIGTERM to the job already reached. A signal
+    that was ignored (SIG_IGN) stays ignored. Handlers can only be set in
+    the main thread; elsewhere this does nothing.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_S = 1.0
 
     def __init__(self):
         self.signum = None
+        self._when = None
         self._previous = {}
 
     def __enter__(self):
@@ -427,8 +441,11 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
         if self.signum is None:
-            self.signum = signum
+            self.signum, self._when = signum, now
+            return
+        if signum == self.signum and now - self._when < self.REPEAT_S:
             return
         previous = self._previous.get(signum)
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
@@ -446,6 +463,16 @@ class _NoStop:
     signum = None
 
 
+def test_wait_step(value, rank):
+    """The step at which the test hook (TEST_WAIT_ENV) waits on this process (0: never)."""
+    if not value:
+        return 0
+    if ":" not in value:
+        return int(value)
+    steps = dict(item.split(":") for item in value.split(","))
+    return int(steps.get(str(rank), 0))
+
+
 # -- training -------------------------------------------------------------------------
 
 class Trainer:
@@ -454,6 +481,9 @@ class Trainer:
     def __init__(self, args, task):
         load_libraries()
         self.args, self.task, self.stop = args, task, _NoStop()
+        # multi_worker: a signal reaches each worker at its own moment; they stop on the one they agreed on
+        self.workers = args.strategy == "multi_worker"
+        self.agreed_stop = None
         self.config = run_config(args, task)
         self.strategy = make_strategy(args)
         n = self.strategy.num_replicas_in_sync
@@ -478,7 +508,7 @@ class Trainer:
 
     def _make_train_step(self):
         model, optimizer, task, global_batch = self.model, self.optimizer, self.task, self.args.batch_size
-        wait_at = int(os.environ.get(TEST_WAIT_ENV, "0"))
+        wait_at = test_wait_step(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
         # the gradient all-reduce starts during the backward walk (DDP's overlap); nothing with one replica
         sync = dtape.distribute.GradientSync()
 
@@ -495,19 +525,51 @@ class Trainer:
             per_replica = self.strategy.run(replica_step, args=(batch,))
             if self.step + 1 == wait_at:
                 self._wait_for_signal()
-            return float(self.strategy.reduce(dtape.distribute.ReduceOp.SUM, per_replica, axis=None))
+            if not self.workers:
+                return float(self.strategy.reduce(dtape.distribute.ReduceOp.SUM, per_replica, axis=None))
+            # The loss's all-reduce also sums every worker's stop requests: one collective, and every worker
+            # learns after the same step that one of them was signalled (element-wise sum: same loss bits).
+            loss = dtape.reshape(per_replica, [1])
+            sums = self.strategy.reduce(dtape.distribute.ReduceOp.SUM,
+                                        dtape.concat([loss, self.stop_request(loss.dtype)], 0), axis=None).numpy()
+            self.agree_on_stop(sums[1:])
+            return float(sums[0])
         return step
 
     def _wait_for_signal(self, timeout=60.0):
         """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step, deterministically."""
-        print(f"test hook: step {self.step + 1} waits for a signal", flush=True)
+        print(f"test hook: step {self.step + 1} waits for a signal (rank {os.environ.get('RANK', '0')}, "
+              f"pid {os.getpid()})", flush=True)
         deadline = time.monotonic() + timeout
         while self.stop.signum is None and time.monotonic() < deadline:
             time.sleep(0.01)
 
+    def stop_request(self, dtype):
+        """This process's stop request: one count per StopSignals.SIGNALS (1 for the signal it got)."""
+        return dtape.constant([1.0 if self.stop.signum == s else 0.0 for s in StopSignals.SIGNALS], dtype=dtype)
+
+    def agree_on_stop(self, counts):
+        """Records the signal every worker stops for, from the summed requests (SIGTERM before SIGINT)."""
+        if self.agreed_stop is None:
+            got = [s for s, n in zip(StopSignals.SIGNALS, counts) if n > 0]
+            self.agreed_stop = max(got, key=lambda s: s == signal.SIGTERM) if got else None
+
+    def agree_to_stop(self):
+        """Whether to stop now; under multi_worker a collective, so that every worker decides alike."""
+        if self.workers and self.agreed_stop is None:
+            sums = self.strategy.reduce(dtape.distribute.ReduceOp.SUM, self.stop_request(torch.float32), axis=None)
+            self.agree_on_stop(sums.numpy())
+        return self.stop_requested()
+
+    def stop_signum(self):
+        """The signal the run stops for, or None. Workers go by what they agreed on only, never by their
+        own signal alone: one that stopped a step earlier than its peers would pair its checkpoint's
+        collectives with their training step's."""
+        return self.agreed_stop if self.workers else self.stop.signum
+
     def stop_requested(self):
         """Whether a signal asked the run to stop (checked between steps)."""
-        return self.stop.signum is not None
+        return self.stop_signum() is not None
 
     # -- checkpoints ----------------------------------------------------------
     def checkpoint_path(self):
@@ -588,14 +650,17 @@ class Trainer:
         return self.seconds_before + time.perf_counter() - self._started
 
     def run(self):
-        """Trains up to the last step and returns the metrics; after SIGINT/SIGTERM, see `interrupted`."""
+        """Trains up to the last step, evaluates, saves, writes --out and returns the metrics.
+
+        After SIGINT/SIGTERM see `interrupted` and `finish`: both exit with 128 + the signal.
+        """
         steps_per_epoch = self.steps_per_epoch()
         total = self.total_steps(steps_per_epoch)
         self._started = time.perf_counter()
         self.open_writer()
         bar = progress_bar(total, self.step, disable=self.args.no_progress or not is_chief())
         try:
-            with StopSignals() as self.stop:  # also covers the final evaluation and save
+            with StopSignals() as self.stop:  # also covers the final evaluation, save and outputs
                 while self.step < total and not self.stop_requested():
                     self.run_epoch(self.step // steps_per_epoch, steps_per_epoch, total, bar)
                 bar.close()
@@ -660,18 +725,44 @@ class Trainer:
         m["examples_per_second"] = float(np.mean(speeds)) if speeds else None
 
     def finish(self):
+        """After the last step: final evaluation, checkpoint, --out, the final line.
+
+        A signal before the evaluation is done stops as between steps (see
+        `interrupted`; the evaluation is skipped and --resume does it). One
+        that comes later lets the checkpoint and the outputs be finished
+        (never half-written), then exits with 128 + the signal and the
+        "stopped by" line.
+        """
         self.metrics.pop("stopped_by", None)
-        self.metrics["final_train_accuracy"] = self.accuracy("train")
-        self.metrics["final_test_accuracy"] = self.accuracy("test")
+        for split in ("train", "test"):
+            if self.stop.signum is None:
+                self.metrics[f"final_{split}_accuracy"] = self.accuracy(split)
+        if self.agree_to_stop():
+            self.interrupted()  # exits
         self.end_session(None)
         self.save()
+        if self.args.out and is_chief():
+            write_outputs(self.metrics, self.args.out)
+        if is_chief():
+            print(f"final test accuracy {self.metrics['final_test_accuracy']:.4f} after {self.metrics['final_step']} "
+                  f"steps ({self.metrics['run_seconds']:.1f} s)", flush=True)
+        if self.stop.signum is not None:  # came after the evaluation: the run is complete, and saved
+            print(f"{PROG}: stopped by {self.stop.name} after step {self.step}, the last one; the run had finished "
+                  f"({self.saved_where()})", file=sys.stderr, flush=True)
+            raise SystemExit(128 + self.stop.signum)
+
+    def saved_where(self):
+        return f"saved {self.checkpoint_path()}" if self.args.checkpoint_dir else "no --checkpoint-dir, nothing saved"
 
     def interrupted(self):
         """After a stop signal: saves (if this session trained), writes --out, exits with 128 + the signal.
 
         No evaluation: a batch scheduler waits only a few seconds after SIGTERM.
+        Under multi_worker every worker gets here after the same step (they
+        agreed on it), so their checkpoint collectives pair.
         """
-        name = self.stop.name
+        signum = self.stop_signum()
+        name = signal.Signals(signum).name
         self.metrics["stopped_by"] = name
         for key in ("final_train_accuracy", "final_test_accuracy"):
             self.metrics.pop(key, None)
@@ -682,8 +773,9 @@ class Trainer:
             write_outputs(self.metrics, self.args.out)
         saved = f"saved {self.checkpoint_path()}; continue with --resume" if self.args.checkpoint_dir else \
             "no --checkpoint-dir, nothing saved"
-        print(f"{PROG}: stopped by {name} after step {self.step}; {saved}", file=sys.stderr)
-        raise SystemExit(128 + self.stop.signum)
+        by = name if self.stop.signum is not None or not self.workers else f"{name} (sent to another worker)"
+        print(f"{PROG}: stopped by {by} after step {self.step}; {saved}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
 
     # -- TensorBoard --------------------------------------------------------------
     def open_writer(self):
@@ -741,13 +833,27 @@ def plot_metrics(metrics):
 
 
 def write_outputs(metrics, out):
-    """Writes out/metrics.json and out/loss.png; returns the plotted Figure."""
+    """Writes out/metrics.json and out/loss.png, each atomically; returns the plotted Figure."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+    replace_file(os.path.join(out, "metrics.json"), lambda f: f.write(json.dumps(metrics, indent=1).encode()))
     fig = plot_metrics(metrics)
-    fig.savefig(os.path.join(out, "loss.png"), dpi=100)
+    replace_file(os.path.join(out, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=100))
     return fig
+
+
+def replace_file(path, write):
+    """Writes a file through `write(binary file)` into a temporary beside it, then renames it over `path`:
+    a process killed meanwhile (a second signal) leaves the old file or the new one, never half of one."""
+    folder, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{base}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:  # the mode the umask gives, as open(path, "w") did
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def main(argv=None):
@@ -762,13 +868,7 @@ def main(argv=None):
     trainer = Trainer(args, task)
     if resume:
         trainer.restore()
-    metrics = trainer.run()
-    if args.out and is_chief():
-        write_outputs(metrics, args.out)
-    if is_chief():
-        print(f"final test accuracy {metrics['final_test_accuracy']:.4f} after {metrics['final_step']} steps "
-              f"({metrics['run_seconds']:.1f} s)")
-    return metrics
+    return trainer.run()  # also writes --out and the final line
 
 
 if __name__ == "__main__":

@@ -313,7 +313,9 @@ class Communicator:
 
     def _timeout_message(self, what):
         behind = [r for r in range(self.world_size) if r != self.rank and not self._reached(r)]
-        who = f"ranks {behind} never reached it" if behind else "every rank reached it but it did not finish"
+        who = f"ranks {behind} never reached it" if behind else \
+            "every rank launched as many collectives but it did not finish (a peer may be in another collective " \
+            f"that is its #{self._seq}: the workers did not run the same steps)"
         return (f"rank {self.rank}: {what} did not finish within {self.timeout:g} s: {who}; raise "
                 "DTAPE_DISTRIBUTE_TIMEOUT or the strategy's timeout if the step is just slow")
 
@@ -352,6 +354,56 @@ class Communicator:
             while self.store.add("acks", 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
 
+
+    def exit_barrier(self):
+        """At a clean exit: waits until every worker has reached its own exit, through the store only.
+
+        Never a collective: a one-element all-reduce here would pair with a
+        peer's next reduction (a peer still in the training loop) and hand
+        it a wrong sum. Each worker records how many collectives it
+        launched; the workers leave together only when every count is the
+        same. A peer that waits in a collective this worker never launched
+        (it marks its position after a second), or that exited after another
+        count, gets an error published naming this rank, so it fails at once
+        instead of computing with a missing partner.
+
+        Returns:
+          True when every worker reached its exit after the same collectives
+          (the group can be destroyed); False after publishing such an error,
+          after a peer's published error, or past the timeout.
+        """
+        self.store.set(f"exit/{self.rank}", str(self._seq))
+        keys = [f"exit/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.store.check(["error"]):
+                return False
+            if self.store.check(keys):
+                counts = {r: int(self.store.get(k)) for r, k in enumerate(keys)}
+                if len(set(counts.values())) == 1:
+                    return True
+                self._publish_left_early(f"the workers exited after different numbers of collectives "
+                                         f"({counts}, by rank)")
+                return False
+            ahead = {r: n for r in range(self.world_size) if r != self.rank
+                     and not self.store.check([keys[r]]) and (n := self._waiting_in(r)) > self._seq}
+            if ahead:
+                self._publish_left_early(", ".join(f"rank {r} waits in collective #{n}" for r, n in ahead.items()))
+                return False
+            time.sleep(_POLL_MAX_S)
+        return False
+
+    def _waiting_in(self, r):
+        """The collective rank `r` has been waiting in for over a second (0 when it marked none)."""
+        key = f"at/{r}"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def _publish_left_early(self, why):
+        err = RuntimeError(f"rank {self.rank} left the program after collective #{self._seq} while {why}; every "
+                           f"worker must run the same steps and collectives (did rank {self.rank} leave its training "
+                           "loop early, e.g. sys.exit() or return outside strategy.run?)")
+        print(f"dtape: rank {self.rank}: exit: {err}", file=sys.stderr, flush=True)
+        self.publish_error(err)
 
     def leave_after_failure(self):
         """At exit after a failure: the worker whose error started it waits (a few seconds at most) until

@@ -190,6 +190,10 @@ def _join_group(resolver, backend, timeout):
 def _shutdown_group():
     """At exit after a clean run: waits for the peers, then destroys the group we made.
 
+    The wait is Communicator.exit_barrier (through the store, never a
+    collective, so it cannot pair with a peer's reduction); a peer still
+    waiting in a collective gets an error naming this rank instead.
+
     Left to interpreter teardown, gloo's threads can abort the process
     ("terminate called without an active exception") after a clean run.
     After a failure the group is left alone (destroying it would wait on the
@@ -202,8 +206,11 @@ def _shutdown_group():
         comm.leave_after_failure()
         return
     try:
-        comm.barrier()
+        together = comm.exit_barrier()
     except Exception:  # noqa: BLE001 - exiting anyway; the peers report their own failure
+        return
+    if not together:
+        comm.leave_after_failure()
         return
     dist.destroy_process_group()
 
@@ -342,8 +349,10 @@ class MultiWorkerMirroredStrategy(Strategy):
 
         Raises:
           fn's exception, with a note naming this rank, after publishing it so
-          that every peer's step fails too; a peer's exception (its type, a
-          note naming its rank) if a peer failed; TimeoutError.
+          that every peer's step fails too (any BaseException: `sys.exit()`
+          and KeyboardInterrupt as well; peers raise WorkerError for those);
+          a peer's exception (its type, a note naming its rank) if a peer
+          failed; TimeoutError.
         """
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run was called inside a replica context; call it from the "
@@ -353,7 +362,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         with self.scope(), self._replica_scope(), context.enter_mode(self, rctx):
             try:
                 return fn(*args, **kwargs)
-            except Exception as e:
+            except BaseException as e:  # sys.exit() and Ctrl-C too: a peer must never wait for this step
                 self._report(e)
                 raise
 
@@ -664,7 +673,7 @@ def _install_excepthook():
     def hook(exc_type, exc, tb):
         try:
             comm = collective_ops.active_or_none()
-            if comm is not None and isinstance(exc, Exception):
+            if comm is not None:   # any uncaught exception, Ctrl-C's KeyboardInterrupt included
                 if not getattr(exc, "_dtape_from_peer", False):
                     comm.publish_error(exc)
         finally:

@@ -57,3 +57,30 @@ def test_hung_rank1_times_out_on_rank0_naming_rank1(tmp_path):
     assert rc not in (0, None) and seconds < 40, output[-2000:]
     line = [ln for ln in logs[0].splitlines() if ln.startswith("dtape: rank 0: step failed:")]
     assert line and "TimeoutError" in line[0] and "ranks [1] never reached it" in line[0], logs[0][-2000:]
+
+
+EXITS = {  # how rank 1 leaves -> (rank 0's failure line must contain, the exception rank 0 must name)
+    "in_run": "WorkerError: builtins.SystemExit: 3",
+    "outside_run": "RuntimeError: rank 1 left the program after collective #",
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", sorted(EXITS))
+def test_sys_exit_on_rank1_fails_rank0_naming_rank1_never_a_wrong_sum(mode, tmp_path):
+    """sys.exit() is a BaseException: inside strategy.run it must be published as the step's failure, and the
+    exiting worker's exit barrier must never pair with rank 0's next one-element reduction (a wrong sum)."""
+    args = _launch.torchrun_args(tmp_path / "logs", extra=("--monitor-interval", "2")) + \
+        [os.path.join(_launch.HERE, "worker_exits.py")]
+    rc, output, _ = _launch.run(args, _launch.worker_env(timeout=30, DTAPE_TEST_EXIT=mode), timeout=120)
+    logs = _launch.rank_logs(tmp_path / "logs")
+    assert rc not in (0, None), output[-3000:]
+    assert "rank 0: step 1 in-run sum 3.0" in logs[0] and "rank 0: step 2 in-run sum" not in logs[0], logs[0][-3000:]
+    if mode == "in_run":
+        assert "rank 0: step 1 reduce 6.0" in logs[0]
+    # every sum rank 0 printed is right: step s gives 3 s inside run and 6 s across workers
+    sums = [ln for ln in logs[0].splitlines() if ln.startswith("rank 0: step")]
+    assert all(float(ln.split()[-1]) == (3 if "in-run" in ln else 6) * int(ln.split()[3]) for ln in sums), sums
+    line = [ln for ln in logs[0].splitlines() if ln.startswith("dtape: rank 0: step failed:")]
+    assert line and EXITS[mode] in line[0] and "rank 1" in line[0].split(EXITS[mode], 1)[1], logs[0][-3000:]
+    assert "raised on worker rank 1 of 2" in logs[0], logs[0][-3000:]

@@ -9,6 +9,8 @@ the last checkpoint.
 import importlib.util
 import json
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -107,3 +109,95 @@ def test_multi_worker_without_torchrun_says_it_trains_as_one_worker(train, monke
     monkeypatch.setenv("WORLD_SIZE", "2")
     train.make_strategy(train.parse_args(["--strategy", "multi_worker"]))
     assert "no torchrun environment" not in capsys.readouterr().err
+
+
+# -- stop signals under torchrun ------------------------------------------------------------
+
+SIGNALLED = ["--task", "digits", "--steps", "12", "--batch-size", "64"]
+
+
+def _worker_pids(parent):
+    """{rank: pid} of torchrun's worker processes (its children whose environment has RANK)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError):
+            continue
+        if b"RANK" in env:
+            pids[int(env[b"RANK"])] = int(entry)
+    return pids
+
+
+def _wait_for_line(log_dir, rank, text, proc, timeout=120):
+    """Waits until rank's log holds `text` (True), or torchrun ended or `timeout` passed (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if text in _launch.rank_logs(log_dir).get(rank, ""):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _stop_workers(tmp_path, hooks, send):
+    """Runs SIGNALLED on 2 workers whose test hook waits as `hooks` says ("R:K,..."); once the hook of the
+    first rank in `hooks` waits, `send(pids)` signals workers. Returns (torchrun's rc, output, rank logs)."""
+    logs = tmp_path / "logs"
+    cmd = _launch.torchrun_args(logs, extra=("--monitor-interval", "2")) + _train_cmd(
+        tmp_path / "out", [*SIGNALLED, "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2"])
+    env = _launch.worker_env(timeout=60, DTAPE_TRAIN_TEST_WAIT_FOR_SIGNAL_AT_STEP=hooks)
+    proc = _launch.start_command(cmd, env)
+    rank, step = map(int, hooks.split(",")[0].split(":"))
+    try:
+        assert _wait_for_line(logs, rank, f"test hook: step {step} waits", proc), _launch.rank_logs(logs)
+        send(_worker_pids(proc.pid))
+    finally:
+        rc, output = _launch.finish(proc, timeout=150)
+    return rc, output, _launch.rank_logs(logs)
+
+
+def _assert_stopped_after(train, tmp_path, logs, step, lines):
+    """Each rank's last "stopped by" line is lines[rank]; the checkpoint and metrics.json hold `step` steps,
+    and resuming the checkpoint gives one device's uninterrupted losses."""
+    for rank, line in enumerate(lines):
+        said = [ln for ln in logs[rank].splitlines() if ln.startswith("train.py: stopped by")]
+        assert said == [line.format(ckpt=tmp_path / "ckpt" / "last.pt")], logs[rank][-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["final_step"] == step == len(metrics["loss"]) and metrics["stopped_by"] == "SIGTERM"
+    resumed = train.main(["--no-progress", "--strategy", "one_device", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                          "--resume", *SIGNALLED])
+    assert resumed["sessions"][0]["last_step"] == step
+    _assert_same_losses(resumed["loss"], _one_device_losses(train, SIGNALLED))
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_one_worker_stops_every_worker_after_the_same_step_with_the_checkpoint(train, tmp_path):
+    """Rank 1 alone gets SIGTERM, during step 3: rank 0 must stop after step 3 too (not run step 4 against
+    rank 1's checkpoint collectives and hang), both save the one checkpoint and say so."""
+    rc, output, logs = _stop_workers(tmp_path, "1:3",
+                                     lambda pids: os.kill(pids[1], signal.SIGTERM))
+    assert rc is not None, output[-3000:]   # no hang
+    _assert_stopped_after(train, tmp_path, logs, 3, [
+        "train.py: stopped by SIGTERM (sent to another worker) after step 3; saved {ckpt}; continue with --resume",
+        "train.py: stopped by SIGTERM after step 3; saved {ckpt}; continue with --resume"])
+
+
+@pytest.mark.multiprocess
+def test_sigterm_reaching_the_workers_at_different_moments_stops_both_after_the_same_step(train, tmp_path):
+    """Rank 0 waits in step 3; rank 1, already further in step 3 (maybe past the point where its request
+    joins the step's all-reduce), gets SIGTERM first, then rank 0: both stop after step 3."""
+    def send(pids):
+        os.kill(pids[1], signal.SIGTERM)
+        time.sleep(0.5)  # a different moment; the outcome does not depend on it
+        os.kill(pids[0], signal.SIGTERM)
+    rc, output, logs = _stop_workers(tmp_path, "0:3", send)
+    assert rc is not None, output[-3000:]
+    line = "train.py: stopped by SIGTERM after step 3; saved {ckpt}; continue with --resume"
+    _assert_stopped_after(train, tmp_path, logs, 3, [line, line])
