@@ -161,10 +161,20 @@ def call_fallback(func, args, kwargs):
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
+    if kwargs and kwargs.get("out") is not None:
+        _refuse_out(func)
     handler = TORCH_TABLE.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
     return call_fallback(func, args, kwargs or {})
+
+
+def _refuse_out(func):
+    """`out=` would write into a tensor that records may have saved: dtape tensors are immutable."""
+    name = getattr(func, "__name__", repr(func))
+    raise TypeError(f"torch.{name}(..., out=...) is not supported with dtape tensors: dtape tensors are "
+                    f"immutable (a recorded op may have saved the one you would overwrite); use the "
+                    f"returned value instead: y = torch.{name}(...)")
 
 
 # Tensor's value protocol (defined in dtape/tensor.py) that variables forward after a read.

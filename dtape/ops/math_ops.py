@@ -305,18 +305,24 @@ def _clip_samples(rng):
 def clip_by_value(t, clip_value_min, clip_value_max):
     """Clamps t to [clip_value_min, clip_value_max] (scalars or broadcastable tensors).
 
-    The gradient flows to t inside the range and to the bound that is active
-    outside it. Source: tf.clip_by_value.
+    The result is min(max(t, min), max): `clip_value_max` everywhere the
+    bounds cross (min > max). Gradients follow torch.clamp's: to t inside
+    [min, max], to the bound that is active outside it, and only to
+    `clip_value_max` where the bounds cross; a NaN in t passes no gradient.
+    Source: tf.clip_by_value (gradients: torch.clamp with tensor bounds).
     """
     return torch.minimum(torch.maximum(t, torch.as_tensor(clip_value_min, dtype=t.dtype, device=t.device)),
                          torch.as_tensor(clip_value_max, dtype=t.dtype, device=t.device))
 
 
 @clip_by_value.grad
-def _(dy, ans, t, lo, hi):
-    below, above = t < lo, t > hi
-    inside = torch.logical_not(torch.logical_or(below, above))
-    return torch.where(inside, dy, 0.0), torch.where(below, dy, 0.0), torch.where(above, dy, 0.0)
+def _(dy, ans, t, lo, hi, needs=(True, True, True)):
+    # min > max gives max everywhere, so only max gets dy there (torch's clamp_backward_min_max);
+    # comparisons with a NaN are false, so a NaN t sends dy nowhere
+    gt = torch.where(torch.logical_and(t >= lo, t <= hi), dy, 0.0) if needs[0] else None
+    glo = torch.where(torch.logical_and(t < lo, lo < hi), dy, 0.0) if needs[1] else None
+    ghi = torch.where(torch.logical_or(t > hi, hi < lo), dy, 0.0) if needs[2] else None
+    return gt, glo, ghi
 
 
 def _matmul_samples(rng):
@@ -521,10 +527,25 @@ def _(dy, ans, inputs):
 
 
 # -- reductions ---------------------------------------------------------------
-def reduction_axes(ndim, axis):
+class AxisError(ValueError, IndexError):
+    """An axis outside a tensor's dimensions (numpy's AxisError: both a ValueError, as TF's
+    InvalidArgumentError is one, and the IndexError torch raises)."""
+
+
+def reduction_axes(ndim, axis, op="reduce"):
+    """`axis` (None, int or sequence; negative counts from the end) as sorted non-negative axes.
+
+    Raises:
+      AxisError: an axis outside [-ndim, ndim) (a 0-d tensor takes 0 and -1, as torch).
+    """
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    bound = max(ndim, 1)
+    for a in axes:
+        if not -bound <= a < bound:
+            raise AxisError(f"{op}: axis {a} is out of range for a tensor of rank {ndim}; "
+                            f"axes must be in [{-bound}, {bound - 1}]")
     return tuple(sorted(a % ndim if ndim else 0 for a in axes))
 
 
@@ -543,7 +564,7 @@ def expand_back(g, x, axis, keepdims):
 @defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_sum(x, axis=None, keepdims=False):
     """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_sum")
     return torch.sum(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -555,7 +576,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_mean")
     return torch.mean(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -574,13 +595,15 @@ def _minmax_grad(dy, ans, x, axis, keepdims):
     ans = expand_back(ans, x, axis, keepdims)
     dy = expand_back(dy, x, axis, keepdims)
     ties = torch.eq(x, ans)
-    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=axes, keepdim=True)
-    return torch.where(ties, dy / count, 0.0)
+    count = torch.sum(ties, dim=axes, keepdim=True)
+    # Tied extremes share dy equally. A NaN extreme equals no element: count 0 makes dy / 0 * 0 a NaN
+    # gradient for the whole slice, as torch.amax's and TF's rules give (a zero would hide the NaN).
+    return dy / count * ties
 
 
 def _extreme(fn, x, axis, keepdims, lowest):
     """torch.amax/amin over `axis`; an empty reduced dimension gives TF's identity (the lowest/highest value)."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_max" if lowest else "reduce_min")
     if not axes:
         return x.clone()
     if any(x.shape[a] == 0 for a in axes):
@@ -627,7 +650,7 @@ def _prod_samples(rng):
 @defop(samples=_prod_samples)
 def reduce_prod(x, axis=None, keepdims=False):
     """Product over `axis`; the gradient is exact with zeros in x. Source: tf.math.reduce_prod."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_prod")
     out = x
     for a in reversed(axes):
         out = torch.prod(out, dim=a, keepdim=True)
@@ -655,7 +678,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction)
 def reduce_logsumexp(x, axis=None, keepdims=False):
     """log(sum(exp(x))) over `axis`, computed stably. Source: tf.math.reduce_logsumexp."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_logsumexp")
     return torch.logsumexp(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -711,6 +734,8 @@ def argmin(x, axis=None, output_type=torch.int64):
 def _torch_reduce(torch_fn, op):
     """torch.sum/mean adapter: the op, or the autograd fallback when torch's `dtype=` is given."""
     def adapter(x, dim=None, keepdim=False, *, dtype=None):
+        if dim is not None and not isinstance(dim, int) and len(dim) == 0:
+            dim = None  # torch reduces every axis for dim=() or []; TF's axis=[] (the op's) reduces none
         if dtype is None:
             return op(x, axis=dim, keepdims=keepdim)
         from dtape.ops._dispatch import call_fallback

@@ -549,7 +549,7 @@ def moments(x, axes, keepdims=False):
 
     Source: tf.nn.moments.
     """
-    dims = reduction_axes(x.ndim, axes)
+    dims = reduction_axes(x.ndim, axes, "moments")
     if not dims:  # no axis: mean x, variance 0 (torch.mean(dim=()) would reduce every axis)
         return x.clone(), torch.zeros_like(x)
     mean = torch.mean(x, dim=dims, keepdim=True)
