@@ -56,8 +56,12 @@ class TorchFallback:
                 xs = [x if x.requires_grad or not _is_diff(x) else x.detach().requires_grad_() for x in xs]
                 outs = pytree.tree_leaves(self.call_raw(xs))
                 outs = [o for o, d in zip(outs, diff_out) if d]
+                # an output that does not depend on any input contributes nothing (at third order the
+                # gradient of a linear function, e.g. cumsum's, is such an output: zeros with no graph)
+                pairs = [(o, dy) for o, dy in zip(outs, dys) if o.requires_grad]
                 wrt = [x for x in xs if _is_diff(x)]
-                grads = torch.autograd.grad(outs, wrt, dys, allow_unused=True, create_graph=create)
+                grads = torch.autograd.grad([o for o, _ in pairs], wrt, [dy for _, dy in pairs], allow_unused=True,
+                                            create_graph=create) if pairs else (None,) * len(wrt)
             return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(wrt, grads))
         vjp.__name__ = f"vjp_{self.name}"
         return vjp

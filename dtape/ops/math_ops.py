@@ -11,7 +11,10 @@ import math
 import torch
 
 from dtape.ops import _samples as S
-from dtape.ops._registry import defop
+from dtape.ops import array_ops
+from dtape.ops._dispatch import call_fallback
+from dtape.ops._registry import TORCH_TABLE, defop
+from dtape.tensor import convert_to_tensor, is_variable
 
 __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
            "sign", "pow", "square", "sqrt", "rsqrt", "exp", "log", "log1p", "sin", "cos", "tanh",
@@ -22,8 +25,16 @@ __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "neg
 
 
 # -- arithmetic ---------------------------------------------------------------
-@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary, saves="none",
-       complex_grad=True)
+def _with_alpha(op):
+    """torch.add/sub adapter: torch's `alpha` scales the second input (x + alpha * y)."""
+    def adapter(x, y, *, alpha=1):
+        return op(x, y if alpha == 1 else multiply(y, alpha))
+    return adapter
+
+
+@defop(n_in=2, torch_fns=((torch.add, _with_alpha(lambda x, y: add(x, y))),
+                          (torch.Tensor.add, _with_alpha(lambda x, y: add(x, y))), torch.Tensor.__add__),
+       samples=S.binary, saves="none", complex_grad=True)
 def add(x, y):
     """x + y, broadcasting. Any numeric dtype, same device. Source: tf.math.add."""
     return torch.add(x, y)
@@ -34,8 +45,9 @@ def _(dy, ans, x, y):
     return dy, dy
 
 
-@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary, saves="none",
-       complex_grad=True)
+@defop(n_in=2, torch_fns=tuple((fn, _with_alpha(lambda x, y: subtract(x, y)))
+                               for fn in (torch.sub, torch.subtract, torch.Tensor.sub)),
+       samples=S.binary, saves="none", complex_grad=True)
 def subtract(x, y):
     """x - y, broadcasting. Source: tf.math.subtract."""
     return torch.sub(x, y)
@@ -60,8 +72,15 @@ def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product f
     return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
 
 
-@defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive,
-       saves="denominator", complex_grad=True)
+def _torch_div(x, y, *, rounding_mode=None):
+    """torch.div adapter: true division is `divide`; a rounding mode runs torch's own (zero gradient)."""
+    if rounding_mode is None:
+        return divide(x, y)
+    return call_fallback(torch.div, (x, y), {"rounding_mode": rounding_mode})
+
+
+@defop(n_in=2, torch_fns=((torch.div, _torch_div), (torch.Tensor.div, _torch_div), torch.true_divide),
+       samples=S.binary_positive, saves="denominator", complex_grad=True)
 def divide(x, y):
     """x / y (true division; ints give float), broadcasting. Source: tf.math.divide."""
     return torch.div(x, y)
@@ -144,7 +163,12 @@ def pow(x, y):  # noqa: A001 - TF's name
 
 @pow.grad
 def _(dy, ans, x, y):  # x is a tensor: a scalar first input arrives as a 0-d tensor
-    gx = dy * y * torch.pow(x, y - 1)
+    # d(x ** 0)/dx is 0 everywhere, but y * x ** (y - 1) is 0 * inf = NaN at x = 0: where y is 0 the
+    # power is taken as x ** 1 instead (HIPS autograd's guard), which keeps higher orders finite too
+    if isinstance(y, (int, float)):
+        gx = dy * y * torch.pow(x, y - 1) if y != 0 else dy * torch.zeros_like(x)
+    else:
+        gx = dy * y * torch.pow(x, torch.where(y == 0, 1.0, y - 1))
     if isinstance(y, (int, float)) or not _is_float(y):
         return gx, None
     safe = torch.where(x > 0, x, torch.ones_like(x))
@@ -440,7 +464,6 @@ def _matmul_torch(x, y, *, out=None):
         raise TypeError("torch.matmul(out=...) is not supported on dtape tensors")
     if x.ndim >= 2 and y.ndim >= 2:
         return matmul(x, y)
-    from dtape.ops._dispatch import call_fallback
     return call_fallback(torch.matmul, (x, y), {})
 
 
@@ -502,10 +525,20 @@ def _(dy, ans, operands, equation, needs=None):
 def einsum(equation, *inputs):
     """Einstein summation, e.g. einsum('ij,jk->ik', a, b). Source: tf.einsum.
 
-    Gradients need an explicit '->' output, no ellipsis and no index repeated
-    within one operand.
+    Without '->' the output is numpy's and torch's implicit one: the indices
+    that occur once, in alphabetical order. Gradients need no ellipsis and no
+    index repeated within one operand.
     """
-    return _einsum(list(inputs), equation)
+    return _einsum(list(inputs), _explicit_output(equation))
+
+
+def _explicit_output(equation):
+    """'ij,jk' -> 'ij,jk->ik': the implicit output written out, so the rule reads one form."""
+    equation = equation.replace(" ", "")
+    if "->" in equation or "..." in equation:
+        return equation
+    letters = equation.replace(",", "")
+    return equation + "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
 
 
 def _add_n_samples(rng):
@@ -738,14 +771,12 @@ def _torch_reduce(torch_fn, op):
             dim = None  # torch reduces every axis for dim=() or []; TF's axis=[] (the op's) reduces none
         if dtype is None:
             return op(x, axis=dim, keepdims=keepdim)
-        from dtape.ops._dispatch import call_fallback
         kwargs = {"dtype": dtype} if dim is None else {"dim": dim, "keepdim": keepdim, "dtype": dtype}
         return call_fallback(torch_fn, (x,), kwargs)
     return adapter
 
 
 def _register_torch_adapters():
-    from dtape.ops._registry import TORCH_TABLE
     TORCH_TABLE[torch.matmul] = _matmul_torch
     TORCH_TABLE[torch.Tensor.__matmul__] = _matmul_torch
     TORCH_TABLE[torch.Tensor.matmul] = _matmul_torch
@@ -761,7 +792,6 @@ _register_torch_adapters()
 
 # -- norm clipping (composites of the ops above: differentiable, recorded) ----
 def _convert(t):
-    from dtape.tensor import convert_to_tensor, is_variable
     return t._dtape_read() if is_variable(t) else convert_to_tensor(t)
 
 
@@ -779,7 +809,6 @@ def clip_by_norm(t, clip_norm, axes=None):
 
     Source: tf.clip_by_norm.
     """
-    from dtape.ops import array_ops
     t = _convert(t)
     m = abs(t) if t.dtype.is_complex else t  # complex t: the modulus (sum |t|^2, as torch's vector_norm)
     l2sum = reduce_sum(m * m, axis=axes, keepdims=True)
@@ -800,7 +829,6 @@ def global_norm(t_list):
 
     Source: tf.linalg.global_norm.
     """
-    from dtape.ops import array_ops
     ts = [_convert(t) for t in t_list if t is not None]
     if not ts:
         raise ValueError("global_norm: t_list holds no tensor (every entry is None)")
@@ -826,7 +854,6 @@ def clip_by_global_norm(t_list, clip_norm, use_norm=None):
 
     Source: tf.clip_by_global_norm.
     """
-    from dtape.ops import array_ops
     if isinstance(t_list, (str, bytes)) or not hasattr(t_list, "__iter__"):
         raise TypeError(f"clip_by_global_norm: t_list must be a list of tensors, got {type(t_list).__name__}")
     t_list = list(t_list)

@@ -400,6 +400,8 @@ def _conv_grads_kernel(g, x, w, s, d, pads, needs):
             (torch.zeros(_filter_shape(w), dtype=w.dtype, device=w.device) if needs[1] else None)
     if x.dtype != g.dtype or w.dtype != g.dtype:  # autocast ran the forward in g's dtype: do the same
         x, w = x.to(g.dtype), w.to(g.dtype)
+    if w.shape[0] == 1:  # the OIHW view of [kh, kw, in, 1] filters has channels-last strides, for which
+        w = w.contiguous()  # torch makes a channels-last grad_weight that its CPU kernel then refuses
     symmetric = pads[0] == pads[1] and pads[2] == pads[3]
     xp = x if symmetric else F.pad(x, pads)
     conv_pad = (pads[2], pads[0]) if symmetric else (0, 0)
