@@ -125,7 +125,8 @@ def _(dy, ans, x):
     return -dy
 
 
-@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary, saves="inputs",
+@defop(torch_fns=(torch.abs, torch.Tensor.abs),
+       samples=lambda rng: S.unary(rng) + [S.Special((S.tensor(0.0, -1.5, 0.0, 2.0),), {}, "zeros")], saves="inputs",
        complex_grad=True)
 def abs(x):  # noqa: A001 - TF's name
     """|x| (the real magnitude for complex x); gradient sign(x), x / |x| for complex x (0 at 0).
@@ -152,7 +153,11 @@ def _(dy, ans, x):
 
 
 def _pow_samples(rng):
-    return S.binary_positive(rng) + [((2.5, S.randn(rng, 3)), {}), ((S.positive(rng, 3), 3), {})]
+    zeros = S.tensor(0.0, 1.5, 0.0)
+    return S.binary_positive(rng) + [((2.5, S.randn(rng, 3)), {}), ((S.positive(rng, 3), 3), {}),
+                                     S.Special((zeros, 0), {}, "x ** 0 at 0"),
+                                     S.Special((zeros, S.tensor(0.0, 0.0, 2.0)), {}, "x ** 0 at 0"),
+                                     S.Special((zeros, 2.0), {}, "x ** 2 at 0")]
 
 
 @defop(n_in=2, torch_fns=(torch.pow, torch.Tensor.pow), samples=_pow_samples)
@@ -321,8 +326,12 @@ def _(dy, ans, x, y):
 
 
 def _clip_samples(rng):
+    t = S.tensor(0.5, -2.0, 0.3, 1.2)
     return [((S.randn(rng, 3, 4), -0.5, 0.5), {}),
-            ((S.randn(rng, 3, 4), S.randn(rng, 4) - 1.0, S.randn(rng, 3, 1) + 1.0), {})]
+            ((S.randn(rng, 3, 4), S.randn(rng, 4) - 1.0, S.randn(rng, 3, 1) + 1.0), {}),
+            S.Special((t, 1.0, 0.0), {}, "min > max"),
+            S.Special((t, S.tensor(1.0, -0.5, 0.3, 0.0), S.tensor(0.0, 0.5, 0.3, 0.5)), {}, "min > max, min == max"),
+            S.Special((S.tensor(0.5, 0.0, 2.0), S.tensor(0.5), S.tensor(2.0)), {}, "t on a bound")]
 
 
 @defop(n_in=3, samples=_clip_samples, saves="inputs")
@@ -649,7 +658,11 @@ def _extreme(fn, x, axis, keepdims, lowest):
     return fn(x, dim=axes, keepdim=keepdims)
 
 
-@defop(samples=S.reduction)
+def _extreme_samples(rng):
+    return S.reduction(rng) + S.extremes_special(rng)
+
+
+@defop(samples=_extreme_samples)
 def reduce_max(x, axis=None, keepdims=False):
     """Max over `axis`; tied maxima share the gradient equally; an empty axis gives -inf (the
     dtype's minimum for ints), as TF. Source: tf.math.reduce_max."""
@@ -661,7 +674,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return _minmax_grad(dy, ans, x, axis, keepdims)
 
 
-@defop(samples=S.reduction)
+@defop(samples=_extreme_samples)
 def reduce_min(x, axis=None, keepdims=False):
     """Min over `axis`; tied minima share the gradient equally; an empty axis gives +inf (the
     dtype's maximum for ints), as TF. Source: tf.math.reduce_min."""

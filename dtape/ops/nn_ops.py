@@ -345,7 +345,9 @@ def _conv_samples(rng):
             ((S.randn(rng, 1, 7, 7, 1), S.randn(rng, 2, 2, 1, 2)), {"strides": 1, "padding": "SAME",
                                                                     "dilations": 2}),
             ((S.randn(rng, 1, 2, 5, 5), S.randn(rng, 3, 3, 2, 2)), {"strides": 2, "padding": "SAME",
-                                                                    "data_format": "NCHW"})]
+                                                                    "data_format": "NCHW"}),
+            # one output channel: its OIHW filter view has channels-last strides (torch's kernel refused it)
+            ((S.randn(rng, 2, 5, 4, 3), S.randn(rng, 3, 2, 3, 1)), {"strides": 1, "padding": "SAME"})]
 
 
 @defop(n_in=2, samples=_conv_samples, saves="inputs")
