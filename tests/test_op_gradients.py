@@ -10,6 +10,9 @@
 * Empty batch: a leading dimension of 0 gives gradients of the right
   (empty) shape without error.
 * Python scalars on either side of every elementwise binary op.
+* Samples at special points (`_samples.Special`: ties, zeros, NaN, crossed
+  bounds), where finite differences do not hold: first order against
+  torch.autograd's own rule for the same point (TORCH_ORACLES).
 """
 import warnings
 
@@ -19,6 +22,7 @@ import torch
 
 import dtape
 from dtape.ops import REGISTRY
+from dtape.ops._samples import Special
 
 D = torch.float64
 EPS = 1e-6
@@ -29,11 +33,15 @@ def _cases(pred=lambda op: True):
     for opdef in REGISTRY:
         if opdef.grad_fn is None or opdef.samples is None or not pred(opdef):
             continue
-        for i, (args, attrs) in enumerate(opdef.samples(torch.Generator().manual_seed(0))):
-            yield pytest.param(opdef, args, attrs, id=f"{opdef.name}-{i}")
+        for i, sample in enumerate(opdef.samples(torch.Generator().manual_seed(0))):
+            args, attrs = sample
+            what = sample.what if isinstance(sample, Special) else None
+            yield pytest.param(opdef, args, attrs, what, id=f"{opdef.name}-{i}" + (f"-{what}" if what else ""))
 
 
 CASES = list(_cases())
+SMOOTH_CASES = [c for c in CASES if c.values[3] is None]
+SPECIAL_CASES = [c for c in CASES if c.values[3] is not None]
 
 
 # -- helpers ------------------------------------------------------------------
@@ -126,8 +134,8 @@ def _fd_setup(opdef, args, attrs):
 
 
 # -- first and second order ---------------------------------------------------
-@pytest.mark.parametrize("opdef,args,attrs", CASES)
-def test_op_gradient_matches_finite_differences(opdef, args, attrs):
+@pytest.mark.parametrize("opdef,args,attrs,what", SMOOTH_CASES)
+def test_op_gradient_matches_finite_differences(opdef, args, attrs, what):
     flat, pos, cots, coarse = _fd_setup(opdef, args, attrs)
     want = _finite_difference_gradient(opdef, args, attrs, flat, cots, pos, 1e-2 if coarse else EPS)
     tol = dict(rtol=1e-3, atol=1e-3) if coarse else FD_TOL
@@ -153,8 +161,8 @@ def _hessian_vector_dtape(opdef, args, attrs, flat, cots, pos, vs):
     return [torch.zeros_like(flat[k]) if h is None else h.torch() for h, k in zip(hv, pos)]
 
 
-@pytest.mark.parametrize("opdef,args,attrs", list(_cases(lambda op: op.second_order)))
-def test_op_second_order_matches_finite_differences_of_dtape_gradient(opdef, args, attrs):
+@pytest.mark.parametrize("opdef,args,attrs,what", [c for c in _cases(lambda op: op.second_order) if c.values[3] is None])
+def test_op_second_order_matches_finite_differences_of_dtape_gradient(opdef, args, attrs, what):
     flat, pos, cots, coarse = _fd_setup(opdef, args, attrs)
     vs = _cotangents([flat[k] for k in pos], 2)
     got = _hessian_vector_dtape(opdef, args, attrs, flat, cots, pos, vs)
@@ -170,6 +178,47 @@ def test_op_second_order_matches_finite_differences_of_dtape_gradient(opdef, arg
     tol = dict(rtol=1e-3, atol=1e-3) if coarse else FD_TOL
     for k, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g.to(D), w.to(D), **tol, msg=lambda m: f"{opdef.name} H v, input {pos[k]}: {m}")
+
+
+# -- special points against torch.autograd ---------------------------------------
+def _as_t(v):
+    return torch.as_tensor(v, dtype=D)
+
+
+def _extreme(fn):
+    return lambda x, axis=None, keepdims=False: fn(x, dim=() if axis is None else axis, keepdim=keepdims)
+
+
+# torch functions with the op's meaning at its special samples (reduce_max over axis=None is amax over dim=()).
+TORCH_ORACLES = {
+    "reduce_max": _extreme(torch.amax), "reduce_min": _extreme(torch.amin),
+    "clip_by_value": lambda t, lo, hi: torch.clamp(t, _as_t(lo), _as_t(hi)),
+    "pow": torch.pow, "abs": torch.abs,
+}
+
+
+def test_every_op_with_special_samples_has_a_torch_oracle():
+    missing = {c.values[0].name for c in SPECIAL_CASES} - set(TORCH_ORACLES)
+    assert not missing, f"add a torch function for the special samples of {sorted(missing)} to TORCH_ORACLES"
+
+
+def _torch_gradient(opdef, args, attrs, flat, cots, pos):
+    xs = [x.clone().requires_grad_() if k in pos else x for k, x in enumerate(flat)]
+    outs = _as_tuple(TORCH_ORACLES[opdef.name](*_pack(opdef, args, xs), **attrs))
+    total = sum(torch.sum(o * c) for o, c in zip(outs, cots))
+    grads = torch.autograd.grad(total, [xs[k] for k in pos], allow_unused=True)
+    return [torch.zeros_like(flat[k]) if g is None else g for g, k in zip(grads, pos)]
+
+
+@pytest.mark.parametrize("opdef,args,attrs,what", SPECIAL_CASES)
+def test_op_gradient_at_special_point_matches_torch_autograd(opdef, args, attrs, what):
+    flat, pos, cots, _ = _fd_setup(opdef, args, attrs)
+    want = _torch_gradient(opdef, args, attrs, flat, cots, pos)
+    for path in ("raw", "recorded"):
+        got = _dtape_gradient(opdef, args, attrs, flat, cots, pos, recorded=path == "recorded")
+        for k, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, equal_nan=True,
+                                       msg=lambda m: f"{opdef.name} at {what} ({path} walk) input {pos[k]}: {m}")
 
 
 # -- forward values against independent references ----------------------------
@@ -348,8 +397,8 @@ def test_every_op_with_samples_has_a_forward_reference():
     assert not missing, f"add an independent forward reference for {sorted(missing)} to REFERENCES"
 
 
-@pytest.mark.parametrize("opdef,args,attrs", [c for c in CASES if c.values[0].name in REFERENCES])
-def test_op_forward_matches_independent_reference(opdef, args, attrs):
+@pytest.mark.parametrize("opdef,args,attrs,what", [c for c in CASES if c.values[0].name in REFERENCES])
+def test_op_forward_matches_independent_reference(opdef, args, attrs, what):
     xs = [dtape.constant(x) if isinstance(x, torch.Tensor) else x for x in _flat(opdef, args)]
     got = _as_tuple(opdef.fn(*_pack(opdef, args, xs), **attrs))
     want = REFERENCES[opdef.name](*args, **attrs)
@@ -399,8 +448,8 @@ EMPTY_BATCH = {  # ops whose batch is not simply the leading dim of their larges
 }
 
 
-@pytest.mark.parametrize("opdef,args,attrs", CASES)
-def test_op_gradient_on_empty_batch_has_source_shape(opdef, args, attrs):
+@pytest.mark.parametrize("opdef,args,attrs,what", CASES)
+def test_op_gradient_on_empty_batch_has_source_shape(opdef, args, attrs, what):
     made = EMPTY_BATCH.get(opdef.name, _default_empty)(opdef, args, attrs)
     if made is None:
         pytest.skip(f"{opdef.name}: no batched input in this sample")

@@ -45,6 +45,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from dtape._notes import add_note
+
 _POLL_MAX_S = 0.02          # longest slice a waiter sleeps between checks of the store
 _MARK_WAITING_AFTER_S = 1.0  # a wait longer than this records its position for timeout messages
 _ACK_WAIT_S = 3.0           # how long a failing worker waits for its peers to see its error
@@ -475,9 +477,9 @@ def peer_exception(payload, rank, what):
     if err is None:
         err = WorkerError(f"{payload['module']}.{payload['type']}: {message}")
     err._dtape_from_peer = True
-    err.add_note(f"(raised on worker rank {payload['rank']} of {payload['world_size']}, host {payload['host']}, "
-                 f"pid {payload['pid']}; rank {rank} was waiting in {what})\n"
-                 f"rank {payload['rank']}'s traceback (last frames):\n{payload['traceback']}")
+    add_note(err, f"(raised on worker rank {payload['rank']} of {payload['world_size']}, host {payload['host']}, "
+                  f"pid {payload['pid']}; rank {rank} was waiting in {what})\n"
+                  f"rank {payload['rank']}'s traceback (last frames):\n{payload['traceback']}")
     return err
 
 

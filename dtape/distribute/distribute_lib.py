@@ -506,7 +506,8 @@ class Strategy:
 
         Raises:
           ValueError: SUM of a non-distributed value over more than one
-            replica (as TF), naming the fixes; values of different shapes.
+            replica (as TF), naming the fixes; values of different shapes;
+            an axis out of the values' range (an AxisError, also an IndexError).
         """
         reduce_op = check_reduce_op(reduce_op)
         if weights is not None:
@@ -518,6 +519,8 @@ class Strategy:
             values = [value]
         else:
             values = [convert_to_tensor(v) for v in value.values]
+        for v in values:  # an out-of-range axis raises here, naming this call, instead of wrapping
+            ops.math_ops.reduction_axes(v.ndim, axis, "strategy.reduce")
         dtype = values[0].dtype
         sums = [ops.reduce_sum(cross_device_ops.widen(v), axis=axis) for v in values]
         total = cross_device_ops.reduce_values(ReduceOp.SUM, sums, self._extended._destination(values))

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dtape import _config
+from dtape._notes import add_note
 from dtape import tape as _tp
 from dtape.distribute import collective_ops, context, cross_device_ops, input_lib, replica_scope
 from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended, check_reduce_op
@@ -373,7 +374,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if not getattr(e, "_dtape_from_peer", False) and not isinstance(e, (collective_ops.PeerFailure,
                                                                                TimeoutError)):
             if not getattr(e, "_dtape_noted", False):
-                e.add_note(f"(raised on worker rank {self._resolver.rank} of {self._resolver.world_size})")
+                add_note(e, f"(raised on worker rank {self._resolver.rank} of {self._resolver.world_size})")
                 e._dtape_noted = True
             self._comm.publish_error(e)
 

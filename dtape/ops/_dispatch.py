@@ -56,8 +56,12 @@ class TorchFallback:
                 xs = [x if x.requires_grad or not _is_diff(x) else x.detach().requires_grad_() for x in xs]
                 outs = pytree.tree_leaves(self.call_raw(xs))
                 outs = [o for o, d in zip(outs, diff_out) if d]
+                # an output that does not depend on any input contributes nothing (at third order the
+                # gradient of a linear function, e.g. cumsum's, is such an output: zeros with no graph)
+                pairs = [(o, dy) for o, dy in zip(outs, dys) if o.requires_grad]
                 wrt = [x for x in xs if _is_diff(x)]
-                grads = torch.autograd.grad(outs, wrt, dys, allow_unused=True, create_graph=create)
+                grads = torch.autograd.grad([o for o, _ in pairs], wrt, [dy for _, dy in pairs], allow_unused=True,
+                                            create_graph=create) if pairs else (None,) * len(wrt)
             return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(wrt, grads))
         vjp.__name__ = f"vjp_{self.name}"
         return vjp
@@ -161,10 +165,20 @@ def call_fallback(func, args, kwargs):
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
+    if kwargs and kwargs.get("out") is not None:
+        _refuse_out(func)
     handler = TORCH_TABLE.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
     return call_fallback(func, args, kwargs or {})
+
+
+def _refuse_out(func):
+    """`out=` would write into a tensor that records may have saved: dtape tensors are immutable."""
+    name = getattr(func, "__name__", repr(func))
+    raise TypeError(f"torch.{name}(..., out=...) is not supported with dtape tensors: dtape tensors are "
+                    f"immutable (a recorded op may have saved the one you would overwrite); use the "
+                    f"returned value instead: y = torch.{name}(...)")
 
 
 # Tensor's value protocol (defined in dtape/tensor.py) that variables forward after a read.

@@ -8,8 +8,10 @@ import builtins
 import torch
 
 from dtape.ops import _samples as S
+from dtape.ops._dispatch import call_fallback
 from dtape.ops._registry import TORCH_TABLE, defop
-from dtape.tensor import Tensor, to_torch, as_dtype, default_device, is_variable, is_differentiable_dtype
+from dtape.tensor import (DEFAULT_FLOAT_DTYPE, Tensor, to_torch, as_dtype, default_device, is_variable,
+                          is_differentiable_dtype)
 
 _brange = builtins.range  # `range` below is tf.range
 
@@ -171,7 +173,6 @@ def _(dy, ans, condition, x=None, y=None):
 
 def _torch_where(condition, input=None, other=None):  # noqa: A002
     if input is None:
-        from dtape.ops._dispatch import call_fallback
         return call_fallback(torch.where, (condition,), {})
     return where(condition, input, other)
 
@@ -213,7 +214,6 @@ def stop_gradient(input):  # noqa: A002
 
 
 def _creation_dtype(dtype):
-    from dtape.tensor import DEFAULT_FLOAT_DTYPE
     return DEFAULT_FLOAT_DTYPE if dtype is None else as_dtype(dtype)
 
 
@@ -263,8 +263,8 @@ def _raw_key(key):
         return tuple(_raw_key(k) for k in key)
     if isinstance(key, Tensor):
         return key.torch()
-    if isinstance(key, list):
-        return torch.as_tensor(key)
+    if isinstance(key, list):  # an empty list selects nothing: int64, as torch reads x[[]]
+        return torch.as_tensor(key) if key else torch.zeros(0, dtype=torch.int64)
     return key
 
 

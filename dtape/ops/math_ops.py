@@ -11,7 +11,10 @@ import math
 import torch
 
 from dtape.ops import _samples as S
-from dtape.ops._registry import defop
+from dtape.ops import array_ops
+from dtape.ops._dispatch import call_fallback
+from dtape.ops._registry import TORCH_TABLE, defop
+from dtape.tensor import convert_to_tensor, is_variable
 
 __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
            "sign", "pow", "square", "sqrt", "rsqrt", "exp", "log", "log1p", "sin", "cos", "tanh",
@@ -22,8 +25,16 @@ __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "neg
 
 
 # -- arithmetic ---------------------------------------------------------------
-@defop(n_in=2, torch_fns=(torch.add, torch.Tensor.add, torch.Tensor.__add__), samples=S.binary, saves="none",
-       complex_grad=True)
+def _with_alpha(op):
+    """torch.add/sub adapter: torch's `alpha` scales the second input (x + alpha * y)."""
+    def adapter(x, y, *, alpha=1):
+        return op(x, y if alpha == 1 else multiply(y, alpha))
+    return adapter
+
+
+@defop(n_in=2, torch_fns=((torch.add, _with_alpha(lambda x, y: add(x, y))),
+                          (torch.Tensor.add, _with_alpha(lambda x, y: add(x, y))), torch.Tensor.__add__),
+       samples=S.binary, saves="none", complex_grad=True)
 def add(x, y):
     """x + y, broadcasting. Any numeric dtype, same device. Source: tf.math.add."""
     return torch.add(x, y)
@@ -34,8 +45,9 @@ def _(dy, ans, x, y):
     return dy, dy
 
 
-@defop(n_in=2, torch_fns=(torch.sub, torch.subtract, torch.Tensor.sub), samples=S.binary, saves="none",
-       complex_grad=True)
+@defop(n_in=2, torch_fns=tuple((fn, _with_alpha(lambda x, y: subtract(x, y)))
+                               for fn in (torch.sub, torch.subtract, torch.Tensor.sub)),
+       samples=S.binary, saves="none", complex_grad=True)
 def subtract(x, y):
     """x - y, broadcasting. Source: tf.math.subtract."""
     return torch.sub(x, y)
@@ -60,8 +72,15 @@ def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product f
     return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
 
 
-@defop(n_in=2, torch_fns=(torch.div, torch.true_divide, torch.Tensor.div), samples=S.binary_positive,
-       saves="denominator", complex_grad=True)
+def _torch_div(x, y, *, rounding_mode=None):
+    """torch.div adapter: true division is `divide`; a rounding mode runs torch's own (zero gradient)."""
+    if rounding_mode is None:
+        return divide(x, y)
+    return call_fallback(torch.div, (x, y), {"rounding_mode": rounding_mode})
+
+
+@defop(n_in=2, torch_fns=((torch.div, _torch_div), (torch.Tensor.div, _torch_div), torch.true_divide),
+       samples=S.binary_positive, saves="denominator", complex_grad=True)
 def divide(x, y):
     """x / y (true division; ints give float), broadcasting. Source: tf.math.divide."""
     return torch.div(x, y)
@@ -106,7 +125,8 @@ def _(dy, ans, x):
     return -dy
 
 
-@defop(torch_fns=(torch.abs, torch.Tensor.abs), samples=S.unary, saves="inputs",
+@defop(torch_fns=(torch.abs, torch.Tensor.abs),
+       samples=lambda rng: S.unary(rng) + [S.Special((S.tensor(0.0, -1.5, 0.0, 2.0),), {}, "zeros")], saves="inputs",
        complex_grad=True)
 def abs(x):  # noqa: A001 - TF's name
     """|x| (the real magnitude for complex x); gradient sign(x), x / |x| for complex x (0 at 0).
@@ -133,7 +153,11 @@ def _(dy, ans, x):
 
 
 def _pow_samples(rng):
-    return S.binary_positive(rng) + [((2.5, S.randn(rng, 3)), {}), ((S.positive(rng, 3), 3), {})]
+    zeros = S.tensor(0.0, 1.5, 0.0)
+    return S.binary_positive(rng) + [((2.5, S.randn(rng, 3)), {}), ((S.positive(rng, 3), 3), {}),
+                                     S.Special((zeros, 0), {}, "x ** 0 at 0"),
+                                     S.Special((zeros, S.tensor(0.0, 0.0, 2.0)), {}, "x ** 0 at 0"),
+                                     S.Special((zeros, 2.0), {}, "x ** 2 at 0")]
 
 
 @defop(n_in=2, torch_fns=(torch.pow, torch.Tensor.pow), samples=_pow_samples)
@@ -144,7 +168,12 @@ def pow(x, y):  # noqa: A001 - TF's name
 
 @pow.grad
 def _(dy, ans, x, y):  # x is a tensor: a scalar first input arrives as a 0-d tensor
-    gx = dy * y * torch.pow(x, y - 1)
+    # d(x ** 0)/dx is 0 everywhere, but y * x ** (y - 1) is 0 * inf = NaN at x = 0: where y is 0 the
+    # power is taken as x ** 1 instead (HIPS autograd's guard), which keeps higher orders finite too
+    if isinstance(y, (int, float)):
+        gx = dy * y * torch.pow(x, y - 1) if y != 0 else dy * torch.zeros_like(x)
+    else:
+        gx = dy * y * torch.pow(x, torch.where(y == 0, 1.0, y - 1))
     if isinstance(y, (int, float)) or not _is_float(y):
         return gx, None
     safe = torch.where(x > 0, x, torch.ones_like(x))
@@ -297,26 +326,36 @@ def _(dy, ans, x, y):
 
 
 def _clip_samples(rng):
+    t = S.tensor(0.5, -2.0, 0.3, 1.2)
     return [((S.randn(rng, 3, 4), -0.5, 0.5), {}),
-            ((S.randn(rng, 3, 4), S.randn(rng, 4) - 1.0, S.randn(rng, 3, 1) + 1.0), {})]
+            ((S.randn(rng, 3, 4), S.randn(rng, 4) - 1.0, S.randn(rng, 3, 1) + 1.0), {}),
+            S.Special((t, 1.0, 0.0), {}, "min > max"),
+            S.Special((t, S.tensor(1.0, -0.5, 0.3, 0.0), S.tensor(0.0, 0.5, 0.3, 0.5)), {}, "min > max, min == max"),
+            S.Special((S.tensor(0.5, 0.0, 2.0), S.tensor(0.5), S.tensor(2.0)), {}, "t on a bound")]
 
 
 @defop(n_in=3, samples=_clip_samples, saves="inputs")
 def clip_by_value(t, clip_value_min, clip_value_max):
     """Clamps t to [clip_value_min, clip_value_max] (scalars or broadcastable tensors).
 
-    The gradient flows to t inside the range and to the bound that is active
-    outside it. Source: tf.clip_by_value.
+    The result is min(max(t, min), max): `clip_value_max` everywhere the
+    bounds cross (min > max). Gradients follow torch.clamp's: to t inside
+    [min, max], to the bound that is active outside it, and only to
+    `clip_value_max` where the bounds cross; a NaN in t passes no gradient.
+    Source: tf.clip_by_value (gradients: torch.clamp with tensor bounds).
     """
     return torch.minimum(torch.maximum(t, torch.as_tensor(clip_value_min, dtype=t.dtype, device=t.device)),
                          torch.as_tensor(clip_value_max, dtype=t.dtype, device=t.device))
 
 
 @clip_by_value.grad
-def _(dy, ans, t, lo, hi):
-    below, above = t < lo, t > hi
-    inside = torch.logical_not(torch.logical_or(below, above))
-    return torch.where(inside, dy, 0.0), torch.where(below, dy, 0.0), torch.where(above, dy, 0.0)
+def _(dy, ans, t, lo, hi, needs=(True, True, True)):
+    # min > max gives max everywhere, so only max gets dy there (torch's clamp_backward_min_max);
+    # comparisons with a NaN are false, so a NaN t sends dy nowhere
+    gt = torch.where(torch.logical_and(t >= lo, t <= hi), dy, 0.0) if needs[0] else None
+    glo = torch.where(torch.logical_and(t < lo, lo < hi), dy, 0.0) if needs[1] else None
+    ghi = torch.where(torch.logical_or(t > hi, hi < lo), dy, 0.0) if needs[2] else None
+    return gt, glo, ghi
 
 
 def _matmul_samples(rng):
@@ -434,7 +473,6 @@ def _matmul_torch(x, y, *, out=None):
         raise TypeError("torch.matmul(out=...) is not supported on dtape tensors")
     if x.ndim >= 2 and y.ndim >= 2:
         return matmul(x, y)
-    from dtape.ops._dispatch import call_fallback
     return call_fallback(torch.matmul, (x, y), {})
 
 
@@ -496,10 +534,20 @@ def _(dy, ans, operands, equation, needs=None):
 def einsum(equation, *inputs):
     """Einstein summation, e.g. einsum('ij,jk->ik', a, b). Source: tf.einsum.
 
-    Gradients need an explicit '->' output, no ellipsis and no index repeated
-    within one operand.
+    Without '->' the output is numpy's and torch's implicit one: the indices
+    that occur once, in alphabetical order. Gradients need no ellipsis and no
+    index repeated within one operand.
     """
-    return _einsum(list(inputs), equation)
+    return _einsum(list(inputs), _explicit_output(equation))
+
+
+def _explicit_output(equation):
+    """'ij,jk' -> 'ij,jk->ik': the implicit output written out, so the rule reads one form."""
+    equation = equation.replace(" ", "")
+    if "->" in equation or "..." in equation:
+        return equation
+    letters = equation.replace(",", "")
+    return equation + "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
 
 
 def _add_n_samples(rng):
@@ -521,10 +569,25 @@ def _(dy, ans, inputs):
 
 
 # -- reductions ---------------------------------------------------------------
-def reduction_axes(ndim, axis):
+class AxisError(ValueError, IndexError):
+    """An axis outside a tensor's dimensions (numpy's AxisError: both a ValueError, as TF's
+    InvalidArgumentError is one, and the IndexError torch raises)."""
+
+
+def reduction_axes(ndim, axis, op="reduce"):
+    """`axis` (None, int or sequence; negative counts from the end) as sorted non-negative axes.
+
+    Raises:
+      AxisError: an axis outside [-ndim, ndim) (a 0-d tensor takes 0 and -1, as torch).
+    """
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    bound = max(ndim, 1)
+    for a in axes:
+        if not -bound <= a < bound:
+            raise AxisError(f"{op}: axis {a} is out of range for a tensor of rank {ndim}; "
+                            f"axes must be in [{-bound}, {bound - 1}]")
     return tuple(sorted(a % ndim if ndim else 0 for a in axes))
 
 
@@ -543,7 +606,7 @@ def expand_back(g, x, axis, keepdims):
 @defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_sum(x, axis=None, keepdims=False):
     """Sum over `axis` (None: all; int or tuple; negative counts from the end). Source: tf.math.reduce_sum."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_sum")
     return torch.sum(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -555,7 +618,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_mean")
     return torch.mean(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -574,13 +637,15 @@ def _minmax_grad(dy, ans, x, axis, keepdims):
     ans = expand_back(ans, x, axis, keepdims)
     dy = expand_back(dy, x, axis, keepdims)
     ties = torch.eq(x, ans)
-    count = torch.sum(torch.where(ties, 1.0, 0.0), dim=axes, keepdim=True)
-    return torch.where(ties, dy / count, 0.0)
+    count = torch.sum(ties, dim=axes, keepdim=True)
+    # Tied extremes share dy equally. A NaN extreme equals no element: count 0 makes dy / 0 * 0 a NaN
+    # gradient for the whole slice, as torch.amax's and TF's rules give (a zero would hide the NaN).
+    return dy / count * ties
 
 
 def _extreme(fn, x, axis, keepdims, lowest):
     """torch.amax/amin over `axis`; an empty reduced dimension gives TF's identity (the lowest/highest value)."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_max" if lowest else "reduce_min")
     if not axes:
         return x.clone()
     if any(x.shape[a] == 0 for a in axes):
@@ -593,7 +658,11 @@ def _extreme(fn, x, axis, keepdims, lowest):
     return fn(x, dim=axes, keepdim=keepdims)
 
 
-@defop(samples=S.reduction)
+def _extreme_samples(rng):
+    return S.reduction(rng) + S.extremes_special(rng)
+
+
+@defop(samples=_extreme_samples)
 def reduce_max(x, axis=None, keepdims=False):
     """Max over `axis`; tied maxima share the gradient equally; an empty axis gives -inf (the
     dtype's minimum for ints), as TF. Source: tf.math.reduce_max."""
@@ -605,7 +674,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return _minmax_grad(dy, ans, x, axis, keepdims)
 
 
-@defop(samples=S.reduction)
+@defop(samples=_extreme_samples)
 def reduce_min(x, axis=None, keepdims=False):
     """Min over `axis`; tied minima share the gradient equally; an empty axis gives +inf (the
     dtype's maximum for ints), as TF. Source: tf.math.reduce_min."""
@@ -627,7 +696,7 @@ def _prod_samples(rng):
 @defop(samples=_prod_samples)
 def reduce_prod(x, axis=None, keepdims=False):
     """Product over `axis`; the gradient is exact with zeros in x. Source: tf.math.reduce_prod."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_prod")
     out = x
     for a in reversed(axes):
         out = torch.prod(out, dim=a, keepdim=True)
@@ -655,7 +724,7 @@ def _(dy, ans, x, axis=None, keepdims=False):
 @defop(samples=S.reduction)
 def reduce_logsumexp(x, axis=None, keepdims=False):
     """log(sum(exp(x))) over `axis`, computed stably. Source: tf.math.reduce_logsumexp."""
-    axes = reduction_axes(x.ndim, axis)
+    axes = reduction_axes(x.ndim, axis, "reduce_logsumexp")
     return torch.logsumexp(x, dim=axes, keepdim=keepdims) if axes else x.clone()
 
 
@@ -711,16 +780,16 @@ def argmin(x, axis=None, output_type=torch.int64):
 def _torch_reduce(torch_fn, op):
     """torch.sum/mean adapter: the op, or the autograd fallback when torch's `dtype=` is given."""
     def adapter(x, dim=None, keepdim=False, *, dtype=None):
+        if dim is not None and not isinstance(dim, int) and len(dim) == 0:
+            dim = None  # torch reduces every axis for dim=() or []; TF's axis=[] (the op's) reduces none
         if dtype is None:
             return op(x, axis=dim, keepdims=keepdim)
-        from dtape.ops._dispatch import call_fallback
         kwargs = {"dtype": dtype} if dim is None else {"dim": dim, "keepdim": keepdim, "dtype": dtype}
         return call_fallback(torch_fn, (x,), kwargs)
     return adapter
 
 
 def _register_torch_adapters():
-    from dtape.ops._registry import TORCH_TABLE
     TORCH_TABLE[torch.matmul] = _matmul_torch
     TORCH_TABLE[torch.Tensor.__matmul__] = _matmul_torch
     TORCH_TABLE[torch.Tensor.matmul] = _matmul_torch
@@ -736,7 +805,6 @@ _register_torch_adapters()
 
 # -- norm clipping (composites of the ops above: differentiable, recorded) ----
 def _convert(t):
-    from dtape.tensor import convert_to_tensor, is_variable
     return t._dtape_read() if is_variable(t) else convert_to_tensor(t)
 
 
@@ -754,7 +822,6 @@ def clip_by_norm(t, clip_norm, axes=None):
 
     Source: tf.clip_by_norm.
     """
-    from dtape.ops import array_ops
     t = _convert(t)
     m = abs(t) if t.dtype.is_complex else t  # complex t: the modulus (sum |t|^2, as torch's vector_norm)
     l2sum = reduce_sum(m * m, axis=axes, keepdims=True)
@@ -775,7 +842,6 @@ def global_norm(t_list):
 
     Source: tf.linalg.global_norm.
     """
-    from dtape.ops import array_ops
     ts = [_convert(t) for t in t_list if t is not None]
     if not ts:
         raise ValueError("global_norm: t_list holds no tensor (every entry is None)")
@@ -801,7 +867,6 @@ def clip_by_global_norm(t_list, clip_norm, use_norm=None):
 
     Source: tf.clip_by_global_norm.
     """
-    from dtape.ops import array_ops
     if isinstance(t_list, (str, bytes)) or not hasattr(t_list, "__iter__"):
         raise TypeError(f"clip_by_global_norm: t_list must be a list of tensors, got {type(t_list).__name__}")
     t_list = list(t_list)

@@ -357,7 +357,9 @@ def _conv_samples(rng):
             ((S.randn(rng, 1, 7, 7, 1), S.randn(rng, 2, 2, 1, 2)), {"strides": 1, "padding": "SAME",
                                                                     "dilations": 2}),
             ((S.randn(rng, 1, 2, 5, 5), S.randn(rng, 3, 3, 2, 2)), {"strides": 2, "padding": "SAME",
-                                                                    "data_format": "NCHW"})]
+                                                                    "data_format": "NCHW"}),
+            # one output channel: its OIHW filter view has channels-last strides (torch's kernel refused it)
+            ((S.randn(rng, 2, 5, 4, 3), S.randn(rng, 3, 2, 3, 1)), {"strides": 1, "padding": "SAME"})]
 
 
 @defop(n_in=2, samples=_conv_samples, saves="inputs")
@@ -412,6 +414,8 @@ def _conv_grads_kernel(g, x, w, s, d, pads, needs):
             (torch.zeros(_filter_shape(w), dtype=w.dtype, device=w.device) if needs[1] else None)
     if x.dtype != g.dtype or w.dtype != g.dtype:  # autocast ran the forward in g's dtype: do the same
         x, w = x.to(g.dtype), w.to(g.dtype)
+    if w.shape[0] == 1:  # the OIHW view of [kh, kw, in, 1] filters has channels-last strides, for which
+        w = w.contiguous()  # torch makes a channels-last grad_weight that its CPU kernel then refuses
     symmetric = pads[0] == pads[1] and pads[2] == pads[3]
     xp = x if symmetric else F.pad(x, pads)
     conv_pad = (pads[2], pads[0]) if symmetric else (0, 0)
@@ -561,7 +565,7 @@ def moments(x, axes, keepdims=False):
 
     Source: tf.nn.moments.
     """
-    dims = reduction_axes(x.ndim, axes)
+    dims = reduction_axes(x.ndim, axes, "moments")
     if not dims:  # no axis: mean x, variance 0 (torch.mean(dim=()) would reduce every axis)
         return x.clone(), torch.zeros_like(x)
     mean = torch.mean(x, dim=dims, keepdim=True)
