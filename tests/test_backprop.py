@@ -247,10 +247,10 @@ def test_gradient_torch_functions_on_dtape_tensors_recorded():
 
 
 def test_gradient_wrong_shape_rule_raises_value_error_naming_op():
-    class BadOp:
+    class BadOp(dtape.tape.RecordOp):
         name = "BadShapeOp"
 
-        def backward(self, dys, outputs, inputs, attrs, raw):
+        def backward(self, dys, outputs, inputs, attrs, raw, needs):
             return (dys[0][:1],)
 
     x = _c([1.0, 2.0, 3.0])
