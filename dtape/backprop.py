@@ -136,8 +136,9 @@ def _walk(records, reach, grads, keep, raw, ready=None, free=False):
 
     `records` are the pruned tape record objects (`op`, `in_ids`, `out_ids`,
     `saved`: saved inputs then outputs, `attrs`) in reverse recording order.
-    Only inputs reachable from a source get gradients; ops whose rule takes
-    `needs` skip computing the others (TF's skip_input_indices). On the raw
+    Only inputs reachable from a source get gradients; each rule hears which
+    in `needs` and may skip computing the others (TF's skip_input_indices).
+    A record whose saved tensors were written in place since raises. On the raw
     walk a registered op gets the saved torch tensors as they are; other
     record ops, and every op on a recorded walk, get dtape.Tensors with the
     recorded ids. `ready` (a `_Readiness`) hears of each record once it is
@@ -164,31 +165,32 @@ def _walk(records, reach, grads, keep, raw, ready=None, free=False):
 
 
 def _backward_record(rec, dys, grads, reach, raw):
-    """Runs one record's rule and adds its input gradients into `grads`."""
+    """Runs one record's rule (its op's `backward`, see `tape.RecordOp`) and adds its input gradients into `grads`."""
     op, in_ids = rec.op, rec.in_ids
     n = len(in_ids)
     inputs, outputs = rec.split()
-    if not (raw and getattr(op, "raw_saved", False)):
+    _tp.check_saved_versions(rec, inputs, outputs)
+    if not (raw and op.raw_saved):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
     cplx = dys[0].dtype.is_complex
     if cplx:
-        how = getattr(op, "complex_grad", True)
+        how = op.complex_grad
         if not how:
             raise NotImplementedError(_complex_message(op))
         if how == "conj":  # the rule's dy * f'(x) on conjugates: dy * conj(f'(x)) (recorded off the raw walk)
             inputs, outputs = tuple([_conj(x) for x in inputs]), tuple([_conj(o) for o in outputs])
-    if getattr(op, "takes_needs", False):
-        needs = (in_ids[0] in reach, in_ids[1] in reach) if n == 2 else tuple([i in reach for i in in_ids])
-        if getattr(op, "saves", None) in _tp.PARTNER_SAVES:  # watched after the op ran: partner not kept
-            needs = (needs[0] and not _tp.is_meta(inputs[1]), needs[1] and not _tp.is_meta(inputs[0]))
-        in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw, needs)
+    if n == 2:
+        needs = (in_ids[0] in reach, in_ids[1] in reach)
+    elif n == 1:
+        needs = (in_ids[0] in reach,)
     else:
-        in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw)
+        needs = tuple([i in reach for i in in_ids])
+    in_grads = op.backward(dys, outputs, inputs, rec.attrs, raw, needs)
     for argnum in range(n):
         g = in_grads[argnum]
-        i = in_ids[argnum]
-        if g is None or i not in reach:
+        if g is None or not needs[argnum]:
             continue
+        i = in_ids[argnum]
         shape = inputs[argnum].shape
         if cplx and g.dtype.is_complex and not inputs[argnum].dtype.is_complex:
             g = g.real  # a real input of a complex op gets the real part (as torch)

@@ -99,7 +99,7 @@ def _check_variables_arg(f, grad_fn, variables):
                         f"keyword argument 'variables', since the function uses variables: {names}")
 
 
-class CustomGradientOp:
+class CustomGradientOp(_tp.RecordOp):
     """Record op of one custom-gradient call: `backward` calls the user's grad_fn."""
 
     __slots__ = ("name", "grad_fn", "variables", "n_args")
@@ -110,7 +110,7 @@ class CustomGradientOp:
         self.variables = variables
         self.n_args = n_args
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         if raw:
             dys = [Tensor(d) for d in dys]
         grads = self._user_grads(dys)

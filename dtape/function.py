@@ -89,7 +89,7 @@ class Function:
         return getattr(self.python_function, "__name__", "function")
 
 
-class _FunctionOp:
+class _FunctionOp(_tp.RecordOp):
     """Record op of one `Function` call: backward walks the inner tape's records."""
 
     __slots__ = ("name", "tape", "targets")
@@ -99,7 +99,7 @@ class _FunctionOp:
         self.tape = tape
         self.targets = targets
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         # The spliced records' tensors stay alive through the walk, so the outer tapes keep the
         # records (trace deletion) until the walk's recorded ops use them.
         spliced = None if raw else _splice(self.tape)
@@ -252,7 +252,7 @@ def _replay_reads(read):
     return hook
 
 
-class _RecomputeOp:
+class _RecomputeOp(_tp.RecordOp):
     """Record op of one `recompute_grad` call: backward re-runs the body, then walks it."""
 
     __slots__ = ("name", "function", "forward")
@@ -262,7 +262,7 @@ class _RecomputeOp:
         self.function = function
         self.forward = forward
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         tape = _tp.push_new_tape(persistent=False, watch_accessed_variables=False)
         try:
             targets = self._rerun(tape, inputs, raw)

@@ -91,6 +91,52 @@ def register_watched_variable_resolver(fn):
     _resolve_watched = fn
 
 
+class RecordOp:
+    """What a tape records an op as: the protocol of every record op (the tape knows no op but this).
+
+    A subclass declares, as class attributes (or slots) with these defaults:
+
+    * `name`: the op's name, for messages.
+    * `saves_inputs`, `saves_outputs`: whether the rule reads the values of
+      the op's inputs, of its outputs. A record keeps the torch tensors it
+      reads and only shape/dtype/device metadata of the rest, whatever
+      the tapes watch, so a tensor watched after the op ran still gets its
+      gradient.
+    * `complex_grad`: how the rule treats complex values: True (right as
+      written: dy times the conjugate derivative), "conj" (written for a
+      holomorphic function with real coefficients, dy * f'(x): the walk
+      passes it the conjugates of the saved tensors) or False (the walk
+      refuses a complex gradient through it).
+    * `raw_saved`: on a raw walk (nothing records it) the rule takes the
+      saved torch tensors as they are; otherwise it gets dtape.Tensors
+      rebuilt with their recorded ids.
+
+    and implements `backward`, the vector-Jacobian product.
+    """
+
+    __slots__ = ()
+    name = "op"
+    saves_inputs = True
+    saves_outputs = True
+    complex_grad = True
+    raw_saved = False
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        """Input gradients: one per input (None for no gradient), each of its input's shape or broadcastable to it.
+
+        Args:
+          dys: one upstream gradient per output (zeros for an output that got none).
+          outputs, inputs: what the record kept (see `saves_*`): torch
+            tensors on a raw walk, dtape.Tensors otherwise, metadata with
+            `shape`, `dtype`, `device` and `ndim` for what the rule does not read.
+          attrs: the dict of non-tensor arguments given to `record`, or None.
+          raw: True on a raw walk (torch tensors in and out).
+          needs: one bool per input: whether the walk uses its gradient (a
+            rule may skip the others and return None for them).
+        """
+        raise NotImplementedError(f"record op {type(self).__name__} does not define backward")
+
+
 class _Meta:
     """Shape, dtype and device of a tensor a record does not keep (what unbroadcasting and zeros need)."""
 
@@ -123,15 +169,18 @@ _MANY = object()  # _Rec.s2 when the saved entries do not fit the three slots (t
 class _Rec(_Ref):
     """One record: a weak reference to the op's first output that also holds the record.
 
-    One GC-tracked object per recorded op (issue 7 point 5): the op, input
-    and output ids, what the rule reads of the inputs then of the outputs
-    (torch tensors, or `_Meta` for the rest) in the slots `s0`-`s2` (the
-    common ops save at most three entries; more go in a tuple in `s0`),
-    attrs, and weak references to further outputs. `op` is None once the
-    record is deleted.
+    One GC-tracked object per recorded op (the collector's passes over long
+    tapes cost more than the ops): the op, input and output ids, what the
+    rule reads of the inputs then of the outputs (torch tensors, or `_Meta`
+    for the rest) in the slots `s0`-`s2` (the common ops save at most three
+    entries; more go in a tuple in `s0`), attrs, weak references to further
+    outputs, and `ver`, the sum of the saved torch tensors' version counters
+    when they were saved (an in-place write to one of them raises at the
+    walk, as in torch's autograd). `op`
+    is None once the record is deleted.
     """
 
-    __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs")
+    __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs", "ver")
 
     @property
     def saved(self):
@@ -192,53 +241,54 @@ def _meta(x):
     return m
 
 
-# `saves` values that keep an input only if a tape watches the other one (see `_save`): a record
-# made before that watch has metadata for it, and the walk then skips the gradient that reads it.
-PARTNER_SAVES = ("other_input", "denominator")
+def _save(op, inputs, outputs):
+    """The saved inputs then outputs: what `op.saves_inputs` / `op.saves_outputs` say the rule reads.
 
-
-def _save(op, in_ids, inputs, outputs):
-    """The saved inputs then outputs, as `op.saves` declares ("all", "inputs", "output", "none").
-
-    A rule that reads its inputs never reads `ans`, so a single output of
-    an "inputs" op is saved as None (multi-output ops keep metadata: the walk
-    makes zero gradients from it). "other_input" (binary rules taking
-    `needs`, like matmul) keeps an input only if a tape watches the other
-    one, as torch saves `W` of `x @ W` only if `x` requires grad;
-    "denominator" (divide) keeps the second input, and the first only if a
-    tape watches the second (only the second's gradient reads it).
+    The rest is metadata, except that a single output of an op whose rule
+    reads its inputs but not its output is saved as None (the walk needs
+    nothing of it; multi-output ops keep metadata: the walk makes zero
+    gradients from it).
     """
-    saves = getattr(op, "saves", "all")
-    if len(outputs) == 1 and len(inputs) <= 2:  # the common shapes, without comprehensions (point 5)
+    keep_in, keep_out = op.saves_inputs, op.saves_outputs
+    if len(outputs) == 1 and len(inputs) <= 2:  # the common shapes, without comprehensions
         x = inputs[0]
-        kx = x._t if type(x) is Tensor else x
-        if len(inputs) == 1:
-            if saves == "output":
-                return (_meta(x), outputs[0]._t)
-            if saves == "inputs":
-                return (kx, None)
-            if saves == "none":
-                return (_meta(x), _meta(outputs[0]))
+        if keep_out:
+            o = outputs[0]._t
         else:
-            y = inputs[1]
-            ky = y._t if type(y) is Tensor else y
-            if saves == "inputs":
-                return (kx, ky, None)
-            if saves == "none":
-                return (_meta(x), _meta(y), _meta(outputs[0]))
-            if saves in PARTNER_SAVES:  # an input read only for the other's gradient
-                wx = wy = False
-                for t in _tape_set:
-                    w = t._watched
-                    wx, wy = wx or in_ids[0] in w, wy or in_ids[1] in w
-                return (kx if wy else _meta(x), ky if wx or saves == "denominator" else _meta(y), None)
-    if saves == "inputs" or saves in PARTNER_SAVES:
-        return tuple([_keep(x) for x in inputs] + [_meta(o) for o in outputs])
-    if saves == "all":
-        return tuple([_keep(x) for x in inputs] + [_keep(o) for o in outputs])
-    if saves == "output":
-        return tuple([_meta(x) for x in inputs] + [_keep(o) for o in outputs])
-    return tuple([_meta(x) for x in inputs] + [_meta(o) for o in outputs])
+            o = None if keep_in else _meta(outputs[0])
+        if len(inputs) == 1:
+            return ((x._t if type(x) is Tensor else x) if keep_in else _meta(x), o)
+        y = inputs[1]
+        if keep_in:
+            return (x._t if type(x) is Tensor else x, y._t if type(y) is Tensor else y, o)
+        return (_meta(x), _meta(y), o)
+    ins = [_keep(x) for x in inputs] if keep_in else [_meta(x) for x in inputs]
+    return tuple(ins + ([o._t for o in outputs] if keep_out else [_meta(o) for o in outputs]))
+
+
+def _version(saved):
+    """The sum of the version counters of the torch tensors in `saved` (in-place writes increment them)."""
+    v = 0
+    for x in saved:
+        if type(x) is torch.Tensor:
+            v += x._version
+    return v
+
+
+def check_saved_versions(rec, inputs, outputs):
+    """Raises RuntimeError if a tensor `rec` saved was written in place after the op was recorded.
+
+    The rule would read the new values and give a wrong gradient silently
+    (torch's autograd refuses the same way, from the same version counters).
+    """
+    now = _version(inputs) + _version(outputs)
+    if now != rec.ver:
+        shapes = [tuple(x.shape) for x in inputs + outputs if type(x) is torch.Tensor]
+        raise RuntimeError(
+            f"a tensor saved for the gradient of op {rec.op.name!r} (saved tensors of shapes {shapes}) was "
+            f"modified by an in-place operation after the op ran (version counters sum {now}, "
+            f"{rec.ver} when saved), so its gradient cannot be computed: write into a copy "
+            "(t.torch().clone()) or run the op after the in-place write")
 
 
 def is_meta(x):
@@ -284,10 +334,10 @@ def _view(x, tid):
 class Tape:
     """One gradient tape: watched ids, watched variables and the op records.
 
-    Records are `_Rec` objects in recording order, one per op (issue 7
-    point 5). What a record saves of each input and output is what the op's
-    rule reads (`op.saves`, point 1); the rest is kept as shape/dtype/device
-    metadata (`_Meta`). Saved tensors are torch tensors, so the user's
+    Records are `_Rec` objects in recording order, one per op. What a
+    record saves of each input and output is what the op's rule reads
+    (`op.saves_inputs`, `op.saves_outputs`); the rest is kept as
+    shape/dtype/device metadata (`_Meta`). Saved tensors are torch tensors, so the user's
     dtape.Tensor objects can die.
 
     Trace deletion (TF's TapeSetDeleteTrace, point 2): `_usage[id]` counts
@@ -297,7 +347,7 @@ class Tape:
     next record or read of the tape), and a record whose outputs all reached
     zero is deleted, with its inputs' counts decremented in turn.
 
-    `op.backward(dys, outputs, inputs, attrs, raw)` gives input gradients.
+    `op.backward(dys, outputs, inputs, attrs, raw, needs)` gives input gradients (`RecordOp`).
     """
 
     __slots__ = ("persistent", "watch_accessed_variables", "_lock", "_recs", "_nrec", "_usage",
@@ -680,13 +730,13 @@ def should_record(tensors):
 def record(op, in_ids, inputs, outputs, attrs):
     """Records `op` on each tape recording on this thread that watches an input.
 
-    The record keeps what `op.saves` says the rule reads ("all" when the op
-    declares nothing) and shape/dtype/device metadata for the rest (issue 7
-    point 1), and is deleted once its outputs died and no later record needs
-    them (trace deletion, point 2).
+    The record keeps what `op` declares its rule reads (`saves_inputs`,
+    `saves_outputs`) and shape/dtype/device metadata for the rest, and is
+    deleted once its outputs died and no later record needs them (trace
+    deletion).
 
     Args:
-      op: object with `.name` and `.backward(dys, outputs, inputs, attrs, raw)`.
+      op: a `RecordOp`.
       in_ids: tuple of the inputs' ids (None for Python scalars).
       inputs: tuple of Tensors, Variables or Python scalars.
       outputs: tuple of Tensors.
@@ -707,8 +757,9 @@ def record(op, in_ids, inputs, outputs, attrs):
             continue
         if out_ids is None:
             out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
-            saved = _save(op, in_ids, inputs, outputs)
+            saved = _save(op, inputs, outputs)
             n_saved = len(saved)
+            ver = _version(saved)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
@@ -718,8 +769,8 @@ def record(op, in_ids, inputs, outputs, attrs):
                 tape._drain()
             cb = tape._on_death  # the record is built inline: this is every recorded op's path
             rec = _Rec(outputs[0], cb)
-            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.attrs, rec.refs = \
-                out_ids[0], op, in_ids, out_ids, attrs, None
+            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.attrs, rec.refs, rec.ver = \
+                out_ids[0], op, in_ids, out_ids, attrs, None, ver
             if n_saved == 3:
                 rec.s0, rec.s1, rec.s2 = saved
             elif n_saved == 2:
@@ -745,7 +796,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             tape._nrec += 1
 
 
-class CallableBackward:
+class CallableBackward(RecordOp):
     """Adapts a seed-style `backward_function(*output_grads)` to a record op."""
 
     __slots__ = ("name", "fn")
@@ -754,7 +805,7 @@ class CallableBackward:
         self.name = name
         self.fn = fn
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         if raw:  # the seed contract gives dtape.Tensors to backward_function
             dys = [Tensor(d) for d in dys]
         grads = self.fn(*dys)
@@ -792,6 +843,16 @@ def delete_trace(tensor_id):
     for tape in _tape_set:
         with tape._lock:
             tape._watched.discard(tensor_id)
+
+
+def any_tape():
+    """True if any tape is active, on any thread: the cheap first check before an op builds its record.
+
+    A read of one module global (the tuple is replaced, never mutated), so
+    the no-tape path of every op pays one call; `record` then decides which
+    tapes record on this thread.
+    """
+    return _tape_set != ()
 
 
 def could_possibly_record():
@@ -897,8 +958,8 @@ class capture_variable_reads(ThreadLocalScope):
         return self._value
 
 
-__all__ = ["Tape", "PARTNER_SAVES", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch", "watch_variable",
-           "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
+__all__ = ["Tape", "RecordOp", "any_tape", "check_saved_versions", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch",
+           "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
            "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

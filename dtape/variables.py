@@ -35,15 +35,15 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = 3
 
 
-class _ReadVariableOp:
+class _ReadVariableOp(_tp.RecordOp):
     """Record op of a variable read: the gradient passes straight to the variable."""
 
     __slots__ = ()
     name = "ReadVariableOp"
-    saves = "none"  # the gradient passes through: the record keeps no snapshot alive (issue 7 point 1)
+    saves_inputs = saves_outputs = False  # the gradient passes through: the record keeps no snapshot alive
     raw_saved = True  # the rule reads nothing saved: the raw walk skips rebuilding dtape.Tensors for it
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         return dys
 
 
@@ -304,7 +304,7 @@ class Variable(metaclass=_VariableMeta):
         if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
             t = _read_hook.fn(self, t)
         out = Tensor(t)
-        if _tp._tape_set:  # one call: watches (once per tape) and records the read
+        if _tp.any_tape():  # one call: watches (once per tape) and records the read
             _tp.variable_read(self, out, _READ_OP)
         elif self._trainable and _tp.capturing_reads():
             _tp.variable_accessed(self)

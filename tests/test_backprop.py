@@ -258,10 +258,10 @@ def test_gradient_torch_functions_on_dtape_tensors_recorded():
 
 
 def test_gradient_wrong_shape_rule_raises_value_error_naming_op():
-    class BadOp:
+    class BadOp(dtape.tape.RecordOp):
         name = "BadShapeOp"
 
-        def backward(self, dys, outputs, inputs, attrs, raw):
+        def backward(self, dys, outputs, inputs, attrs, raw, needs):
             return (dys[0][:1],)
 
     x = _c([1.0, 2.0, 3.0])
@@ -405,3 +405,46 @@ def test_make_vjp_vector_jacobian_product_vs_torch():
     _close(g, torch.exp(xt) * dy[0] + 2 * xt * dy[1])
     (g2,) = vjp()  # persistent: callable again
     _close(g2, torch.exp(xt) + 2 * xt)
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["raw_walk", "recorded_walk"])
+def test_an_in_place_write_to_a_saved_tensor_raises_naming_the_op(outer):
+    # The rule would read the new values: 10x gradients without the check (torch raises the same way).
+    x = _c([1.0, 2.0, 3.0])
+    with dtape.GradientTape(persistent=True) as o:
+        o.watch(x)
+        with dtape.GradientTape() as t:
+            t.watch(x)
+            y = dtape.reduce_sum(x * x)
+        x.torch().mul_(10)
+        with pytest.raises(RuntimeError, match=r"op 'multiply'.*in-place"):
+            if not outer:
+                with o.stop_recording():
+                    t.gradient(y, x)
+            else:
+                t.gradient(y, x)
+        assert backprop.walk_info.last_raw is (not outer)
+
+
+def test_an_in_place_write_to_a_saved_output_or_fallback_input_raises():
+    x = _c([0.5, 1.0])
+    with dtape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        e = dtape.exp(x)  # the rule reads its output
+        c = torch.cumsum(x, 0)  # torch fallback: keeps its input
+    e.torch().add_(1.0)
+    with pytest.raises(RuntimeError, match=r"op 'exp'"):
+        t.gradient(e, x)
+    x.torch().add_(1.0)
+    with pytest.raises(RuntimeError, match=r"op 'cumsum'"):
+        t.gradient(c, x)
+
+
+def test_an_in_place_write_to_a_tensor_no_record_keeps_is_allowed():
+    x, b = _c([1.0, 2.0]), _c([3.0, 4.0])
+    with dtape.GradientTape() as t:
+        t.watch(x)
+        y = x + b  # add keeps neither input: its gradient does not depend on their values
+    x.torch().mul_(10)
+    b.torch().mul_(10)
+    assert t.gradient(y, x).torch().tolist() == [1.0, 1.0]

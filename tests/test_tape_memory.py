@@ -206,33 +206,47 @@ def test_nested_tape_watching_the_walk_records_it_for_higher_order(persistent_in
     torch.testing.assert_close(gg.torch(), torch.autograd.grad(gt.sum(), xt)[0])
 
 
-def test_matmul_keeps_an_input_only_for_a_watched_partner():
+def test_matmul_keeps_both_inputs_so_a_partner_watched_later_gets_its_gradient():
+    # What a record keeps must not depend on what was watched when the op ran: `w` is kept although
+    # only `x` was watched then, so watching `w` afterwards gives its gradient (it gave None).
     x, w = _c(torch.randn(8, 16, generator=torch.Generator().manual_seed(0))), _c(torch.ones(16, 4))
     with dtape.GradientTape(persistent=True) as t:
-        t.watch(w)  # x is data: its gradient is never needed, so w need not be kept (torch: x.requires_grad)
-        y = dtape.matmul(x, w)
-        assert t.nbytes() == x.torch().untyped_storage().nbytes()
         t.watch(x)
-        z = dtape.matmul(x, w)  # both watched now: both kept
+        y = dtape.matmul(x, w)
         assert t.nbytes() == x.torch().untyped_storage().nbytes() + w.torch().untyped_storage().nbytes()
+        t.watch(w)
+    torch.testing.assert_close(t.gradient(y, x).torch(), torch.full((8, 16), 4.0, dtype=D))
     torch.testing.assert_close(t.gradient(y, w).torch(), x.torch().sum(0)[:, None].expand(16, 4))
-    torch.testing.assert_close(t.gradient(z, x).torch(), torch.full((8, 16), 4.0, dtype=D))
-    assert t.gradient(y, x) is None  # watched only after y's matmul ran (w was not kept for it)
 
 
-def test_divide_keeps_the_numerator_only_for_a_watched_denominator():
+def test_divide_keeps_both_tensors_and_nothing_for_a_number_denominator():
     x, s = _c(torch.linspace(1.0, 2.0, 64).reshape(8, 8)), _c(torch.full((8, 8), 4.0))
     with dtape.GradientTape(persistent=True) as t:
         t.watch(x)
-        y = x / 3.0                 # scores / scale: nothing kept (the scale is a number)
-        z = x / s                   # s not watched: only s is kept (x's gradient reads s alone)
-        assert t.nbytes() == s.torch().untyped_storage().nbytes()
-        t.watch(s)
-        q = x / s                   # both watched: x kept too (s's gradient reads it)
+        y = x / 3.0                 # scores / scale: nothing kept (a number never asks for its gradient)
+        assert t.nbytes() == 0
+        z = x / s                   # s not watched yet: both kept (s may be watched later)
         assert t.nbytes() == x.torch().untyped_storage().nbytes() + s.torch().untyped_storage().nbytes()
+        t.watch(s)
     torch.testing.assert_close(t.gradient(y, x).torch(), torch.full((8, 8), 1 / 3.0, dtype=D))
     torch.testing.assert_close(t.gradient(z, x).torch(), torch.full((8, 8), 0.25, dtype=D))
-    torch.testing.assert_close(t.gradient(q, s).torch(), -x.torch() / 16.0)
+    torch.testing.assert_close(t.gradient(z, s).torch(), -x.torch() / 16.0)  # None before
+
+
+def test_a_partner_watched_after_the_op_gets_the_gradient_torch_gives():
+    """`t.watch(q)` after `p * q`, `p / q` or `matmul(p, q)` ran: q's gradient as torch.autograd's."""
+    gen = torch.Generator().manual_seed(3)
+    p0, q0 = torch.randn(3, 3, generator=gen, dtype=D), torch.rand(3, 3, generator=gen, dtype=D) + 0.5
+    for f, ref in ((lambda p, q: p * q, torch.mul), (lambda p, q: p / q, torch.div),
+                   (dtape.matmul, torch.matmul)):
+        p, q = _c(p0), _c(q0)
+        with dtape.GradientTape() as t:
+            t.watch(p)
+            y = f(p, q)
+            t.watch(q)
+        qt = q0.clone().requires_grad_()
+        expected, = torch.autograd.grad(ref(p0, qt).sum(), qt)
+        torch.testing.assert_close(t.gradient(y, q).torch(), expected)
 
 
 def test_raw_walk_accumulates_gradients_in_place_but_never_into_a_tensor_it_does_not_own():

@@ -223,7 +223,7 @@ def _replica_extended(strategy, what):
     return strategy.extended
 
 
-class _AllReduceGrad:
+class _AllReduceGrad(_tp.RecordOp):
     """Backward of an all-reduce: SUM of the cotangents over replicas (times `scale` for a MEAN)."""
 
     __slots__ = ("strategy", "scale")
@@ -232,7 +232,7 @@ class _AllReduceGrad:
     def __init__(self, strategy, scale):
         self.strategy, self.scale = strategy, scale
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         dy = dys[0]
         g = replica_all_reduce_sum(self.strategy, Tensor(dy) if raw else dy)
         if self.scale is not None:
@@ -243,7 +243,7 @@ class _AllReduceGrad:
         return [g.torch() if raw else g]
 
 
-class _AllGatherGrad:
+class _AllGatherGrad(_tp.RecordOp):
     """Backward of an all-gather: reduce-scatter (this replica's slice of the summed cotangent)."""
 
     __slots__ = ("strategy", "axis", "start", "size")
@@ -252,7 +252,7 @@ class _AllGatherGrad:
     def __init__(self, strategy, axis, start, size):
         self.strategy, self.axis, self.start, self.size = strategy, axis, start, size
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         dy = dys[0]
         total = replica_all_reduce_sum(self.strategy, Tensor(dy) if raw else dy)
         index = [slice(None)] * total.ndim

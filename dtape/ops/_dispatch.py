@@ -24,7 +24,7 @@ def _is_diff(t):
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
-class TorchFallback:
+class TorchFallback(_tp.RecordOp):
     """Record op for a torch function without a registered gradient."""
 
     __slots__ = ("name", "func", "spec", "leaves", "positions", "seed")
@@ -66,7 +66,7 @@ class TorchFallback:
         vjp.__name__ = f"vjp_{self.name}"
         return vjp
 
-    def backward(self, dys, outputs, inputs, attrs, raw):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         diff_out = [_is_diff(o._t) for o in outputs]
         dys = [d for d, ok in zip(dys, diff_out) if ok]
         if not dys:
@@ -159,7 +159,7 @@ def call_fallback(func, args, kwargs):
     out_leaves, out_spec = pytree.tree_flatten(out)
     wrapped = [Tensor(o) if isinstance(o, torch.Tensor) else o for o in out_leaves]
     outputs = tuple(w for w in wrapped if type(w) is Tensor)
-    if _tp._tape_set and outputs and any(_is_diff(o._t) for o in outputs):
+    if _tp.any_tape() and outputs and any(_is_diff(o._t) for o in outputs):
         _tp.record(op, tuple([t._id for t in tensors]), tuple(tensors), outputs, None)
     return pytree.tree_unflatten(wrapped, out_spec)
 

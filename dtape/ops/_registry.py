@@ -22,13 +22,15 @@ TORCH_TABLE = {}       # torch callable -> handler taking torch's own arguments
 
 _SCALARS = (int, float, bool)
 # What a gradient rule reads, so what a record keeps alive (PyTorch's derivatives.yaml): "all" inputs
-# and outputs, only the "inputs", only the "output(s)", or "none" (shapes, dtypes and devices only).
-# "other_input": a binary rule taking `needs` reads each input only for the other's gradient;
-# "denominator": the second input for both gradients, the first only for the second's (divide).
-_SAVES = ("all", "inputs", "output", "none", "other_input", "denominator")
+# and outputs, only the "inputs", only the "output(s)", or "none" (shapes, dtypes and devices only),
+# as (saves_inputs, saves_outputs) of the record op. "other_input" (matmul) and "denominator" (divide)
+# are "inputs" for binary rules taking `needs` that read the first input only for the second's
+# gradient: with a Python number as the second input, that gradient is never asked, and nothing is kept.
+_SAVES = {"all": (True, True), "inputs": (True, False), "output": (False, True), "none": (False, False),
+          "other_input": (True, False), "denominator": (True, False)}
 
 
-class OpDef:
+class OpDef(_tp.RecordOp):
     """An op: its forward on torch tensors and its gradient rule.
 
     `grad_fn(dy, ans, *inputs, **attrs)` returns one gradient per tensor
@@ -38,7 +40,7 @@ class OpDef:
 
     __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
                  "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs", "saves",
-                 "complex_grad", "stash")
+                 "saves_inputs", "saves_outputs", "complex_grad", "stash", "with_number")
 
     # The raw walk passes the saved torch tensors (and metadata) to `backward` as they are.
     raw_saved = True
@@ -57,8 +59,11 @@ class OpDef:
         self.second_order = second_order
         self.multi_output = multi_output
         if saves not in _SAVES:
-            raise ValueError(f"op {name}: saves={saves!r}; expected one of {_SAVES}")
+            raise ValueError(f"op {name}: saves={saves!r}; expected one of {tuple(_SAVES)}")
         self.saves = saves
+        self.saves_inputs, self.saves_outputs = _SAVES[saves]
+        # the record op when the second input is a Python number (see _SAVES)
+        self.with_number = _WithNumber(self) if saves in ("other_input", "denominator") else self
         params = list(inspect.signature(forward).parameters)
         self.attr_names = tuple(params[1 if list_input else n_in:])
         self.in_names = tuple(params[:1 if list_input else n_in])
@@ -74,7 +79,7 @@ class OpDef:
         self.takes_needs = "needs" in inspect.signature(fn).parameters
         return fn
 
-    def backward(self, dys, outputs, inputs, attrs, raw, needs=None):
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
         """Input gradients; `inputs`/`outputs` are what the record saved (torch tensors on the raw
         walk, dtape.Tensors otherwise), or shape/dtype/device metadata for what `saves` leaves out."""
         if self.multi_output:
@@ -83,7 +88,7 @@ class OpDef:
             dy, ans = dys[0], outputs[0]
         if self.list_input:
             inputs = (list(inputs),)
-        if needs is not None:
+        if self.takes_needs:
             grads = self.grad_fn(dy, ans, *inputs, needs=needs, **attrs) if attrs else \
                 self.grad_fn(dy, ans, *inputs, needs=needs)
         else:
@@ -92,6 +97,30 @@ class OpDef:
 
     def __repr__(self):
         return f"<OpDef {self.name}>"
+
+
+class _WithNumber(_tp.RecordOp):
+    """An op whose rule reads its first input only for the second's gradient, recorded with a Python
+    number as the second input: that gradient is never asked, so the record keeps no tensor
+    (`scores / scale` keeps nothing)."""
+
+    __slots__ = ("opdef",)
+    saves_inputs = saves_outputs = False
+    raw_saved = True
+
+    def __init__(self, opdef):
+        self.opdef = opdef
+
+    @property
+    def name(self):
+        return self.opdef.name
+
+    @property
+    def complex_grad(self):
+        return self.opdef.complex_grad
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        return self.opdef.backward(dys, outputs, inputs, attrs, raw, needs)
 
 
 def as_input(x):
@@ -144,7 +173,7 @@ def _make_unary(opdef):
         out = fwd(x._t, **attrs) if attrs else fwd(x._t)
         if type(out) is torch.Tensor:
             out = Tensor(out)
-            if _tp._tape_set and opdef.grad_fn is not None:
+            if _tp.any_tape() and opdef.grad_fn is not None:
                 _tp.record(opdef, (x._id,), (x,), (out,), attrs or None)
             return out
         return _finish_multi(opdef, out, (x,), attrs)
@@ -170,9 +199,9 @@ def _make_binary(opdef):
         out = fwd(a, b, **attrs) if attrs else fwd(a, b)
         if type(out) is torch.Tensor:
             out = Tensor(out)
-            if _tp._tape_set and opdef.grad_fn is not None:
-                _tp.record(opdef, (getattr(x, "_id", None), getattr(y, "_id", None)), (x, y), (out,),
-                           attrs or None)
+            if _tp.any_tape() and opdef.grad_fn is not None:
+                _tp.record(opdef if type(y) is Tensor else opdef.with_number,
+                           (getattr(x, "_id", None), getattr(y, "_id", None)), (x, y), (out,), attrs or None)
             return out
         return _finish_multi(opdef, out, (x, y), attrs)
     return call
@@ -189,7 +218,7 @@ def _scalar_beside(s, t):
 
 def _finish_multi(opdef, out, inputs, attrs):
     outs = _wrap(out, opdef)
-    if _tp._tape_set and opdef.grad_fn is not None:
+    if _tp.any_tape() and opdef.grad_fn is not None:
         _tp.record(opdef, tuple([getattr(x, "_id", None) for x in inputs]), inputs, outs, attrs or None)
     return outs if opdef.multi_output else outs[0]
 
@@ -212,7 +241,7 @@ def _make_nary(opdef):
             raw = fwd(*[_raw(t) for t in inputs], **attrs)
         if opdef.stash:  # (result, what the forward computed for the rule): the latter rides in the record's attrs
             raw, stash = raw
-            if _tp._tape_set:
+            if _tp.any_tape():
                 attrs = dict(attrs, stash=stash)
         return _finish_multi(opdef, raw, inputs, attrs)
     return call
@@ -239,11 +268,11 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
       second_order: False when the rule is not differentiable again.
       multi_output: forward returns a tuple of tensors.
       saves: what the gradient rule reads of the tensors: "all", "inputs",
-        "output" or "none"; for binary rules taking `needs`, "other_input"
-        (each input only if a tape watches the other: matmul) or
-        "denominator" (the second input, the first only if a tape watches
-        the second: divide). The rest reaches the rule as an object with only
-        `shape`, `dtype`, `device` and `ndim` (issue 7 point 1).
+        "output" or "none"; for binary rules taking `needs` that read the
+        first input only for the second's gradient, "other_input" (matmul)
+        or "denominator" (divide): the inputs, but nothing with a Python
+        number as the second input. The rest reaches the rule as an object
+        with only `shape`, `dtype`, `device` and `ndim`.
       complex_grad: True if the rule is right for complex values too (torch's
         and TF's convention: dy times the conjugate derivative); "conj" if it
         is a holomorphic function's rule written with real coefficients
