@@ -243,7 +243,8 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         (each input only if a tape watches the other: matmul) or
         "denominator" (the second input, the first only if a tape watches
         the second: divide). The rest reaches the rule as an object with only
-        `shape`, `dtype`, `device` and `ndim` (issue 7 point 1).
+        `shape`, `dtype`, `device` and `ndim`, so a record keeps alive only
+        the tensors its rule reads.
       complex_grad: True if the rule is right for complex values too (torch's
         and TF's convention: dy times the conjugate derivative); "conj" if it
         is a holomorphic function's rule written with real coefficients
