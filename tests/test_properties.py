@@ -185,6 +185,40 @@ def test_random_dag_second_order_matches_torch_double_backward(program):
     _close(got, want, xs, f"second order of {steps}")
 
 
+@st.composite
+def tied_reductions(draw):
+    """(values, axis, keepdims): values from a few levels (many ties), sometimes a NaN."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    n = 1
+    for d in shape:
+        n *= d
+    levels = st.sampled_from([-1.0, 0.0, 0.5, 2.0] + ([float("nan")] if draw(st.booleans()) else []))
+    values = torch.tensor(draw(st.lists(levels, min_size=n, max_size=n)), dtype=D).reshape(shape)
+    axes = draw(st.one_of(st.none(), st.sets(st.integers(-len(shape), len(shape) - 1), min_size=1)))
+    if axes is not None and len({a % len(shape) for a in axes}) != len(axes):
+        axes = tuple(sorted({a % len(shape) for a in axes}))
+    return values, (None if axes is None else tuple(axes)), draw(st.booleans())
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(tied_reductions(), st.sampled_from(["reduce_max", "reduce_min"]))
+def test_reduce_max_min_with_ties_and_nan_match_torch_autograd(case, name):
+    """Tied extremes share dy equally and a NaN extreme gives its slice NaN gradients, as torch.amax/amin."""
+    x0, axis, keepdims = case
+    mine, ref = REDUCE[name]
+    x = dtape.constant(x0)
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        y = mine(x, axis=axis, keepdims=keepdims)
+    w = torch.randn(tuple(y.shape), generator=torch.Generator().manual_seed(0), dtype=D)
+    got = tape.gradient(y, x, output_gradients=dtape.constant(w))
+    tx = x0.clone().requires_grad_()
+    ty = ref(tx, dim=() if axis is None else axis, keepdim=keepdims)
+    (want,) = torch.autograd.grad(ty, tx, w)
+    torch.testing.assert_close(y.torch(), ty.detach(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
 # -- threads and stop_recording -----------------------------------------------
 RECORD, STOP_ALL, PAUSE_TAPE = 0, 1, 2
 

@@ -456,7 +456,8 @@ def at_b(a, b):
 
     On the CPU, a result with a few columns that are not a multiple of 8
     (a 10-class output layer) is computed as (b^T @ a)^T: MKL's kernel for
-    that row-major shape is 3-8x slower (BENCHMARKS.md, issue 7). Raw walk only.
+    that row-major shape is 3-8x slower (BENCHMARKS.md, "Weight gradients with a
+    few columns"). Raw walk only.
     """
     n = b.shape[-1]
     if 1 < n < 24 and n % 8 and type(b) is torch.Tensor and b.shape[0] >= 64 and b.device.type == "cpu":
