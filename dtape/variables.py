@@ -174,9 +174,11 @@ def _sole_owner(t):
 
     A variable's tensor is always dtape's own memory (the constructor and
     `assign` copy); one moved to shared memory (sent to another process)
-    is never written in place.
+    is never written in place, nor one made under `torch.inference_mode`
+    while that mode is off (torch refuses that write).
     """
-    return sys.getrefcount(t) == _SOLE_REFS and storage_held_alone(t)
+    return (sys.getrefcount(t) == _SOLE_REFS and storage_held_alone(t)
+            and (not t.is_inference() or torch.is_inference_mode_enabled()))
 
 
 def update_together(variables, inplace):
@@ -392,25 +394,28 @@ class Variable(metaclass=_VariableMeta):
         finally:
             self._writing = False
 
+    # assign* write in place when nothing but the variable holds its tensor (`_update_value`), as the
+    # optimizers do: a manual `w.assign_sub(lr * g)` step then allocates no new weights. The in-place
+    # and the copying forms are the same torch op, so the bits do not depend on who holds the tensor.
     def assign(self, value, read_value=False):
         """Sets the value (same shape; cast to the variable's dtype and device). Returns the variable.
 
         Atomic with respect to other writes of this variable.
         """
-        t = self._coerce(value, "assign").clone()
-        self._update_value(lambda old: t, "assign")
+        t = self._coerce(value, "assign")
+        self._update_value(lambda old: t.clone(), "assign", inplace=lambda cur: cur.copy_(t))
         return self
 
     def assign_add(self, delta, read_value=False):
         """Adds `delta` to the value, atomically (no concurrent write is lost). Returns the variable."""
         t = self._coerce(delta, "assign_add")
-        self._update_value(lambda old: old + t, "assign_add")
+        self._update_value(lambda old: old + t, "assign_add", inplace=lambda cur: cur.add_(t))
         return self
 
     def assign_sub(self, delta, read_value=False):
         """Subtracts `delta` from the value, atomically (no concurrent write is lost). Returns the variable."""
         t = self._coerce(delta, "assign_sub")
-        self._update_value(lambda old: old - t, "assign_sub")
+        self._update_value(lambda old: old - t, "assign_sub", inplace=lambda cur: cur.sub_(t))
         return self
 
     def __repr__(self):

@@ -68,6 +68,66 @@ def test_variable_read_before_assign_keeps_old_value():
     torch.testing.assert_close(v.read_value().torch(), torch.tensor([7.0, 7.0], dtype=D))
 
 
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+def test_variable_assign_writes_in_place_when_nothing_else_holds_the_tensor(method):
+    # The optimizers' rule, for assign*: no new weights per manual `w.assign_sub(lr * g)` step,
+    # and the same bits as the copying form.
+    gen = torch.Generator().manual_seed(0)
+    old, delta = torch.randn(3, 4, generator=gen), torch.randn(4, generator=gen)   # delta broadcast over rows
+    v = dtape.Variable(old)
+    ptr = v.torch().data_ptr()
+    getattr(v, method)(dtape.constant(delta))
+    want = {"assign": delta.expand(3, 4), "assign_add": old + delta, "assign_sub": old - delta}[method]
+    assert torch.equal(v.torch(), want) and v.dtype == torch.float32
+    assert v.torch().data_ptr() == ptr
+
+
+@pytest.mark.parametrize("hold", ["read_value", "torch", "torch_view", "numpy"])
+def test_variable_assign_sub_leaves_a_value_taken_before_unchanged(hold):
+    v = dtape.Variable(torch.tensor([1.0, 2.0], dtype=D))
+    taken = {"read_value": lambda: v.read_value(), "torch": v.torch, "torch_view": lambda: v.torch()[1:],
+             "numpy": v.numpy}[hold]()
+    copy = np.array(taken.numpy() if isinstance(taken, (dtape.Tensor, torch.Tensor)) else taken)
+    v.assign_sub([0.5, 0.5])
+    v.assign_add([0.25, 0.25])
+    v.assign([9.0, 9.0])
+    now = taken.numpy() if isinstance(taken, (dtape.Tensor, torch.Tensor)) else taken
+    np.testing.assert_array_equal(now, copy)
+    assert v.numpy().tolist() == [9.0, 9.0]
+
+
+def test_variable_assign_sub_keeps_gradients_through_earlier_reads():
+    # The reads' tensors are held only by the tape's records (the read Tensors are dropped): writing
+    # the variable in place would change what sin's and mul's rules read.
+    x0 = torch.tensor([0.3, -1.2], dtype=D)
+    v = dtape.Variable(x0)
+    with dtape.GradientTape(persistent=True) as tape:
+        y = dtape.reduce_sum(dtape.sin(v) + v * v)
+    for _ in range(3):
+        v.assign_sub([0.5, 0.5])
+    assert v.numpy().tolist() == (x0 - 1.5).tolist()
+    ref = x0.clone().requires_grad_()
+    (torch.sin(ref) + ref * ref).sum().backward()
+    torch.testing.assert_close(tape.gradient(y, v).torch(), ref.grad, rtol=1e-15, atol=0)
+    with dtape.GradientTape() as outer:    # second order through a read taken before the write
+        with dtape.GradientTape() as inner:
+            z = dtape.reduce_sum(v * v * v)
+        g = inner.gradient(z, v)
+        v.assign_add([1.0, 1.0])
+    torch.testing.assert_close(outer.gradient(g, v).torch(), 6 * (x0 - 1.5), rtol=1e-15, atol=0)
+
+
+def test_variable_made_under_inference_mode_takes_assign_and_optimizer_writes_outside_it():
+    # torch refuses in-place writes to an inference tensor outside inference mode: those go on a copy.
+    with torch.inference_mode():
+        v = dtape.Variable(torch.tensor([1.0, 2.0], dtype=D))
+    v.assign_sub([1.0, 1.0])
+    with torch.inference_mode():
+        w = dtape.Variable(torch.tensor([1.0, 2.0], dtype=D))
+    dtape.optimizers.SGD(0.5).apply_gradients([(dtape.constant([1.0, 1.0], dtype=D), w)])
+    assert v.numpy().tolist() == [0.0, 1.0] and w.numpy().tolist() == [0.5, 1.5]
+
+
 def test_variable_assign_shape_mismatch_raises_value_error():
     v = dtape.Variable(torch.zeros(3, dtype=D), name="w")
     with pytest.raises(ValueError, match=r"'w'.*\(2,\).*\(3,\)"):
