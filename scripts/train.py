@@ -325,6 +325,68 @@ def read_checkpoint(args):
         fail(f"{e}; move it away, or start over with --overwrite")
 
 
+def _number(x, none=False):
+    return (type(x) in (int, float) and math.isfinite(x)) or (none and x is None)
+
+
+def _uint8_vector(x):
+    return torch.is_tensor(x) and x.dtype == torch.uint8 and x.dim() == 1
+
+
+def checkpoint_data_problem(data):
+    """What makes checkpoint `data` unusable for a resumed run (a sentence), or None.
+
+    The file's checksum only proves it is whole: whoever can write it can also
+    write a valid checksum over any contents, so every value the run reads is
+    checked here, once, instead of failing somewhere in the middle of it.
+    """
+    step, metrics = data.get("step"), data.get("metrics")
+    if type(step) is not int or step < 0:
+        return f"its step is {step!r:.40}, not a whole number >= 0"
+    if not isinstance(metrics, dict):
+        return f"its metrics are {type(metrics).__name__}, not a dict"
+    loss = metrics.get("loss")
+    if not isinstance(loss, list) or not all(_number(x) for x in loss):
+        return "its metrics' loss is not a list of finite numbers"
+    if len(loss) != step:
+        return f"its step is {step} but its metrics hold {len(loss)} losses (one per step)"
+    epochs = metrics.get("epochs")
+    if not isinstance(epochs, list) or not all(
+            isinstance(e, dict) and type(e.get("epoch")) is int
+            and all(_number(e.get(k), none=True) for k in ("train_accuracy", "test_accuracy", "examples_per_second"))
+            for e in epochs):
+        return "its metrics' epochs are not a list of epoch records (epoch, accuracies, examples_per_second)"
+    if not isinstance(metrics.get("sessions", []), list) or not all(isinstance(x, dict)
+                                                                    for x in metrics.get("sessions", [])):
+        return "its metrics' sessions are not a list of session records"
+    if not _number(metrics.get("run_seconds"), none=True):
+        return f"its metrics' run_seconds is {metrics.get('run_seconds')!r:.40}, not a number"
+    config = data.get("config")
+    if config is not None and not isinstance(config, dict):
+        return f"its run settings (config) are {type(config).__name__}, not a dict"
+    if config is None and not all(k in metrics for k in ("task", "seed", "global_batch_size", "optimizer", "lr")):
+        return "it holds no run settings (config, nor task, seed, batch size, optimizer and lr in its metrics)"
+    epoch_time = data.get("epoch_time")
+    if epoch_time is not None and not (isinstance(epoch_time, dict) and _number(epoch_time.get("seconds"))
+                                       and _number(epoch_time.get("examples"))):
+        return "its epoch_time is not a dict of seconds and examples"
+    if not _uint8_vector(data.get("rng")):
+        return "its random state (rng) is missing or not a vector of bytes"
+    for key in ("cuda_rng", "replica_rng"):
+        states = data.get(key)
+        if states is not None and not (isinstance(states, list) and all(_uint8_vector(x) for x in states)):
+            return f"its {key} is not a list of byte vectors"
+    return None
+
+
+def check_checkpoint_data(args, data):
+    """Exits with one line if checkpoint `data` cannot be continued (see checkpoint_data_problem)."""
+    problem = checkpoint_data_problem(data)
+    if problem:
+        fail(f"--resume: {checkpoint_path(args)} cannot be continued: {problem}; move it away, "
+             "or start over with --overwrite")
+
+
 def check_checkpoint(args, task):
     """Refuses to replace a checkpoint without --resume/--overwrite; on --resume, checks the settings.
 
@@ -338,6 +400,7 @@ def check_checkpoint(args, task):
                   file=sys.stderr)
         return None
     data = read_checkpoint(args)
+    check_checkpoint_data(args, data)
     if not args.resume:
         fail(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint ({CHECKPOINT_NAME}, "
              f"step {int(data['step'])}); continue it with --resume, replace it with --overwrite, "
@@ -593,7 +656,14 @@ class Trainer:
     def restore(self):
         """Continues from the checkpoint (checked by `check_checkpoint` first); prints "resumed from step N"."""
         self.optimizer.build(self.model.trainable_variables)  # the slots restore fills
-        data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
+        try:
+            data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
+        except dtape.checkpoint.CheckpointError as e:
+            fail(f"{e}; move it away, or start over with --overwrite")
+        except ValueError as e:  # variables that do not fit: names, shapes, dtypes, counts (nothing was assigned)
+            fail(f"--resume: {self.checkpoint_path()} does not fit this run's model and optimizer ({e}); "
+                 "start over with --overwrite or another --checkpoint-dir")
+        check_checkpoint_data(self.args, data)  # what restore read, which may not be the file checked before
         self.step = self.first_step = int(data["step"])
         self.metrics = data["metrics"]
         self.metrics.update(strategy=self.args.strategy, num_replicas=self.strategy.num_replicas_in_sync)
@@ -614,7 +684,11 @@ class Trainer:
 
     def set_rng_states(self, data):
         """Restores `rng_states()`; a state that does not fit this run is skipped, with a warning."""
-        torch.set_rng_state(data["rng"])
+        try:
+            torch.set_rng_state(data["rng"])
+        except RuntimeError as e:  # bytes of another length: not a state torch wrote
+            fail(f"--resume: {self.checkpoint_path()} cannot be continued: its random state (rng) is not one torch "
+                 f"can restore ({e}); move it away, or start over with --overwrite")
         skipped = []
         cuda = data.get("cuda_rng")
         if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
