@@ -74,7 +74,8 @@ CHECKPOINT_NAME = "last.pt"
 PROG = "train.py"
 MAX_SEED = 2**32 - 1  # scikit-learn's random_state range
 # Test hook: during step K (after its update, before its loss is recorded) print a line and wait for a signal.
-# "K": every process; "R:K,...": the worker of rank R only (multi_worker).
+# "K": every process; "R:K,...": the worker of rank R only (multi_worker). "evaluation": in the final evaluation
+# (between the train and test accuracies); "outputs": between writing metrics.json and loss.png.
 TEST_WAIT_ENV = "DTAPE_TRAIN_TEST_WAIT_FOR_SIGNAL_AT_STEP"
 OPTIMIZER_SETTINGS = {"sgd": {"momentum": 0.9},
                       "adam": {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}}
@@ -483,6 +484,7 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     REPEAT_S = 1.0
+    clock = staticmethod(time.monotonic)
 
     def __init__(self):
         self.signum = None
@@ -504,7 +506,7 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame):
-        now = time.monotonic()
+        now = self.clock()
         if self.signum is None:
             self.signum, self._when = signum, now
             return
@@ -526,14 +528,11 @@ class _NoStop:
     signum = None
 
 
-def test_wait_step(value, rank):
-    """The step at which the test hook (TEST_WAIT_ENV) waits on this process (0: never)."""
-    if not value:
-        return 0
+def test_wait_point(value, rank):
+    """Where the test hook (TEST_WAIT_ENV) waits on this process: a step number as a str, a name, or ""."""
     if ":" not in value:
-        return int(value)
-    steps = dict(item.split(":") for item in value.split(","))
-    return int(steps.get(str(rank), 0))
+        return value
+    return dict(item.split(":") for item in value.split(",")).get(str(rank), "")
 
 
 # -- training -------------------------------------------------------------------------
@@ -547,6 +546,7 @@ class Trainer:
         # multi_worker: a signal reaches each worker at its own moment; they stop on the one they agreed on
         self.workers = args.strategy == "multi_worker"
         self.agreed_stop = None
+        self.wait_at = test_wait_point(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
         self.config = run_config(args, task)
         self.strategy = make_strategy(args)
         n = self.strategy.num_replicas_in_sync
@@ -571,7 +571,7 @@ class Trainer:
 
     def _make_train_step(self):
         model, optimizer, task, global_batch = self.model, self.optimizer, self.task, self.args.batch_size
-        wait_at = test_wait_step(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
+        wait_at = self.wait_at
         # the gradient all-reduce starts during the backward walk (DDP's overlap); nothing with one replica
         sync = dtape.distribute.GradientSync()
 
@@ -586,8 +586,8 @@ class Trainer:
 
         def step(batch):
             per_replica = self.strategy.run(replica_step, args=(batch,))
-            if self.step + 1 == wait_at:
-                self._wait_for_signal()
+            if str(self.step + 1) == wait_at:
+                self._wait_for_signal(f"step {self.step + 1}")
             if not self.workers:
                 return float(self.strategy.reduce(dtape.distribute.ReduceOp.SUM, per_replica, axis=None))
             # The loss's all-reduce also sums every worker's stop requests: one collective, and every worker
@@ -599,10 +599,10 @@ class Trainer:
             return float(sums[0])
         return step
 
-    def _wait_for_signal(self, timeout=60.0):
-        """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step, deterministically."""
-        print(f"test hook: step {self.step + 1} waits for a signal (rank {os.environ.get('RANK', '0')}, "
-              f"pid {os.getpid()})", flush=True)
+    def _wait_for_signal(self, where, timeout=60.0):
+        """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step (or `where`), deterministically."""
+        print(f"test hook: {where} waits for a signal (rank {os.environ.get('RANK', '0')}, pid {os.getpid()})",
+              flush=True)
         deadline = time.monotonic() + timeout
         while self.stop.signum is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -811,12 +811,15 @@ class Trainer:
         for split in ("train", "test"):
             if self.stop.signum is None:
                 self.metrics[f"final_{split}_accuracy"] = self.accuracy(split)
+            if split == "train" and self.wait_at == "evaluation":
+                self._wait_for_signal("the final evaluation")
         if self.agree_to_stop():
             self.interrupted()  # exits
         self.end_session(None)
         self.save()
         if self.args.out and is_chief():
-            write_outputs(self.metrics, self.args.out)
+            between = (lambda: self._wait_for_signal("writing the outputs")) if self.wait_at == "outputs" else None
+            write_outputs(self.metrics, self.args.out, between)
         if is_chief():
             print(f"final test accuracy {self.metrics['final_test_accuracy']:.4f} after {self.metrics['final_step']} "
                   f"steps ({self.metrics['run_seconds']:.1f} s)", flush=True)
@@ -906,10 +909,15 @@ def plot_metrics(metrics):
     return fig
 
 
-def write_outputs(metrics, out):
-    """Writes out/metrics.json and out/loss.png, each atomically; returns the plotted Figure."""
+def write_outputs(metrics, out, between=None):
+    """Writes out/metrics.json and out/loss.png, each atomically; returns the plotted Figure.
+
+    `between`: called after metrics.json (a test hook).
+    """
     os.makedirs(out, exist_ok=True)
     replace_file(os.path.join(out, "metrics.json"), lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+    if between is not None:
+        between()
     fig = plot_metrics(metrics)
     replace_file(os.path.join(out, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=100))
     return fig
