@@ -384,8 +384,8 @@ def check_checkpoint_data(args, data):
     """Exits with one line if checkpoint `data` cannot be continued (see checkpoint_data_problem)."""
     problem = checkpoint_data_problem(data)
     if problem:
-        fail(f"--resume: {checkpoint_path(args)} cannot be continued: {problem}; move it away, "
-             "or start over with --overwrite")
+        fail(f"{'--resume: ' if args.resume else ''}{checkpoint_path(args)} cannot be continued: {problem}; "
+             "move it away, or start over with --overwrite")
 
 
 def check_checkpoint(args, task):
@@ -528,7 +528,7 @@ class _NoStop:
     signum = None
 
 
-def test_wait_point(value, rank):
+def hook_wait_point(value, rank):
     """Where the test hook (TEST_WAIT_ENV) waits on this process: a step number as a str, a name, or ""."""
     if ":" not in value:
         return value
@@ -546,7 +546,7 @@ class Trainer:
         # multi_worker: a signal reaches each worker at its own moment; they stop on the one they agreed on
         self.workers = args.strategy == "multi_worker"
         self.agreed_stop = None
-        self.wait_at = test_wait_point(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
+        self.wait_at = hook_wait_point(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
         self.config = run_config(args, task)
         self.strategy = make_strategy(args)
         n = self.strategy.num_replicas_in_sync
