@@ -42,6 +42,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import struct
 
 import numpy as np
@@ -415,16 +416,70 @@ def _fsync_folder(folder):
 
 # -- load -----------------------------------------------------------------------
 
+_MAX_HEADER = 100_000_000  # bytes; safetensors refuses longer headers too
+
+
 def _read_bytes(path):
+    """The whole file, once it is known to be a regular file whose header length fits in it.
+
+    Opened without blocking and checked with fstat (not stat, then open: the
+    path could change in between): a FIFO would block the reader forever and a
+    device such as /dev/zero would be read until memory runs out.
+    """
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path!r} is missing: no such file") from None
     except IsADirectoryError:
         raise CheckpointError(f"checkpoint {path!r} is a directory, not a dtape checkpoint file") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {path!r} cannot be read: {e}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno())
+            if stat.S_ISDIR(mode.st_mode):
+                raise CheckpointError(f"checkpoint {path!r} is a directory, not a dtape checkpoint file")
+            if not stat.S_ISREG(mode.st_mode):
+                raise CheckpointError(f"checkpoint {path!r} is not a regular file ({_file_kind(mode.st_mode)}); "
+                                      "give the path of a file written by dtape.checkpoint.save")
+            size = mode.st_size
+            head = f.read(8)
+            header = struct.unpack("<Q", head)[0] if len(head) == 8 else 0   # shorter: _parse_header says why
+            if len(head) == 8 and header > min(size - 8, _MAX_HEADER):
+                raise _not_ours(path, f"its header length field says {header} bytes, but the file has {size} "
+                                      f"bytes{' (the limit is 100 MB)' if header > _MAX_HEADER else ''}")
+            described = _described_size(f.read(header)) if len(head) == 8 else None
+            if described is not None and described != size:
+                raise _not_ours(path, f"its header describes a file of {described} bytes, but the file has {size} "
+                                      "bytes (truncated, appended to, or a crafted header)")
+            f.seek(len(head))
+            rest = f.read(size - len(head) + 1)   # one byte more: a file that grew meanwhile is refused below
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path!r} cannot be read: {e}") from None
+    if len(head) + len(rest) != size:
+        raise CheckpointError(f"checkpoint {path!r} changed while it was read ({size} bytes before, "
+                              f"{len(head) + len(rest)} read); read it again once it is complete")
+    return head + rest
+
+
+def _described_size(header):
+    """The file size a safetensors JSON header describes (8 + header + the end of the last tensor's bytes), or
+    None when it does not parse (_parse_header then says what is wrong)."""
+    try:
+        entries = json.loads(header)
+        ends = [entry["data_offsets"][1] for key, entry in entries.items() if key != "__metadata__"]
+        end = max(ends, default=0)
+        return 8 + len(header) + end if type(end) is int else None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return None
+
+
+def _file_kind(mode):
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
 def _not_ours(path, why):

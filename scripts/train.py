@@ -74,7 +74,8 @@ CHECKPOINT_NAME = "last.pt"
 PROG = "train.py"
 MAX_SEED = 2**32 - 1  # scikit-learn's random_state range
 # Test hook: during step K (after its update, before its loss is recorded) print a line and wait for a signal.
-# "K": every process; "R:K,...": the worker of rank R only (multi_worker).
+# "K": every process; "R:K,...": the worker of rank R only (multi_worker). "evaluation": in the final evaluation
+# (between the train and test accuracies); "outputs": between writing metrics.json and loss.png.
 TEST_WAIT_ENV = "DTAPE_TRAIN_TEST_WAIT_FOR_SIGNAL_AT_STEP"
 OPTIMIZER_SETTINGS = {"sgd": {"momentum": 0.9},
                       "adam": {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}}
@@ -325,6 +326,68 @@ def read_checkpoint(args):
         fail(f"{e}; move it away, or start over with --overwrite")
 
 
+def _number(x, none=False):
+    return (type(x) in (int, float) and math.isfinite(x)) or (none and x is None)
+
+
+def _uint8_vector(x):
+    return torch.is_tensor(x) and x.dtype == torch.uint8 and x.dim() == 1
+
+
+def checkpoint_data_problem(data):
+    """What makes checkpoint `data` unusable for a resumed run (a sentence), or None.
+
+    The file's checksum only proves it is whole: whoever can write it can also
+    write a valid checksum over any contents, so every value the run reads is
+    checked here, once, instead of failing somewhere in the middle of it.
+    """
+    step, metrics = data.get("step"), data.get("metrics")
+    if type(step) is not int or step < 0:
+        return f"its step is {step!r:.40}, not a whole number >= 0"
+    if not isinstance(metrics, dict):
+        return f"its metrics are {type(metrics).__name__}, not a dict"
+    loss = metrics.get("loss")
+    if not isinstance(loss, list) or not all(_number(x) for x in loss):
+        return "its metrics' loss is not a list of finite numbers"
+    if len(loss) != step:
+        return f"its step is {step} but its metrics hold {len(loss)} losses (one per step)"
+    epochs = metrics.get("epochs")
+    if not isinstance(epochs, list) or not all(
+            isinstance(e, dict) and type(e.get("epoch")) is int
+            and all(_number(e.get(k), none=True) for k in ("train_accuracy", "test_accuracy", "examples_per_second"))
+            for e in epochs):
+        return "its metrics' epochs are not a list of epoch records (epoch, accuracies, examples_per_second)"
+    if not isinstance(metrics.get("sessions", []), list) or not all(isinstance(x, dict)
+                                                                    for x in metrics.get("sessions", [])):
+        return "its metrics' sessions are not a list of session records"
+    if not _number(metrics.get("run_seconds"), none=True):
+        return f"its metrics' run_seconds is {metrics.get('run_seconds')!r:.40}, not a number"
+    config = data.get("config")
+    if config is not None and not isinstance(config, dict):
+        return f"its run settings (config) are {type(config).__name__}, not a dict"
+    if config is None and not all(k in metrics for k in ("task", "seed", "global_batch_size", "optimizer", "lr")):
+        return "it holds no run settings (config, nor task, seed, batch size, optimizer and lr in its metrics)"
+    epoch_time = data.get("epoch_time")
+    if epoch_time is not None and not (isinstance(epoch_time, dict) and _number(epoch_time.get("seconds"))
+                                       and _number(epoch_time.get("examples"))):
+        return "its epoch_time is not a dict of seconds and examples"
+    if not _uint8_vector(data.get("rng")):
+        return "its random state (rng) is missing or not a vector of bytes"
+    for key in ("cuda_rng", "replica_rng"):
+        states = data.get(key)
+        if states is not None and not (isinstance(states, list) and all(_uint8_vector(x) for x in states)):
+            return f"its {key} is not a list of byte vectors"
+    return None
+
+
+def check_checkpoint_data(args, data):
+    """Exits with one line if checkpoint `data` cannot be continued (see checkpoint_data_problem)."""
+    problem = checkpoint_data_problem(data)
+    if problem:
+        fail(f"{'--resume: ' if args.resume else ''}{checkpoint_path(args)} cannot be continued: {problem}; "
+             "move it away, or start over with --overwrite")
+
+
 def check_checkpoint(args, task):
     """Refuses to replace a checkpoint without --resume/--overwrite; on --resume, checks the settings.
 
@@ -338,6 +401,7 @@ def check_checkpoint(args, task):
                   file=sys.stderr)
         return None
     data = read_checkpoint(args)
+    check_checkpoint_data(args, data)
     if not args.resume:
         fail(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint ({CHECKPOINT_NAME}, "
              f"step {int(data['step'])}); continue it with --resume, replace it with --overwrite, "
@@ -420,6 +484,7 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     REPEAT_S = 1.0
+    clock = staticmethod(time.monotonic)
 
     def __init__(self):
         self.signum = None
@@ -441,7 +506,7 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame):
-        now = time.monotonic()
+        now = self.clock()
         if self.signum is None:
             self.signum, self._when = signum, now
             return
@@ -463,14 +528,11 @@ class _NoStop:
     signum = None
 
 
-def test_wait_step(value, rank):
-    """The step at which the test hook (TEST_WAIT_ENV) waits on this process (0: never)."""
-    if not value:
-        return 0
+def hook_wait_point(value, rank):
+    """Where the test hook (TEST_WAIT_ENV) waits on this process: a step number as a str, a name, or ""."""
     if ":" not in value:
-        return int(value)
-    steps = dict(item.split(":") for item in value.split(","))
-    return int(steps.get(str(rank), 0))
+        return value
+    return dict(item.split(":") for item in value.split(",")).get(str(rank), "")
 
 
 # -- training -------------------------------------------------------------------------
@@ -484,6 +546,7 @@ class Trainer:
         # multi_worker: a signal reaches each worker at its own moment; they stop on the one they agreed on
         self.workers = args.strategy == "multi_worker"
         self.agreed_stop = None
+        self.wait_at = hook_wait_point(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
         self.config = run_config(args, task)
         self.strategy = make_strategy(args)
         n = self.strategy.num_replicas_in_sync
@@ -508,7 +571,7 @@ class Trainer:
 
     def _make_train_step(self):
         model, optimizer, task, global_batch = self.model, self.optimizer, self.task, self.args.batch_size
-        wait_at = test_wait_step(os.environ.get(TEST_WAIT_ENV, ""), os.environ.get("RANK", "0"))
+        wait_at = self.wait_at
         # the gradient all-reduce starts during the backward walk (DDP's overlap); nothing with one replica
         sync = dtape.distribute.GradientSync()
 
@@ -523,8 +586,8 @@ class Trainer:
 
         def step(batch):
             per_replica = self.strategy.run(replica_step, args=(batch,))
-            if self.step + 1 == wait_at:
-                self._wait_for_signal()
+            if str(self.step + 1) == wait_at:
+                self._wait_for_signal(f"step {self.step + 1}")
             if not self.workers:
                 return float(self.strategy.reduce(dtape.distribute.ReduceOp.SUM, per_replica, axis=None))
             # The loss's all-reduce also sums every worker's stop requests: one collective, and every worker
@@ -536,10 +599,10 @@ class Trainer:
             return float(sums[0])
         return step
 
-    def _wait_for_signal(self, timeout=60.0):
-        """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step, deterministically."""
-        print(f"test hook: step {self.step + 1} waits for a signal (rank {os.environ.get('RANK', '0')}, "
-              f"pid {os.getpid()})", flush=True)
+    def _wait_for_signal(self, where, timeout=60.0):
+        """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step (or `where`), deterministically."""
+        print(f"test hook: {where} waits for a signal (rank {os.environ.get('RANK', '0')}, pid {os.getpid()})",
+              flush=True)
         deadline = time.monotonic() + timeout
         while self.stop.signum is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -593,7 +656,14 @@ class Trainer:
     def restore(self):
         """Continues from the checkpoint (checked by `check_checkpoint` first); prints "resumed from step N"."""
         self.optimizer.build(self.model.trainable_variables)  # the slots restore fills
-        data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
+        try:
+            data = dtape.checkpoint.restore(self.checkpoint_path(), model=self.model, optimizer=self.optimizer)
+        except dtape.checkpoint.CheckpointError as e:
+            fail(f"{e}; move it away, or start over with --overwrite")
+        except ValueError as e:  # variables that do not fit: names, shapes, dtypes, counts (nothing was assigned)
+            fail(f"--resume: {self.checkpoint_path()} does not fit this run's model and optimizer ({e}); "
+                 "start over with --overwrite or another --checkpoint-dir")
+        check_checkpoint_data(self.args, data)  # what restore read, which may not be the file checked before
         self.step = self.first_step = int(data["step"])
         self.metrics = data["metrics"]
         self.metrics.update(strategy=self.args.strategy, num_replicas=self.strategy.num_replicas_in_sync)
@@ -614,7 +684,11 @@ class Trainer:
 
     def set_rng_states(self, data):
         """Restores `rng_states()`; a state that does not fit this run is skipped, with a warning."""
-        torch.set_rng_state(data["rng"])
+        try:
+            torch.set_rng_state(data["rng"])
+        except RuntimeError as e:  # bytes of another length: not a state torch wrote
+            fail(f"--resume: {self.checkpoint_path()} cannot be continued: its random state (rng) is not one torch "
+                 f"can restore ({e}); move it away, or start over with --overwrite")
         skipped = []
         cuda = data.get("cuda_rng")
         if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
@@ -737,12 +811,15 @@ class Trainer:
         for split in ("train", "test"):
             if self.stop.signum is None:
                 self.metrics[f"final_{split}_accuracy"] = self.accuracy(split)
+            if split == "train" and self.wait_at == "evaluation":
+                self._wait_for_signal("the final evaluation")
         if self.agree_to_stop():
             self.interrupted()  # exits
         self.end_session(None)
         self.save()
         if self.args.out and is_chief():
-            write_outputs(self.metrics, self.args.out)
+            between = (lambda: self._wait_for_signal("writing the outputs")) if self.wait_at == "outputs" else None
+            write_outputs(self.metrics, self.args.out, between)
         if is_chief():
             print(f"final test accuracy {self.metrics['final_test_accuracy']:.4f} after {self.metrics['final_step']} "
                   f"steps ({self.metrics['run_seconds']:.1f} s)", flush=True)
@@ -832,10 +909,15 @@ def plot_metrics(metrics):
     return fig
 
 
-def write_outputs(metrics, out):
-    """Writes out/metrics.json and out/loss.png, each atomically; returns the plotted Figure."""
+def write_outputs(metrics, out, between=None):
+    """Writes out/metrics.json and out/loss.png, each atomically; returns the plotted Figure.
+
+    `between`: called after metrics.json (a test hook).
+    """
     os.makedirs(out, exist_ok=True)
     replace_file(os.path.join(out, "metrics.json"), lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+    if between is not None:
+        between()
     fig = plot_metrics(metrics)
     replace_file(os.path.join(out, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=100))
     return fig

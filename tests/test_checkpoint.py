@@ -5,6 +5,7 @@ import pickle
 import random
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -270,6 +271,66 @@ def test_unreadable_files_raise_one_error_naming_the_file(tmp_path, make, words)
             load(path)
         assert path in str(info.value)
     assert issubclass(CheckpointError, ValueError) and "CheckpointError" in checkpoint.__all__
+
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_a_device_is_refused_before_anything_is_read():
+    """/dev/zero never ends: reading it until the header says stop ran the machine out of memory."""
+    for load in (checkpoint.read, checkpoint.restore):
+        with pytest.raises(CheckpointError, match=r"'/dev/zero' is not a regular file \(a character device\)"):
+            load("/dev/zero")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_is_refused_instead_of_blocking(tmp_path):
+    path = str(tmp_path / "fifo")
+    os.mkfifo(path)
+    outcome = []
+    reader = threading.Thread(target=lambda: outcome.append(_error_of(checkpoint.read, path)), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():       # blocked in open(): a writer releases it, so the test fails instead of hanging
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=30)
+        pytest.fail("reading a FIFO blocked until a writer opened it")
+    assert isinstance(outcome[0], CheckpointError) and "is not a regular file (a FIFO)" in str(outcome[0])
+    assert path in str(outcome[0])
+
+
+def _error_of(load, path):
+    try:
+        load(path)
+    except Exception as e:  # noqa: BLE001 - returned for the test to check
+        return e
+    return None
+
+
+def _bytes_read():
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads with /proc/self/io")
+@pytest.mark.parametrize("extra, words", [
+    (256 << 20, "its header describes a file of"),       # a valid file with 256 MB (sparse) appended
+    (None, "its header length field says"),             # a header length of 2**62 bytes
+])
+def test_a_size_that_disagrees_with_the_header_is_refused_before_the_file_is_read(tmp_path, extra, words):
+    path = str(tmp_path / "ckpt")
+    raw = _valid_bytes(path)
+    if extra is None:
+        with open(path, "wb") as f:
+            f.write((2 ** 62).to_bytes(8, "little") + raw[8:])
+        size = len(raw)
+    else:
+        size = len(raw) + extra
+        os.truncate(path, size)
+    before = _bytes_read()
+    error = _error_of(checkpoint.read, path)
+    assert isinstance(error, CheckpointError) and words in str(error) and path in str(error), error
+    assert f"the file has {size} bytes" in str(error)
+    assert _bytes_read() - before < len(raw) + (1 << 20)     # the header, not the 256 MB
 
 
 # -- restore checks ---------------------------------------------------------------

@@ -278,3 +278,138 @@ def test_train_readme_first_command_parses_and_runs(train, tmp_path):
     assert argv == ["--task", "digits", "--strategy", "mirrored", "--devices", "cpu:0,cpu:1", "--out", "runs/digits"]
     metrics = _run(train, *argv[:-1], tmp_path, "--steps", 3)
     assert metrics["num_replicas"] == 2 and (tmp_path / "loss.png").exists()
+
+
+# -- crafted checkpoints: a valid checksum, contents train.py cannot use ----------------------
+
+def _craft(path, change):
+    """Rewrites the checkpoint at `path` with `change(tensors, stored, data)` applied, checksum and all (what
+    anyone who can write the file can do): variables' tensors, stored objects and plain data, decoded."""
+    ckpt = sys.modules["dtape.checkpoint"]
+    tensors, stored, data = ckpt._load(path)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("__data__/")}
+    change(tensors, stored, data)
+    encoded = {name: ckpt._encode(value, repr(name), tensors, set()) for name, value in data.items()}
+    with open(path, "wb") as f:
+        f.write(ckpt._serialize(tensors, stored, encoded))
+
+
+def _set(*path, value):
+    def change(tensors, stored, data):
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return change
+
+
+def _delete(*path):
+    def change(tensors, stored, data):
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+    return change
+
+
+def _change_variable(key, make):
+    def change(tensors, stored, data):
+        tensors[key] = make(tensors[key])
+    return change
+
+
+def _drop_last_variable(name):
+    def change(tensors, stored, data):
+        key, _ = stored[name].pop()
+        del tensors[key]
+    return change
+
+
+def _add_variable(name):
+    def change(tensors, stored, data):
+        key = f"{name}/{len(stored[name])}"
+        stored[name].append([key, "extra"])
+        tensors[key] = sys.modules["torch"].zeros(3)
+    return change
+
+
+def _rename_variable(tensors, stored, data):
+    stored["model"][0][1] = "someone_else/kernel"
+
+
+def _drop_object(name):
+    def change(tensors, stored, data):
+        for key, _ in stored.pop(name):
+            del tensors[key]
+    return change
+
+
+def _torch():
+    return sys.modules["torch"]
+
+
+CRAFTED = {  # id -> (change, words the one error line must hold)
+    "step_str": (_set("step", value="2"), "step"),
+    "step_negative": (_set("step", value=-1), "step"),
+    "step_float": (_set("step", value=2.5), "step"),
+    "step_bool": (_set("step", value=True), "step"),
+    "step_huge": (_set("step", value=10 ** 30), "step"),
+    "step_vs_losses": (_set("step", value=1), "step"),
+    "no_step": (_delete("step"), "step"),
+    "metrics_list": (_set("metrics", value=[1, 2]), "metrics"),
+    "no_metrics": (_delete("metrics"), "metrics"),
+    "loss_strings": (_set("metrics", "loss", value=["a", "b"]), "loss"),
+    "epochs_int": (_set("metrics", "epochs", value=3), "epochs"),
+    "sessions_ints": (_set("metrics", "sessions", value=[5]), "sessions"),
+    "run_seconds_str": (_set("metrics", "run_seconds", value="x"), "run_seconds"),
+    "config_str": (_set("config", value="x"), "config"),
+    "no_config_nor_settings": (lambda t, s, d: (d.pop("config"), d["metrics"].pop("task")), "settings"),
+    "epoch_time_str": (_set("epoch_time", "seconds", value="x"), "epoch_time"),
+    "epoch_time_list": (_set("epoch_time", value=[1]), "epoch_time"),
+    "rng_short": (lambda t, s, d: d.update(rng=_torch().zeros(10, dtype=_torch().uint8)), "rng"),
+    "rng_float": (lambda t, s, d: d.update(rng=d["rng"].float()), "rng"),
+    "no_rng": (_delete("rng"), "rng"),
+    "variable_shape": (_change_variable("model/0", lambda v: v[:1]), "shape"),
+    "variable_dtype": (_change_variable("model/0", lambda v: v.double()), "dtype"),
+    "variable_name": (_rename_variable, "someone_else/kernel"),
+    "variable_missing": (_drop_last_variable("model"), "variables"),
+    "variable_extra": (_add_variable("optimizer"), "variables"),
+    "no_model": (_drop_object("model"), "'model'"),
+    "no_optimizer": (_drop_object("optimizer"), "'optimizer'"),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_checkpoint(train, tmp_path_factory):
+    """The bytes of a 2-step run's checkpoint (mirrored, so that it has every kind of random state)."""
+    ckpt = tmp_path_factory.mktemp("crafted") / "ckpt"
+    _run(train, "--steps", 2, "--strategy", "mirrored", "--checkpoint-dir", ckpt)
+    return (ckpt / "last.pt").read_bytes()
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_train_resume_of_a_crafted_self_consistent_checkpoint_is_one_error_line(train, tmp_path, capsys,
+                                                                               finished_checkpoint, case):
+    change, words = CRAFTED[case]
+    path = tmp_path / "last.pt"
+    path.write_bytes(finished_checkpoint)
+    _craft(str(path), change)
+    train.dtape.checkpoint.read(path)   # the file itself is well-formed: only its contents are wrong
+    capsys.readouterr()
+    line = _usage_error(train, capsys, "--steps", 4, "--strategy", "mirrored", "--checkpoint-dir", tmp_path,
+                        "--resume")
+    assert str(path) in line and words in line, line
+
+
+def test_train_resume_of_replica_states_that_do_not_fit_warns_and_continues(train, tmp_path, capsys,
+                                                                            finished_checkpoint):
+    """Replica generator states that do not fit (as if saved on other devices) are skipped with one warning line,
+    as documented; the run continues (not bit-identically)."""
+    path = tmp_path / "last.pt"
+    path.write_bytes(finished_checkpoint)
+    _craft(str(path), lambda t, s, d: d.update(replica_rng=[_torch().zeros(3, dtype=_torch().uint8)] * 2))
+    capsys.readouterr()
+    metrics = _run(train, "--steps", 4, "--strategy", "mirrored", "--checkpoint-dir", tmp_path, "--resume")
+    err = capsys.readouterr().err.splitlines()
+    assert [ln for ln in err if "random state not restored for replica generators" in ln] and \
+        len(metrics["loss"]) == 4, err

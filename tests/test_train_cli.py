@@ -144,7 +144,9 @@ def test_existing_checkpoint_is_not_replaced_without_resume_or_overwrite(train, 
 # -- stop signals ----------------------------------------------------------------------
 
 def _stopped_run(sig, step, args):
-    """Runs the job in a subprocess that waits, in the middle of step `step`, for `sig`; sends it."""
+    """Runs the job in a subprocess that waits, in the middle of step `step`, for `sig`; sends it.
+
+    `step` may also name another place of the test hook ("evaluation", "outputs": see train.py)."""
     env = dict(ENV, **{WAIT_ENV: str(step)})
     proc = subprocess.Popen([sys.executable, SCRIPT, "--no-progress", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -152,7 +154,8 @@ def _stopped_run(sig, step, args):
     watchdog.start()
     try:
         for line in proc.stdout:  # ends early only if the child exits without reaching the step
-            if line.startswith(f"test hook: step {step} waits"):
+            if line.startswith(f"test hook: step {step} waits") or (
+                    line.startswith("test hook: ") and not str(step).isdigit()):
                 proc.send_signal(sig)
                 break
         err = proc.communicate(timeout=120)[1]
@@ -191,6 +194,60 @@ def test_signal_mid_epoch_saves_and_resume_gives_the_uninterrupted_losses(train,
         [(0, 8, name), (8, 16, None)]
     assert "stopped_by" not in resumed
     np.testing.assert_equal(resumed["final_test_accuracy"], full["final_test_accuracy"])
+
+
+def test_signal_during_the_final_evaluation_stops_with_the_line_and_resume_evaluates(train, tmp_path):
+    """SIGTERM between the final train and test accuracies: the last step is saved, the evaluation is left to
+    --resume, the outputs say so, the job exits 143 after the "stopped by" line (before: exit 0, no line)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    code, err = _stopped_run(signal.SIGTERM, "evaluation", ["--steps", 3, "--checkpoint-dir", ckpt, "--out", out])
+    assert code == 143, err
+    assert err.splitlines()[-1] == ("train.py: stopped by SIGTERM after step 3; saved "
+                                    f"{ckpt}/last.pt; continue with --resume"), err
+    stopped = json.loads((out / "metrics.json").read_text())
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["final_step"] == 3 and "final_test_accuracy" not in stopped
+    full = train.main(["--no-progress", "--steps", "3"])
+    assert train.dtape.checkpoint.read(ckpt / "last.pt")["step"] == 3
+    resumed = train.main(["--no-progress", "--steps", "3", "--checkpoint-dir", str(ckpt), "--resume"])
+    assert resumed["loss"] == full["loss"] and resumed["final_test_accuracy"] == full["final_test_accuracy"]
+    assert [s["stopped_by"] for s in resumed["sessions"]] == ["SIGTERM", None]
+
+
+def test_signal_while_the_outputs_are_written_finishes_them_then_stops_with_the_line(tmp_path):
+    """SIGINT after metrics.json, before loss.png: both are written whole, then the line and exit 130
+    (before: killed mid-write by the default handler, no line)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    code, err = _stopped_run(signal.SIGINT, "outputs", ["--steps", 3, "--checkpoint-dir", ckpt, "--out", out])
+    assert code == 130, err
+    assert err.splitlines()[-1] == ("train.py: stopped by SIGINT after step 3, the last one; the run had finished "
+                                    f"(saved {ckpt}/last.pt)"), err
+    finished = json.loads((out / "metrics.json").read_text())
+    assert finished["final_step"] == 3 and "final_test_accuracy" in finished and "stopped_by" not in finished
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(out)) == ["loss.png", "metrics.json"]   # no temporary left behind
+
+
+def test_the_same_signal_again_within_a_second_is_the_same_stop_request(train):
+    """torchrun passes a SIGINT/SIGTERM it gets on to its workers, which the terminal's Ctrl-C or the
+    scheduler's SIGTERM already reached: that repeat must not be the "second signal" that stops at once."""
+    clock, escalated = [100.0], []
+    stop = train.StopSignals()
+    stop.clock = lambda: clock[0]
+    previous = {s: signal.signal(s, lambda signum, frame: escalated.append(signum)) for s in stop.SIGNALS}
+    try:
+        with stop:
+            stop._handle(signal.SIGTERM, None)
+            clock[0] += 0.3
+            stop._handle(signal.SIGTERM, None)       # torchrun's copy of the same request
+            assert stop.signum == signal.SIGTERM and escalated == []
+            stop._handle(signal.SIGINT, None)        # another signal: the user insists
+            assert escalated == [signal.SIGINT]
+            clock[0] += 1.0
+            stop._handle(signal.SIGTERM, None)       # the same signal, later: stops at once
+            assert escalated == [signal.SIGINT, signal.SIGTERM]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def test_global_batch_smaller_than_the_replicas_trains_and_says_so(tmp_path):

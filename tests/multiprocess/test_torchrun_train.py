@@ -154,7 +154,8 @@ def _stop_workers(tmp_path, hooks, send):
         tmp_path / "out", [*SIGNALLED, "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2"])
     env = _launch.worker_env(timeout=60, DTAPE_TRAIN_TEST_WAIT_FOR_SIGNAL_AT_STEP=hooks)
     proc = _launch.start_command(cmd, env)
-    rank, step = map(int, hooks.split(",")[0].split(":"))
+    rank, step = hooks.split(",")[0].split(":")
+    rank = int(rank)
     try:
         assert _wait_for_line(logs, rank, f"test hook: step {step} waits", proc), _launch.rank_logs(logs)
         send(_worker_pids(proc.pid))
