@@ -11,7 +11,7 @@ import math
 import torch
 
 from dtape.ops import _samples as S
-from dtape.ops._registry import defop
+from dtape.ops._registry import defop, kernel_value
 
 __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
            "sign", "pow", "square", "sqrt", "rsqrt", "exp", "log", "log1p", "sin", "cos", "tanh",
@@ -255,7 +255,8 @@ def tanh(x):
 def _(dy, ans, x):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.tanh_backward(dy, ans)
-    return dy * conj(1 - ans * ans)
+    # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
+    return kernel_value(dy * conj(1 - ans * ans), torch.ops.aten.tanh_backward(dy.torch(), ans.torch()))
 
 
 @defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary, saves="output",
@@ -269,7 +270,7 @@ def sigmoid(x):
 def _(dy, ans, x):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.sigmoid_backward(dy, ans)
-    return dy * conj(ans * (1 - ans))
+    return kernel_value(dy * conj(ans * (1 - ans)), torch.ops.aten.sigmoid_backward(dy.torch(), ans.torch()))
 
 
 @defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct, saves="inputs")
@@ -417,11 +418,12 @@ def at_b(a, b):
 
     On the CPU, a result with a few columns that are not a multiple of 8
     (a 10-class output layer) is computed as (b^T @ a)^T: MKL's kernel for
-    that row-major shape is 3-8x slower (BENCHMARKS.md, issue 7). Raw walk only.
+    that row-major shape is 3-8x slower (BENCHMARKS.md).
     """
     n = b.shape[-1]
-    if 1 < n < 24 and n % 8 and type(b) is torch.Tensor and b.shape[0] >= 64 and b.device.type == "cpu":
-        return torch.matmul(_t(b), a).T.contiguous()
+    if 1 < n < 24 and n % 8 and b.shape[0] >= 64 and b.device.type == "cpu":
+        # the same product on a recorded walk (dtape.Tensors), so both walks give the same bits
+        return torch.matmul(_t(b), a).T.contiguous() if type(b) is torch.Tensor else _t(torch.matmul(_t(b), a))
     return torch.matmul(_t(a), b)
 
 
