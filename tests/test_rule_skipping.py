@@ -59,12 +59,13 @@ def test_conv2d_skips_the_first_layers_image_gradient(monkeypatch, recorded):
         with dtape.GradientTape() as outer:
             outer.watch([v1, v2])  # watches what the walk reads, so the walk is recorded (not raw)
             grads = tape.gradient(loss, [v1, v2])
-        assert kernel_masks == [] and len(image_grads) == 1  # only the second layer's image gradient
+        assert len(image_grads) == 1  # only the second layer's image gradient
     else:
         grads = tape.gradient(loss, [v1, v2])
-        masks = [args[-1] for args in kernel_masks]
-        assert [tuple(bool(n) for n in m) for m in masks] == [(True, True), (False, True)]
         assert image_grads == []
+    # the kernel runs on both walks (a recorded walk takes its bits), each time with the first layer's image off
+    masks = [args[-1] for args in kernel_masks]
+    assert [tuple(bool(n) for n in m) for m in masks] == [(True, True), (False, True)]
     t1, t2 = k1.clone().requires_grad_(), k2.clone().requires_grad_()
     ref = torch.autograd.grad(_cnn_torch(x, t1, t2), [t1, t2])
     for g, r in zip(grads, ref):

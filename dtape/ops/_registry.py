@@ -123,6 +123,42 @@ class _WithNumber(_tp.RecordOp):
         return self.opdef.backward(dys, outputs, inputs, attrs, raw, needs)
 
 
+class _KernelValue(_tp.RecordOp):
+    """Record op of `kernel_value`: the gradient passes straight to the composite formula."""
+
+    __slots__ = ()
+    name = "kernel_value"
+    saves_inputs = saves_outputs = False
+    raw_saved = True
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        return dys
+
+
+_KERNEL_VALUE = _KernelValue()
+
+
+def kernel_value(composite, value):
+    """A recorded walk's gradient with the bits of the raw walk's fused kernel and the composite's derivatives.
+
+    A rule that uses a fused torch kernel on the raw walk (`tanh_backward`)
+    must give the same bits when a tape records the walk, or a walk's
+    result would depend on which other tapes exist. There it returns
+    `kernel_value(composite, kernel(raw tensors))`: a Tensor holding
+    `value`, recorded as an identity of `composite` (the same function
+    written in differentiable ops), so higher orders differentiate the
+    composite.
+
+    Args:
+      composite: the dtape.Tensor the recorded formula gives.
+      value: the fused kernel's torch.Tensor, same shape and dtype.
+    """
+    out = Tensor(value)
+    if _tp.any_tape():
+        _tp.record(_KERNEL_VALUE, (composite._id,), (composite,), (out,), None)
+    return out
+
+
 def as_input(x):
     """A Tensor or Python scalar for an op input (variables are read here)."""
     if type(x) is Tensor or type(x) in _SCALARS:

@@ -13,7 +13,7 @@ import torch
 from dtape.ops import _samples as S
 from dtape.ops import array_ops
 from dtape.ops._dispatch import call_fallback
-from dtape.ops._registry import TORCH_TABLE, defop
+from dtape.ops._registry import TORCH_TABLE, defop, kernel_value
 from dtape.tensor import convert_to_tensor, is_variable
 
 __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
@@ -284,7 +284,8 @@ def tanh(x):
 def _(dy, ans, x):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.tanh_backward(dy, ans)
-    return dy * conj(1 - ans * ans)
+    # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
+    return kernel_value(dy * conj(1 - ans * ans), torch.ops.aten.tanh_backward(dy.torch(), ans.torch()))
 
 
 @defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary, saves="output",
@@ -298,7 +299,7 @@ def sigmoid(x):
 def _(dy, ans, x):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.sigmoid_backward(dy, ans)
-    return dy * conj(ans * (1 - ans))
+    return kernel_value(dy * conj(ans * (1 - ans)), torch.ops.aten.sigmoid_backward(dy.torch(), ans.torch()))
 
 
 @defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct, saves="inputs")
@@ -457,11 +458,12 @@ def at_b(a, b):
     On the CPU, a result with a few columns that are not a multiple of 8
     (a 10-class output layer) is computed as (b^T @ a)^T: MKL's kernel for
     that row-major shape is 3-8x slower (BENCHMARKS.md, "Weight gradients with a
-    few columns"). Raw walk only.
+    few columns").
     """
     n = b.shape[-1]
-    if 1 < n < 24 and n % 8 and type(b) is torch.Tensor and b.shape[0] >= 64 and b.device.type == "cpu":
-        return torch.matmul(_t(b), a).T.contiguous()
+    if 1 < n < 24 and n % 8 and b.shape[0] >= 64 and b.device.type == "cpu":
+        # the same product on a recorded walk (dtape.Tensors), so both walks give the same bits
+        return torch.matmul(_t(b), a).T.contiguous() if type(b) is torch.Tensor else _t(torch.matmul(_t(b), a))
     return torch.matmul(_t(a), b)
 
 

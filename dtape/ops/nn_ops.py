@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dtape import random as _random
 from dtape.ops import _samples as S
-from dtape.ops._registry import defop
+from dtape.ops._registry import defop, kernel_value
 from dtape.ops.array_ops import gather, one_hot
 from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message, at_b, as_dy_dtype
 from dtape.tensor import Tensor, convert_to_tensor
@@ -99,15 +99,18 @@ def gelu(features, approximate=False):
 @gelu.grad
 def _(dy, ans, features, approximate=False):
     x = features
+    how = "tanh" if approximate else "none"
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
-        return torch.ops.aten.gelu_backward(dy, x, approximate="tanh" if approximate else "none")
+        return torch.ops.aten.gelu_backward(dy, x, approximate=how)
+    # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
+    value = torch.ops.aten.gelu_backward(dy.torch(), x.torch(), approximate=how)
     if approximate:
         t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
         d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
-        return dy * d
+        return kernel_value(dy * d, value)
     cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2.0))))
     pdf = torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
-    return dy * (cdf + x * pdf)
+    return kernel_value(dy * (cdf + x * pdf), value)
 
 
 @defop(torch_fns=((F.silu, lambda input, inplace=False: silu(input)),), samples=_unary_nn, saves="inputs")
@@ -147,7 +150,8 @@ def softmax(logits, axis=-1):
 def _(dy, ans, logits, axis=-1):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
         return torch._softmax_backward_data(dy, ans, axis, ans.dtype)
-    return ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True))
+    return kernel_value(ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True)),
+                        torch._softmax_backward_data(dy.torch(), ans.torch(), axis, ans.dtype))
 
 
 @defop(samples=_softmax_samples, saves="output")
@@ -160,7 +164,8 @@ def log_softmax(logits, axis=-1):
 def _(dy, ans, logits, axis=-1):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
         return torch._log_softmax_backward_data(dy, ans, axis, ans.dtype)
-    return dy - torch.exp(ans) * torch.sum(dy, dim=axis, keepdim=True)
+    return kernel_value(dy - torch.exp(ans) * torch.sum(dy, dim=axis, keepdim=True),
+                        torch._log_softmax_backward_data(dy.torch(), ans.torch(), axis, ans.dtype))
 
 
 # -- losses -------------------------------------------------------------------
@@ -392,16 +397,30 @@ def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=N
 
     On the raw walk (torch tensors) torch's own backward kernel computes them
     (`aten.convolution_backward` with an output mask); when a tape records
-    the walk, composite ops (a transposed convolution, a convolution over the
-    batch) that are themselves differentiable give them.
+    the walk, they have the same kernel's bits and the derivatives of
+    composite ops (a transposed convolution, a convolution over the batch).
     """
+    if type(dy) is torch.Tensor:
+        return _conv_grads_raw(dy, input, filters, strides, padding, data_format, dilations, needs)
+    # recorded walk: the raw walk's bits (a walk's result must not depend on whether a tape records it)
+    kx, kw = _conv_grads_raw(dy.torch(), input.torch(), filters.torch(), strides, padding, data_format, dilations,
+                             needs)
     x, w, s, d, pads = _conv_layout(input, filters, strides, padding, data_format, dilations)
     g = torch.permute(dy, (0, 3, 1, 2)) if data_format == "NHWC" else dy
-    if type(g) is torch.Tensor:
-        gx, gw = _conv_grads_kernel(g, x, w, s, d, pads, needs)
-    else:
-        gx = _conv_grad_input(g, x, w, s, d, pads) if needs[0] else None
-        gw = _conv_grad_filter(g, x, w, s, d, pads, filters) if needs[1] else None
+    gx = gw = None
+    if needs[0]:
+        gx = _conv_grad_input(g, x, w, s, d, pads)
+        gx = kernel_value(torch.permute(gx, (0, 2, 3, 1)) if data_format == "NHWC" else gx, kx)
+    if needs[1]:
+        gw = kernel_value(_conv_grad_filter(g, x, w, s, d, pads, filters), kw)
+    return gx, gw
+
+
+def _conv_grads_raw(dy, input, filters, strides, padding, data_format, dilations, needs):  # noqa: A002
+    """conv2d's gradients on torch tensors, from torch's backward kernel (image in `data_format`)."""
+    x, w, s, d, pads = _conv_layout(input, filters, strides, padding, data_format, dilations)
+    g = torch.permute(dy, (0, 3, 1, 2)) if data_format == "NHWC" else dy
+    gx, gw = _conv_grads_kernel(g, x, w, s, d, pads, needs)
     if gx is not None and data_format == "NHWC":
         gx = torch.permute(gx, (0, 2, 3, 1))
     return gx, gw
@@ -620,17 +639,26 @@ def layer_norm(x, gamma, beta, epsilon=1e-3):
 @layer_norm.grad
 def _(dy, ans, x, gamma, beta, epsilon=1e-3, needs=(True, True, True), stash=None):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel, with the forward's mean and 1/std
-        shape = (x.shape[-1],)
-        mean, rstd = stash if stash is not None else torch.native_layer_norm(x, shape, gamma, beta, epsilon)[1:]
-        # dy in x's dtype: the walk widens a half-precision dy next to float32 weights (autocast)
-        return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta,
-                                                         list(needs))
+        return _layer_norm_kernel(dy, x, gamma, beta, epsilon, needs, stash)
+    # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
+    values = _layer_norm_kernel(dy.torch(), x.torch(), gamma.torch(), beta.torch(), epsilon, needs, stash)
     centred = x - torch.mean(x, dim=-1, keepdim=True)
     rstd = torch.rsqrt(torch.mean(centred * centred, dim=-1, keepdim=True) + epsilon)
     xhat = centred * rstd
     g = dy * gamma
-    dx = rstd * (g - torch.mean(g, dim=-1, keepdim=True) - xhat * torch.mean(g * xhat, dim=-1, keepdim=True))
-    return dx, dy * xhat, dy  # gamma's and beta's gradients are summed to [d] by the walk
+    d = x.shape[-1]
+    grads = (lambda: rstd * (g - torch.mean(g, dim=-1, keepdim=True) - xhat * torch.mean(g * xhat, dim=-1, keepdim=True)),
+             lambda: torch.sum(torch.reshape(dy * xhat, (-1, d)), dim=0),
+             lambda: torch.sum(torch.reshape(dy, (-1, d)), dim=0))
+    return tuple(kernel_value(f(), v) if need else None for f, v, need in zip(grads, values, needs))
+
+
+def _layer_norm_kernel(dy, x, gamma, beta, epsilon, needs, stash):
+    """(dx, dgamma, dbeta) from torch's kernel on torch tensors, with the forward's mean and 1/std."""
+    shape = (x.shape[-1],)
+    mean, rstd = stash if stash is not None else torch.native_layer_norm(x, shape, gamma, beta, epsilon)[1:]
+    # dy in x's dtype: the walk widens a half-precision dy next to float32 weights (autocast)
+    return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta, list(needs))
 
 
 def embedding_lookup(params, ids, max_norm=None):
