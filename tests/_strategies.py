@@ -9,8 +9,8 @@ _made = []  # strategies made by the current test
 
 
 def mirrored(n=2):
-    """MirroredStrategy(["cpu:0", ..., "cpu:{n-1}"], timeout=5), closed after the test."""
-    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=5))
+    """MirroredStrategy(["cpu:0", ..., "cpu:{n-1}"], timeout=60), closed after the test: a generous timeout, so a loaded machine does not fail a test that is not about timeouts (those set their own)."""
+    _made.append(MirroredStrategy([f"cpu:{i}" for i in range(n)], timeout=60))
     return _made[-1]
 
 
