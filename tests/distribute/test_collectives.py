@@ -18,7 +18,8 @@ N = 2
 
 @pytest.fixture
 def strategy():
-    s = MirroredStrategy([f"cpu:{i}" for i in range(N)], timeout=60)  # generous: a loaded machine must not fail these; timeouts are tested elsewhere
+    # generous: a loaded machine must not fail these; timeouts are tested elsewhere
+    s = MirroredStrategy([f"cpu:{i}" for i in range(N)], timeout=60)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
