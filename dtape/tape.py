@@ -184,8 +184,7 @@ class _Rec(_Ref):
     entries; more go in a tuple in `s0`), attrs, weak references to further
     outputs, and `ver`, the sum of the saved torch tensors' version counters
     when they were saved (an in-place write to one of them raises at the
-    walk, as in torch's autograd). `op`
-    is None once the record is deleted.
+    walk, as in torch's autograd). `op` is None once the record is deleted.
     """
 
     __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs", "ver")
@@ -274,15 +273,6 @@ def _save(op, inputs, outputs):
     return tuple(ins + ([o._t for o in outputs] if keep_out else [_meta(o) for o in outputs]))
 
 
-def _version(saved):
-    """The sum of the version counters of the torch tensors in `saved` (in-place writes increment them)."""
-    v = 0
-    for x in saved:
-        if type(x) is torch.Tensor:
-            v += x._version
-    return v
-
-
 def check_saved_versions(rec, inputs, outputs):
     """Raises RuntimeError if a tensor `rec` saved was written in place after the op was recorded.
 
@@ -290,7 +280,7 @@ def check_saved_versions(rec, inputs, outputs):
     (torch's autograd refuses the same way, from the same version counters).
     """
     now = 0
-    for x in inputs:  # inlined `_version` twice: this runs once per record of every walk
+    for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
         if type(x) is torch.Tensor:
             now += x._version
     for x in outputs:
@@ -351,8 +341,8 @@ class Tape:
     Records are `_Rec` objects in recording order, one per op. What a
     record saves of each input and output is what the op's rule reads
     (`op.saves_inputs`, `op.saves_outputs`); the rest is kept as
-    shape/dtype/device metadata (`_Meta`). Saved tensors are torch tensors, so the user's
-    dtape.Tensor objects can die.
+    shape/dtype/device metadata (`_Meta`). Saved tensors are torch tensors,
+    so the user's dtape.Tensor objects can die.
 
     Trace deletion (TF's TapeSetDeleteTrace, point 2): `_usage[id]` counts
     the records that use a tensor id as input, plus one while a recorded
@@ -772,7 +762,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
             saved = _save(op, inputs, outputs)
             n_saved = len(saved)
-            ver = 0  # `_version(saved)` inlined: every recorded op runs this
+            ver = 0  # inline (no call): every recorded op runs this
             for x in saved:
                 if type(x) is torch.Tensor:
                     ver += x._version
