@@ -68,7 +68,7 @@ def _call(f, args, kwargs):
     variables = [v for v in captured.values() if not any(v is a for a in flat_args)]
     for v in variables:  # report them as plain reads would (the resolver decides container/components)
         _tp.variable_accessed(v)
-    if not _tp._tape_set:
+    if not _tp.active_tapes:
         return result
     _check_variables_arg(f, grad_fn, variables)
     inputs = tuple(_as_input(a) for a in flat_args) + tuple(v._handle() for v in variables)

@@ -35,6 +35,16 @@ from dtape.tensor import Tensor, convert_to_tensor
 # (never mutated) under _set_lock. Readers take a snapshot without locking.
 _tape_set = ()
 _set_lock = threading.Lock()
+# The same tuple under a public name: the "is any tape active" check every op makes before it builds a
+# record (a module attribute read; a function call per op would cost more than the check). Read it as
+# `tape.active_tapes` each time: an imported name keeps the snapshot of its import.
+active_tapes = ()
+
+
+def _publish(tapes):
+    """Makes `tapes` the active set (the caller holds _set_lock)."""
+    global _tape_set, active_tapes
+    _tape_set = active_tapes = tapes
 
 
 class _ThreadState(threading.local):
@@ -176,8 +186,7 @@ class _Rec(_Ref):
     entries; more go in a tuple in `s0`), attrs, weak references to further
     outputs, and `ver`, the sum of the saved torch tensors' version counters
     when they were saved (an in-place write to one of them raises at the
-    walk, as in torch's autograd). `op`
-    is None once the record is deleted.
+    walk, as in torch's autograd). `op` is None once the record is deleted.
     """
 
     __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs", "ver")
@@ -266,22 +275,19 @@ def _save(op, inputs, outputs):
     return tuple(ins + ([o._t for o in outputs] if keep_out else [_meta(o) for o in outputs]))
 
 
-def _version(saved):
-    """The sum of the version counters of the torch tensors in `saved` (in-place writes increment them)."""
-    v = 0
-    for x in saved:
-        if type(x) is torch.Tensor:
-            v += x._version
-    return v
-
-
 def check_saved_versions(rec, inputs, outputs):
     """Raises RuntimeError if a tensor `rec` saved was written in place after the op was recorded.
 
     The rule would read the new values and give a wrong gradient silently
     (torch's autograd refuses the same way, from the same version counters).
     """
-    now = _version(inputs) + _version(outputs)
+    now = 0
+    for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
+        if type(x) is torch.Tensor:
+            now += x._version
+    for x in outputs:
+        if type(x) is torch.Tensor:
+            now += x._version
     if now != rec.ver:
         shapes = [tuple(x.shape) for x in inputs + outputs if type(x) is torch.Tensor]
         raise RuntimeError(
@@ -337,8 +343,8 @@ class Tape:
     Records are `_Rec` objects in recording order, one per op. What a
     record saves of each input and output is what the op's rule reads
     (`op.saves_inputs`, `op.saves_outputs`); the rest is kept as
-    shape/dtype/device metadata (`_Meta`). Saved tensors are torch tensors, so the user's
-    dtape.Tensor objects can die.
+    shape/dtype/device metadata (`_Meta`). Saved tensors are torch tensors,
+    so the user's dtape.Tensor objects can die.
 
     Trace deletion (TF's TapeSetDeleteTrace, point 2): `_usage[id]` counts
     the records that use a tensor id as input, plus one while a recorded
@@ -523,10 +529,9 @@ def _attr_tensors(attrs):
 
 def push_new_tape(persistent=False, watch_accessed_variables=True):
     """Creates a tape, adds it to the process-global set and returns it."""
-    global _tape_set
     tape = Tape(persistent, watch_accessed_variables)
     with _set_lock:
-        _tape_set = _tape_set + (tape,)
+        _publish(_tape_set + (tape,))
     if _thread_state.pushed is not None:
         _thread_state.pushed.add(tape)
     return tape
@@ -534,20 +539,18 @@ def push_new_tape(persistent=False, watch_accessed_variables=True):
 
 def push_tape(tape):
     """Adds an existing tape back to the active set (no-op if present); the calling thread owns it."""
-    global _tape_set
     tape._owner, tape._run = _thread_state.scope, _thread_state.run
     with _set_lock:
         if tape not in _tape_set:
-            _tape_set = _tape_set + (tape,)
+            _publish(_tape_set + (tape,))
     if _thread_state.pushed is not None:
         _thread_state.pushed.add(tape)
 
 
 def pop_tape(tape):
     """Removes `tape` from the active set, whatever its position (no stack order)."""
-    global _tape_set
     with _set_lock:
-        _tape_set = tuple(t for t in _tape_set if t is not tape)
+        _publish(tuple(t for t in _tape_set if t is not tape))
     if _thread_state.pushed is not None:
         _thread_state.pushed.discard(tape)
 
@@ -759,7 +762,10 @@ def record(op, in_ids, inputs, outputs, attrs):
             out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
             saved = _save(op, inputs, outputs)
             n_saved = len(saved)
-            ver = _version(saved)
+            ver = 0  # inline (no call): every recorded op runs this
+            for x in saved:
+                if type(x) is torch.Tensor:
+                    ver += x._version
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
@@ -843,16 +849,6 @@ def delete_trace(tensor_id):
     for tape in _tape_set:
         with tape._lock:
             tape._watched.discard(tensor_id)
-
-
-def any_tape():
-    """True if any tape is active, on any thread: the cheap first check before an op builds its record.
-
-    A read of one module global (the tuple is replaced, never mutated), so
-    the no-tape path of every op pays one call; `record` then decides which
-    tapes record on this thread.
-    """
-    return _tape_set != ()
 
 
 def could_possibly_record():
@@ -958,8 +954,8 @@ class capture_variable_reads(ThreadLocalScope):
         return self._value
 
 
-__all__ = ["Tape", "RecordOp", "any_tape", "check_saved_versions", "recording_tapes", "push_new_tape", "push_tape", "pop_tape", "watch",
-           "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
+__all__ = ["Tape", "RecordOp", "check_saved_versions", "active_tapes", "recording_tapes", "push_new_tape", "push_tape", "pop_tape",
+           "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
            "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

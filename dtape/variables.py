@@ -306,7 +306,7 @@ class Variable(metaclass=_VariableMeta):
         if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
             t = _read_hook.fn(self, t)
         out = Tensor(t)
-        if _tp.any_tape():  # one call: watches (once per tape) and records the read
+        if _tp.active_tapes:  # one call: watches (once per tape) and records the read
             _tp.variable_read(self, out, _READ_OP)
         elif self._trainable and _tp.capturing_reads():
             _tp.variable_accessed(self)

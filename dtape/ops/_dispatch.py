@@ -159,7 +159,7 @@ def call_fallback(func, args, kwargs):
     out_leaves, out_spec = pytree.tree_flatten(out)
     wrapped = [Tensor(o) if isinstance(o, torch.Tensor) else o for o in out_leaves]
     outputs = tuple(w for w in wrapped if type(w) is Tensor)
-    if _tp.any_tape() and outputs and any(_is_diff(o._t) for o in outputs):
+    if _tp.active_tapes and outputs and any(_is_diff(o._t) for o in outputs):
         _tp.record(op, tuple([t._id for t in tensors]), tuple(tensors), outputs, None)
     return pytree.tree_unflatten(wrapped, out_spec)
 

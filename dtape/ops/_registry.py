@@ -154,7 +154,7 @@ def kernel_value(composite, value):
       value: the fused kernel's torch.Tensor, same shape and dtype.
     """
     out = Tensor(value)
-    if _tp.any_tape():
+    if _tp.active_tapes:
         _tp.record(_KERNEL_VALUE, (composite._id,), (composite,), (out,), None)
     return out
 
@@ -209,7 +209,7 @@ def _make_unary(opdef):
         out = fwd(x._t, **attrs) if attrs else fwd(x._t)
         if type(out) is torch.Tensor:
             out = Tensor(out)
-            if _tp.any_tape() and opdef.grad_fn is not None:
+            if _tp.active_tapes and opdef.grad_fn is not None:
                 _tp.record(opdef, (x._id,), (x,), (out,), attrs or None)
             return out
         return _finish_multi(opdef, out, (x,), attrs)
@@ -235,7 +235,7 @@ def _make_binary(opdef):
         out = fwd(a, b, **attrs) if attrs else fwd(a, b)
         if type(out) is torch.Tensor:
             out = Tensor(out)
-            if _tp.any_tape() and opdef.grad_fn is not None:
+            if _tp.active_tapes and opdef.grad_fn is not None:
                 _tp.record(opdef if type(y) is Tensor else opdef.with_number,
                            (getattr(x, "_id", None), getattr(y, "_id", None)), (x, y), (out,), attrs or None)
             return out
@@ -254,7 +254,7 @@ def _scalar_beside(s, t):
 
 def _finish_multi(opdef, out, inputs, attrs):
     outs = _wrap(out, opdef)
-    if _tp.any_tape() and opdef.grad_fn is not None:
+    if _tp.active_tapes and opdef.grad_fn is not None:
         _tp.record(opdef, tuple([getattr(x, "_id", None) for x in inputs]), inputs, outs, attrs or None)
     return outs if opdef.multi_output else outs[0]
 
@@ -277,7 +277,7 @@ def _make_nary(opdef):
             raw = fwd(*[_raw(t) for t in inputs], **attrs)
         if opdef.stash:  # (result, what the forward computed for the rule): the latter rides in the record's attrs
             raw, stash = raw
-            if _tp.any_tape():
+            if _tp.active_tapes:
                 attrs = dict(attrs, stash=stash)
         return _finish_multi(opdef, raw, inputs, attrs)
     return call
