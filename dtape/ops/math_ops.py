@@ -173,7 +173,7 @@ def _(dy, ans, x, y):  # x is a tensor: a scalar first input arrives as a 0-d te
     if isinstance(y, (int, float)):
         gx = dy * y * torch.pow(x, y - 1) if y != 0 else dy * torch.zeros_like(x)
     else:
-        gx = dy * y * torch.pow(x, torch.where(y == 0, 1.0, y - 1))
+        gx = dy * y * torch.pow(x, torch.where(y == 0, torch.ones_like(y), y - 1))  # y's dtype
     if isinstance(y, (int, float)) or not _is_float(y):
         return gx, None
     safe = torch.where(x > 0, x, torch.ones_like(x))
