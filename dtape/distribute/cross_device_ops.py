@@ -11,6 +11,8 @@ threads (the engine behind `StrategyExtended._all_reduce_flat_async`):
 launches are matched by order, the last replica to arrive sums.
 Source: tensorflow/python/distribute/cross_device_ops.py.
 """
+import threading
+
 import torch
 
 from dtape import ops
@@ -214,6 +216,10 @@ class ThreadCollectives:
 
     def launch(self, replica_id, reduce_op, tensors):
         """Contributes `tensors` (torch tensors) as replica `replica_id`; returns a ThreadCollectiveHandle."""
+        with self._coord.shielded(replica_id):
+            return self._launch(replica_id, reduce_op, tensors)
+
+    def _launch(self, replica_id, reduce_op, tensors):
         with self._cond:
             if self._coord.aborted:  # an abandoned replica still running: it must not complete a collective
                 raise StepAborted(f"replica {replica_id}: step aborted before this all-reduce")
@@ -254,6 +260,10 @@ class ThreadCollectives:
         return out
 
     def wait(self, slot, replica_id, timeout):
+        with self._coord.shielded(replica_id):
+            return self._wait(slot, replica_id, timeout)
+
+    def _wait(self, slot, replica_id, timeout):
         coord = self._coord
         timeout = coord.timeout if timeout is None else timeout
 
@@ -290,10 +300,15 @@ def _check_same_collective(seq, slot):
                          "sizes (the same tape.gradient sources and apply_gradients var_list)")
 
 
+# A plain lock, not the step's Condition: `with` on a Condition runs Python code after acquiring, where an
+# asynchronous abort of the replica could land with the lock held.
+_collectives_lock = threading.Lock()
+
+
 def thread_collectives(coordinator, devices):
     """The ThreadCollectives of one `run` step: made on first use, kept on the step's coordinator
     (`coordinator.collectives`), which drops it when the step ends."""
-    with coordinator.cond:
+    with _collectives_lock:
         if coordinator.collectives is None:
             coordinator.collectives = ThreadCollectives(coordinator, devices)
         return coordinator.collectives

@@ -278,8 +278,29 @@ class Coordinator:
                     _take_pending_async()
                 except StepAborted:  # delivered on entering the call: swallowed all the same
                     pass
+                self.abort_sent[replica_id] = False
+
+    def _resume_user(self, replica_id):
+        with self.user_lock:
+            if self.aborted:  # no asynchronous abort reached this replica meanwhile: stop it here
+                raise StepAborted(f"replica {replica_id}: step aborted")
+            self.in_user[replica_id] = True
+
+    def shielded(self, replica_id):
+        """Context manager for the step's machinery on replica `replica_id` (merge_call, all-reduces).
+
+        No asynchronous StepAborted lands inside: it could land in a
+        Condition's Python code with the step's lock held and never released,
+        or between a collective's sum and its publication, and every later wait
+        would hang. An abort that came meanwhile is raised on leaving.
+        """
+        return _Shielded(self, replica_id)
 
     def merge_call(self, replica_id, merge_fn, args, kwargs):
+        with self.shielded(replica_id):
+            return self._merge_call(replica_id, merge_fn, args, kwargs)
+
+    def _merge_call(self, replica_id, merge_fn, args, kwargs):
         with self.cond:
             if self.aborted:
                 raise StepAborted(f"replica {replica_id}: step aborted before merge_call")
@@ -438,6 +459,26 @@ class Coordinator:
         finished = [i for i in range(self.n) if self.done[i]]
         return (f"replicas {waiting} called merge_call but replicas {finished} returned without it; "
                 "every replica must make the same merge_call/all_reduce calls in the same order")
+
+
+class _Shielded:
+    """`Coordinator.shielded`: replica code outside user mode (no asynchronous aborts) while inside."""
+
+    __slots__ = ("_coord", "_replica_id", "_outer")
+
+    def __init__(self, coord, replica_id):
+        self._coord, self._replica_id = coord, replica_id
+
+    def __enter__(self):
+        self._outer = self._coord.in_user[self._replica_id]  # nested, or no user code: nothing to switch
+        if self._outer:
+            self._coord._leave_user(self._replica_id)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if self._outer and exc_type is None:
+            self._coord._resume_user(self._replica_id)
+        return False
 
 
 def run_on_replicas(strategy, pool, fn, args, kwargs, timeout):
