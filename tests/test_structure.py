@@ -64,3 +64,27 @@ def test_one_variable_test_and_one_operator_table():
     assert not duck, f"duck-typed variable checks (use dtape.tensor.is_variable): {duck}"
     tables = [name for name, s in srcs.items() if "def _delegate(" in s]
     assert tables == ["_dispatch.py"], f"operator tables outside ops/_dispatch.py: {tables}"
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_every_record_op_is_a_tape_record_op_and_the_walk_probes_none():
+    """Record ops follow one protocol (`dtape.tape.RecordOp`): the tape and the walk read its declared
+    traits directly and know no op policy, so they never probe an op with getattr."""
+    record_ops = set(_subclasses(dtape.tape.RecordOp))
+    backward_classes = [(path.name, cls.name) for path, tree in _modules()
+                        for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+                        and any(isinstance(f, ast.FunctionDef) and f.name == "backward" for f in cls.body)]
+    names = {c.__name__ for c in record_ops}
+    outside = [f"{p}: {c}" for p, c in backward_classes if c not in names and c != "RecordOp"]
+    assert len(backward_classes) >= 10 and not outside, f"record ops outside the protocol: {outside}"
+    for name in ("tape.py", "backprop.py"):
+        tree = ast.parse((ROOT / name).read_text())
+        probes = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and ast.unparse(n.func) == "getattr" and ast.unparse(n.args[0]) in ("op", "rec.op")]
+        assert not probes, f"{name} probes record ops: {probes}"
+    assert not any(isinstance(v, str) and v in ("other_input", "denominator") for v in vars(dtape.tape).values())
