@@ -1,6 +1,5 @@
 """MirroredStrategy on CPU replica threads: contexts, seed-2 tape semantics, failures, updates."""
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -164,11 +163,9 @@ def test_run_stuck_replica_raises_timeout_instead_of_hanging():
 
     def fn():
         if _rid() == 0:
-            release.wait(10)
-    start = time.monotonic()
+            release.wait(10)  # without the timeout, the run would succeed after 10 s and pytest.raises fail
     with pytest.raises(TimeoutError, match=r"replicas \[0\]"):
         strategy.run(fn)
-    assert time.monotonic() - start < 5
     release.set()
     assert strategy.run(lambda: _rid()).values == (0, 1)
 
