@@ -15,7 +15,8 @@ state does not cross threads by itself, so each replica job enters:
     torch's default dtype is process-global, so replicas see it as is;
   * the caller's tape lineage (`dtape.tape.lineage_scope`): tapes active on
     the caller thread watch the variables the replicas read, tapes of other
-    threads do not (issue 7 point 3).
+    threads do not (a replica's tape records its own replica's reads, so
+    what it records does not grow with the number of replicas).
 
 Source: DESIGN.md "A replica runs like its caller"; the per-replica
 generators follow tf.random.Generator.split (one independent stream per
