@@ -1,13 +1,13 @@
-"""One definition of each concept (ISSUE 5 point 10), checked on the source tree itself."""
+"""One definition of each concept, checked on the source tree itself."""
 import ast
 import pathlib
 
 import dtape
 
 ROOT = pathlib.Path(dtape.__file__).parent
-# The one private read allowed across modules: the hot-path "is any tape active" check
-# (a module global replaced under a lock; a function call per op would cost more than the op check).
-ALLOWED_ATTRS = {"_tape_set"}
+# Private attributes other modules may read: none; the hot-path "is any tape active" check reads the
+# public `tape.active_tapes` (a module attribute: a function call per op would cost more than the check).
+ALLOWED_ATTRS = set()
 
 
 def _modules():
