@@ -7,6 +7,10 @@ A leaf module (standard library only), so that the step machinery
 import signal
 import threading
 
+# The C functions behind `signal.getsignal/signal`: the same handlers, without the enum conversions that
+# make those 8-11 us a call (a section swaps and restores a handler at every optimizer step).
+import _signal
+
 
 class StepAborted(BaseException):
     """Raised inside replicas whose step was ended by another replica's failure, a timeout or an interrupt."""
@@ -67,11 +71,11 @@ class uninterrupted:
         if self._active:
             try:
                 for s in _DEFERRED_SIGNALS:
-                    handler = signal.getsignal(s)
+                    handler = _signal.getsignal(s)
                     if handler is not _hold:  # else: still _hold from an interrupted restore
                         _Deferral.previous[s] = handler
                     if callable(_Deferral.previous.get(s)):
-                        signal.signal(s, _hold)
+                        _signal.signal(s, _hold)
             except BaseException:  # e.g. a SIGTERM handler that raised before its turn: undo
                 self.__exit__(None, None, None)
                 raise
@@ -86,11 +90,11 @@ class uninterrupted:
         previous = _Deferral.previous
         for s in list(previous):
             if callable(previous[s]):
-                signal.signal(s, previous[s])
+                _signal.signal(s, previous[s])
             del previous[s]
         pending, _Deferral.pending = _Deferral.pending, []
         for signum, frame in pending:  # a handler that raises ends the replay, as it would end the code
-            handler = signal.getsignal(signum)
+            handler = _signal.getsignal(signum)
             if callable(handler):
                 handler(signum, frame)
         return False

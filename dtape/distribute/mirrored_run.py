@@ -21,7 +21,11 @@ Failures and lifecycle:
   * KeyboardInterrupt (or another BaseException) in the caller during `run`
     aborts the step and raises `StepAborted` asynchronously in the replicas
     running user code (delivered at their next Python bytecode; a long C
-    call ends first), waits briefly for them, and re-raises. At interpreter
+    call ends first), waits briefly for them, and re-raises. Replicas inside
+    the step's machinery (merge_call, an all-reduce: `Coordinator.shielded`)
+    are woken instead, and raise StepAborted when they leave it. Updates of
+    mirrored components run on the caller's thread in an `uninterrupted`
+    section: Ctrl-C is raised after their last write. At interpreter
     exit, replicas still running get the same, so no replica is inside
     torch when the interpreter finalizes.
 """
@@ -280,10 +284,12 @@ class Coordinator:
                     pass
                 self.abort_sent[replica_id] = False
 
-    def _resume_user(self, replica_id):
+    def _resume_user(self, replica_id, stop=True):
         with self.user_lock:
-            if self.aborted:  # no asynchronous abort reached this replica meanwhile: stop it here
-                raise StepAborted(f"replica {replica_id}: step aborted")
+            if self.aborted:  # no asynchronous abort reached this replica meanwhile
+                if stop:
+                    raise StepAborted(f"replica {replica_id}: step aborted")
+                return
             self.in_user[replica_id] = True
 
     def shielded(self, replica_id):
@@ -476,8 +482,8 @@ class _Shielded:
         return self
 
     def __exit__(self, exc_type, *exc):
-        if self._outer and exc_type is None:
-            self._coord._resume_user(self._replica_id)
+        if self._outer:  # an exception already leaving is not replaced by StepAborted
+            self._coord._resume_user(self._replica_id, stop=exc_type is None)
         return False
 
 

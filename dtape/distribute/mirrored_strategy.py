@@ -221,7 +221,9 @@ class MirroredStrategy(Strategy):
           `__context__`); TimeoutError if a replica neither finishes nor
           reaches merge_call within the timeout, or a merge_fn runs longer;
           RuntimeError after `close()`. On KeyboardInterrupt the step is
-          aborted on every replica and the strategy stays usable.
+          aborted on every replica and the strategy stays usable; an update
+          of mirrored variables in progress finishes first, so their
+          components stay identical.
         """
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run was called inside a replica context; call it from the "
