@@ -117,7 +117,7 @@ def _splice(inner):
     """
     records = inner.records()
     for op, in_ids, _, inputs, outputs, attrs in records:
-        _tp.record(op, in_ids, inputs, outputs, attrs)
+        _tp.record_reading(op, in_ids, inputs, outputs, attrs)  # a read in the body: a sibling replica's tape skips it
     return records
 
 
@@ -178,7 +178,7 @@ def _record_call(make_op, inputs, result):
         return result
     outputs = [Tensor(y.torch()) if isinstance(y, Tensor) else y for y in leaves]
     recorded = tuple(o for o in outputs if isinstance(o, Tensor))
-    _tp.record(make_op(targets), tuple([x._id for x in inputs]), tuple(inputs), recorded, None)
+    _tp.record_reading(make_op(targets), tuple([x._id for x in inputs]), tuple(inputs), recorded, None)
     return nest.pack_sequence_as(result, outputs)
 
 

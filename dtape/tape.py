@@ -11,7 +11,10 @@ active tape), with one narrowing: a tape opened on one replica thread of a
 `strategy.run` neither watches nor records the reads of the sibling replica
 threads of that same run (`replica_run_scope`), unless it watched that
 variable explicitly. Otherwise each replica's tape would record every other
-replica's forward pass, records growing with the number of replicas.
+replica's forward pass, records growing with the number of replicas. The
+same holds for ops that take a variable as an input (`record_reading`, a
+`dtape.function` call's op), and a function's private tape made in one
+replica records none of the sibling replicas' ops.
 
 Concurrency: the set is mutated under `_set_lock` and published as an
 immutable tuple, so the hot path reads one module global with no lock. Each
@@ -29,7 +32,7 @@ import weakref
 import torch
 
 from dtape._local import ThreadLocalScope
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 # Process-wide: the active tapes, published as an immutable tuple; replaced
 # (never mutated) under _set_lock. Readers take a snapshot without locking.
@@ -684,6 +687,38 @@ def variable_read(variable, out, op):
         state.paused = prev
 
 
+def record_reading(op, in_ids, inputs, outputs, attrs):
+    """`record` for an op that takes variables among its inputs (a `dtape.function` call's op).
+
+    Sibling replicas' tapes (same `strategy.run`, another replica thread)
+    record it only through an input they watch that is not a variable, or a
+    variable they watched explicitly, as `variable_read` treats a plain read:
+    every replica reads a shared variable itself, so every replica's tape
+    watches it, and recording the siblings' ops through it would make each
+    replica's tape record every replica's forward.
+    """
+    state = _thread_state
+    run = state.run
+    foreign = ()
+    if run is not None and not state.stopped:
+        scope = state.scope
+        variables = {i for i, x in zip(in_ids, inputs) if i is not None and is_variable(x)}
+        for tape in _tape_set:
+            if tape._run is run and tape._owner is not scope:
+                watched, explicit = tape._watched, tape._explicit
+                if not any(i in watched and (i not in variables or i in explicit) for i in in_ids):
+                    foreign += (tape,)
+    if not foreign:
+        record(op, in_ids, inputs, outputs, attrs)
+        return
+    prev = state.paused
+    state.paused = prev + foreign
+    try:
+        record(op, in_ids, inputs, outputs, attrs)
+    finally:
+        state.paused = prev
+
+
 def stand_in(tape):
     """Makes `tape` stand in for the tapes recording on this thread (`dtape.function`'s private tape).
 
@@ -757,6 +792,10 @@ def record(op, in_ids, inputs, outputs, attrs):
         else:
             continue
         if state.paused and tape in state.paused:
+            continue
+        if tape._stands_for and tape._run is not None and tape._run is state.run and tape._owner is not state.scope:
+            # a dtape.function's private tape made in one replica: the sibling replicas' ops (on a tensor
+            # they share, say) are no part of its call, and its backward would splice them onto this tape
             continue
         if out_ids is None:
             out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
@@ -955,7 +994,7 @@ class capture_variable_reads(ThreadLocalScope):
 
 
 __all__ = ["Tape", "RecordOp", "check_saved_versions", "active_tapes", "recording_tapes", "push_new_tape", "push_tape", "pop_tape",
-           "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
+           "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record", "record_reading",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
            "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

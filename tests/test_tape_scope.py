@@ -17,6 +17,7 @@ import torch
 import dtape
 from dtape import tape as _tp
 from dtape.distribute import MirroredStrategy
+from _strategies import mirrored
 
 TIMEOUT = 5
 
@@ -72,6 +73,85 @@ def test_records_per_replica_tape_do_not_grow_with_replicas(n, fast_switching):
     for got in grads:
         for g, r in zip(got, ref):
             torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+def _replica_call_step(n, wrap):
+    """As `_replica_step`, the forward inside `wrap` (dtape.function or recompute_grad): its one record
+    takes the plain variable `s` (which every replica's tape watches) and the shared `x` as inputs."""
+    strategy = mirrored(n)
+    with strategy.scope():
+        w = dtape.Variable(torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(4, 3))
+        b = dtape.Variable(torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64))
+    s = dtape.Variable(torch.tensor(_SCALE, dtype=torch.float64))
+    x = dtape.constant(torch.linspace(0.5, 2.0, 8, dtype=torch.float64).reshape(2, 4))
+    barrier = threading.Barrier(n, timeout=TIMEOUT)
+
+    @wrap
+    def forward(x):
+        return dtape.nn.relu(dtape.matmul(x, w) + b) * s
+
+    def step():
+        with dtape.GradientTape() as tape:
+            barrier.wait()  # every replica calls the function while the others' tapes are open
+            h = forward(x)
+            loss = dtape.reduce_mean(h * h)
+            barrier.wait()
+        records = dtape.constant(tape._tape.num_records())
+        # the first replicas out walk their backward (splicing the body) while the others' tapes are open
+        gw, gb, gs = tape.gradient(loss, [w, b, s])
+        return records, gw.torch(), gb.torch(), gs.torch()
+
+    out = strategy.run(step)
+    parts = [strategy.experimental_local_results(o) for o in out]
+    return [int(r) for r in parts[0]], list(zip(*parts[1:]))
+
+
+@pytest.mark.parametrize("wrap", [dtape.function, dtape.recompute_grad], ids=["function", "recompute_grad"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_records_of_a_function_per_replica_tape_do_not_grow_with_replicas(n, wrap, closes_strategies):
+    """A function's record (and its spliced body) reaches a sibling replica's tape through no variable."""
+    for _ in range(3):  # the overlap of forwards and backwards varies from run to run
+        records, grads = _replica_call_step(n, wrap)
+        # the function's one record, multiply, reduce_mean (grew as 3, 6, 9, 12 with the replicas)
+        assert records == [3] * n
+        ref = _reference_grads()
+        for got in grads:
+            for g, r in zip(got, ref):
+                torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+def test_a_function_called_in_a_replica_records_no_sibling_op(closes_strategies):
+    """The private tape of a function running in replica 0 watches its argument `x`, which replica 1 uses
+    meanwhile: replica 1's ops are no part of the call (its backward would splice them onto the tapes open
+    on replica 0's thread, duplicating replica 1's records on replica 1's own tape)."""
+    strategy = mirrored(2)
+    s = dtape.Variable(torch.tensor(_SCALE, dtype=torch.float64))
+    x = dtape.constant(torch.linspace(0.5, 2.0, 4, dtype=torch.float64))
+    barrier = threading.Barrier(2, timeout=TIMEOUT)
+
+    @dtape.function
+    def forward(x):
+        barrier.wait()  # replica 1 now computes on x
+        barrier.wait()
+        return x * s
+
+    def step():
+        if dtape.distribute.get_replica_context().replica_id_in_sync_group == 1:
+            barrier.wait()
+            y = dtape.tanh(x) * 3.0
+            barrier.wait()
+            barrier.wait()  # y lives until replica 0 counted: trace deletion would drop records of it
+            return dtape.constant(-1), dtape.reduce_sum(y)
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(forward(x))
+        (call, *_), = [r for r in tape._tape.records() if r[0].name == "forward"]
+        inner_records = call.tape.num_records()
+        barrier.wait()
+        return dtape.constant(inner_records), tape.gradient(loss, s)
+
+    counts, grads = (strategy.experimental_local_results(o) for o in strategy.run(step))
+    assert int(counts[0]) == 2  # the read of s and the multiply (4 with replica 1's tanh and multiply)
+    assert float(grads[0]) == float(dtape.reduce_sum(x))
 
 
 def _cube_on_a_plain_thread(v):
