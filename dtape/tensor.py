@@ -31,7 +31,8 @@ class Tensor:
     Operators (`+ - * / // % ** @`, unary `-`, `abs`, indexing) are
     differentiable and recorded on active tapes, also with a numpy array on
     the left (`np_array * x` is a recorded Tensor). A 0-d tensor formats as
-    a number (`f"{loss:.4f}"`); `np.asarray(x)` copies out; DLPack
+    a number (`f"{loss:.4f}"`); `x.numpy()` is a writable copy, `np.asarray(x)`
+    a read-only view (zero-copy on the CPU); DLPack
     (`np.from_dlpack(x)`, `torch.from_dlpack(x)`) shares memory.
 
     Source: tf.Tensor (EagerTensor) with torch dtypes and devices.
@@ -70,20 +71,15 @@ class Tensor:
         return self._t
 
     def numpy(self):
-        """A numpy copy of the value (moved to the CPU first).
+        """A numpy copy of the value (moved to the CPU first), writable; writing it leaves the tensor alone.
 
         Raises:
           TypeError: for dtypes numpy lacks (bfloat16): cast first, e.g. `dtape.cast(x, dtape.float32)`.
         """
-        try:
-            return self._t.detach().cpu().numpy()
-        except TypeError:
-            raise TypeError(f"numpy has no {self._t.dtype}: cast first, e.g. "
-                            f"dtape.cast(x, dtape.float32).numpy()") from None
+        return numpy_copy(self._t)
 
     def __array__(self, dtype=None, copy=None):
-        arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        return numpy_array(self._t, dtype, copy)
 
     def __float__(self):
         return float(self._t)
@@ -179,6 +175,48 @@ _UFUNC_OPERATORS = {
     np.greater: operator.gt, np.greater_equal: operator.ge, np.equal: operator.eq, np.not_equal: operator.ne,
     np.negative: operator.neg, np.positive: operator.pos, np.absolute: operator.abs,
 }
+
+
+def _host_numpy(t):
+    """numpy array of torch tensor `t`: its own memory on the CPU, a copy from another device."""
+    try:
+        return t.detach().cpu().numpy()
+    except TypeError:
+        raise TypeError(f"numpy has no {t.dtype}: cast first, e.g. "
+                        f"dtape.cast(x, dtape.float32).numpy()") from None
+
+
+def numpy_copy(t):
+    """`.numpy()` of a dtape value held as torch tensor `t`: a writable copy (tf EagerTensor.numpy()).
+
+    The value is immutable (a Tensor) or changes only through assign (a
+    variable); an array sharing its memory would let a write change it
+    behind the tapes, which saved it for the gradient.
+    """
+    arr = _host_numpy(t)
+    return arr.copy() if t.device.type == "cpu" else arr  # .cpu() already copied from another device
+
+
+def numpy_array(t, dtype=None, copy=None):
+    """`__array__` of a dtape value held as torch tensor `t` (the numpy 2 protocol).
+
+    copy=True gives a writable copy; otherwise a read-only array (zero-copy
+    on the CPU, so `np.asarray(x)` costs nothing, and a write raises numpy's
+    read-only error instead of changing the value). copy=False raises
+    ValueError where a copy cannot be avoided (another device or dtype).
+    """
+    if copy:
+        arr = numpy_copy(t)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+    arr = _host_numpy(t)
+    converts = dtype is not None and arr.dtype != np.dtype(dtype)
+    if copy is False and (converts or t.device.type != "cpu"):
+        raise ValueError(f"np.asarray(..., copy=False) of a dtape value of dtype {t.dtype} on {t.device}"
+                         f"{f' as {np.dtype(dtype)}' if converts else ''} needs a copy; pass copy=None or True")
+    if converts:
+        arr = arr.astype(dtype)
+    arr.flags.writeable = False
+    return arr
 
 
 def _display_numpy(t):

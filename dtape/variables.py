@@ -14,7 +14,7 @@ import torch
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import install_variable_operators
-from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr, storage_held_alone
+from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr, storage_held_alone, numpy_copy, numpy_array
 
 
 class VariableSynchronization(enum.Enum):
@@ -316,11 +316,11 @@ class Variable(metaclass=_VariableMeta):
     _dtape_read = read_value
 
     def numpy(self):
-        return self.torch().detach().cpu().numpy()
+        """A numpy copy of the value, writable; writing it leaves the variable alone (use `assign`)."""
+        return numpy_copy(self.torch())
 
     def __array__(self, dtype=None, copy=None):
-        arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        return numpy_array(self.torch(), dtype, copy)
 
     def torch(self):
         """The current torch.Tensor (no copy, not recorded)."""

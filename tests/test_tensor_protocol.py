@@ -154,6 +154,65 @@ def test_asarray_still_works_for_tensors_and_variables(strategy):
         np.testing.assert_allclose(x, [1.5, 2.5])
 
 
+def test_numpy_is_a_copy_so_a_write_changes_no_gradient():
+    """tf EagerTensor.numpy() copies: the tape saved the tensor's memory for the gradient (it read
+    [200, 4, 6] after `x.numpy()[0] = 100`)."""
+    x = dtape.constant([1.0, 2.0, 3.0], dtype="float64")
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        y = dtape.reduce_sum(x * x)
+    arr = x.numpy()
+    assert arr.flags.writeable
+    arr[0] = 100.0
+    np.testing.assert_array_equal(x.numpy(), [1.0, 2.0, 3.0])
+    tx = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    expected, = torch.autograd.grad((tx * tx).sum(), tx)
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), expected.numpy())  # [2, 4, 6]
+
+
+def test_numpy_of_a_variable_is_a_copy_in_either_context(strategy):
+    """A write into `.numpy()` changes no variable, and no single component of a distributed one."""
+    for v in _variables(strategy, [1.5, 2.5]):
+        v.numpy()[0] = 9.0
+        np.testing.assert_array_equal(v.numpy(), [1.5, 2.5])
+        for component in getattr(v, "values", (v,)):
+            np.testing.assert_array_equal(component.torch().numpy(), [1.5, 2.5])
+
+    with strategy.scope():
+        mv = dtape.Variable([1.5, 2.5])
+
+    def write():
+        mv.numpy()[0] = 9.0
+        return mv.read_value()
+
+    for value in strategy.experimental_local_results(strategy.run(write)):
+        np.testing.assert_array_equal(value.numpy(), [1.5, 2.5])
+
+
+def test_asarray_is_a_read_only_view_and_copy_true_a_writable_copy(strategy):
+    """np.asarray stays zero-copy on the CPU, but a write raises instead of changing an immutable value
+    (numpy 2 `__array__(dtype, copy)`: copy=True a writable copy, copy=False refuses a conversion)."""
+    t = dtape.constant([1.5, 2.5])
+    for x in [t] + _variables(strategy, [1.5, 2.5]):
+        arr = np.asarray(x)
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 9.0
+        with pytest.raises(ValueError, match="read-only"):
+            np.asarray(x, dtype=np.float64)[0] = 9.0
+        assert np.asarray(x, copy=False).flags.writeable is False
+        with pytest.raises(ValueError, match="needs a copy; pass copy=None or True"):
+            np.asarray(x, dtype=np.float64, copy=False)
+        for copied in (np.asarray(x, copy=True), np.array(x), x.__array__(copy=True),
+                       np.asarray(x, dtype=np.float64, copy=True)):
+            assert copied.flags.writeable
+            copied[0] = 9.0
+        np.testing.assert_array_equal(x.numpy(), [1.5, 2.5])
+    host = t.torch().numpy()
+    assert np.shares_memory(np.asarray(t), host) and not np.shares_memory(np.array(t), host)
+    assert not np.shares_memory(t.numpy(), host)
+
+
 def test_variables_share_tensors_protocol_functions(strategy):
     """One table: variables get Tensor's own __format__/__array_ufunc__/__dlpack__ functions."""
     for v in _variables(strategy, 1.0):

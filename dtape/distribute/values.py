@@ -15,7 +15,7 @@ from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops
 from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, numpy_copy, numpy_array
 from dtape.variables import VariableAggregation, install_tensor_protocol
 
 
@@ -139,16 +139,16 @@ class DistributedVariable(DistributedValues):
         return self._component().torch()
 
     def numpy(self):
-        """The value as numpy (cross-replica: the logical value, as `read_value()`); not recorded."""
-        return self._host_value().detach().cpu().numpy()
+        """The value as a writable numpy copy (cross-replica: the logical value, as `read_value()`);
+        not recorded. Writing it changes no component (use `assign`)."""
+        return numpy_copy(self._host_value())
 
     def torch(self):
         """The value as a torch.Tensor (cross-replica: the logical value); not recorded."""
         return self._host_value()
 
     def __array__(self, dtype=None, copy=None):
-        arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        return numpy_array(self._host_value(), dtype, copy)
 
     # writes: each subclass's `_write(method, value)` decides which components change
     def assign(self, value, read_value=False):
