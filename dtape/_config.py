@@ -3,6 +3,7 @@
 Process-wide, read-only after import. Stdlib only (layer 0).
 """
 import math
+import numbers
 import os
 import threading
 
@@ -18,14 +19,14 @@ def validate_timeout(value, source="timeout"):
     `timeout=` argument and DTAPE_DISTRIBUTE_TIMEOUT.
 
     Args:
-      value: a real number (int or float; not bool).
+      value: a real number (int, float, numpy integer or floating; not bool).
       source: what the value came from, for the message (e.g. "timeout=").
 
     Raises:
       TypeError: if `value` is not a real number.
       ValueError: if it is NaN, <= 0, infinite or above threading.TIMEOUT_MAX.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy numbers register as Real
         raise TypeError(f"{source} must be a number of seconds, got {type(value).__name__} {value!r}")
     value = float(value)
     if math.isnan(value) or value <= 0:

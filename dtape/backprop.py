@@ -12,6 +12,7 @@ import threading
 import warnings
 import weakref
 
+import numpy as np
 import torch
 
 from dtape import nest, ops
@@ -375,7 +376,7 @@ class GradientTape:
     its components in the cross-replica context (seed 2).
 
     Raises:
-      TypeError: `persistent` or `watch_accessed_variables` is not a bool;
+      TypeError: `persistent` or `watch_accessed_variables` is not a bool (numpy bools are bools);
         `gradient_sync` has no `start` method.
 
     Source: tf.GradientTape.
@@ -391,15 +392,15 @@ class GradientTape:
 
     def __init__(self, persistent=False, watch_accessed_variables=True, gradient_sync=None):
         for name, flag in (("persistent", persistent), ("watch_accessed_variables", watch_accessed_variables)):
-            if not isinstance(flag, bool):  # persistent="no" would be truthy: a persistent tape, silently
+            if not isinstance(flag, (bool, np.bool_)):  # persistent="no" would be truthy: a persistent tape, silently
                 raise TypeError(f"GradientTape({name}=...) must be True or False, got {type(flag).__name__} "
-                                f"{flag!r}; pass a bool, e.g. GradientTape({name}=True)")
+                                f"{flag!r}; pass a bool (or numpy bool), e.g. GradientTape({name}=True)")
         if gradient_sync is not None and not callable(getattr(gradient_sync, "start", None)):
             raise TypeError(f"gradient_sync must be a dtape.distribute.GradientSync (or None), got "
                             f"{type(gradient_sync).__name__}")
         self._gradient_sync = gradient_sync
-        self._persistent = persistent
-        self._watch_accessed_variables = watch_accessed_variables
+        self._persistent = bool(persistent)
+        self._watch_accessed_variables = bool(watch_accessed_variables)
         self._tape = None
         self._recording = False
         self._used = False

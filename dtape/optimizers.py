@@ -327,7 +327,15 @@ def _check_gradient(grad, var):
 
 
 def _check_hyper(owner, name, value, low, high, high_open=False):
-    """`value` as a float in [low, high] ([low, high) when high_open); `owner` names the optimizer for the message."""
+    """`value` as a float in [low, high] ([low, high) when high_open); `owner` names the optimizer for the message.
+
+    Read once, here: a callable (Keras 2 allows one for a hyperparameter, called at every step) is refused
+    with a TypeError; only `learning_rate` may be a schedule or callable.
+    """
+    if callable(value):
+        raise TypeError(f"{owner}: {name} must be a number, got the callable {value!r}: callable "
+                        f"hyperparameters are not supported (only learning_rate may be a schedule or "
+                        f"callable); pass the number it would return")
     try:
         x = float(value)
     except (TypeError, ValueError):

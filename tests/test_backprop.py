@@ -2,6 +2,7 @@
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +106,22 @@ def test_gradient_tape_flags_that_are_not_bools_raise(kwargs):
     with pytest.raises(TypeError, match=rf"GradientTape\({name}=...\) must be True or False, got "
                                         rf"{type(value).__name__}"):
         dtape.GradientTape(**kwargs)
+
+
+def test_gradient_tape_flags_accept_numpy_bools():
+    # np.bool_(True) (e.g. from a config array) was refused with a TypeError
+    x = dtape.constant(3.0)
+    with dtape.GradientTape(persistent=np.bool_(True)) as tape:
+        tape.watch(x)
+        y = x * x
+    assert tape._persistent is True  # stored as a bool
+    assert float(tape.gradient(y, x)) == 6.0 and float(tape.gradient(y, x)) == 6.0  # persistent: twice
+    v = dtape.Variable(2.0)
+    with dtape.GradientTape(persistent=np.bool_(False), watch_accessed_variables=np.bool_(False)) as tape:
+        y = v * v
+    assert tape.watched_variables() == () and tape.gradient(y, v) is None
+    with pytest.raises(RuntimeError, match="persistent=True"):
+        tape.gradient(y, v)
 
 
 def test_gradient_nested_structures_result_has_sources_structure():

@@ -445,6 +445,21 @@ def test_optimizer_hyperparameter_not_a_number_raises():
         dtape.optimizers.Adam(beta_1="0.9x")
 
 
+@pytest.mark.parametrize("name", ["beta_1", "beta_2", "epsilon"])
+def test_optimizer_callable_hyperparameter_is_refused_clearly(name):
+    # Keras 2 calls a callable hyperparameter at each step; dtape reads each once, at construction (it never
+    # supported callables: float(callable) failed before), so the message says so instead of "got function"
+    with pytest.raises(TypeError, match=rf"Adam: {name} must be a number, got the callable .*callable "
+                                        r"hyperparameters are not supported \(only learning_rate"):
+        dtape.optimizers.Adam(**{name: lambda: 0.5})
+
+
+def test_optimizer_hyperparameters_accept_numpy_numbers():
+    opt = dtape.optimizers.Adam(beta_1=np.float32(0.5), beta_2=np.float64(0.75), epsilon=np.float16(0.0))
+    assert (opt.beta_1, opt.beta_2, opt.epsilon) == (0.5, 0.75, 0.0)
+    assert all(type(x) is float for x in (opt.beta_1, opt.beta_2, opt.epsilon))
+
+
 def test_optimizer_hyperparameters_at_the_ends_of_their_ranges_are_accepted():
     opt = dtape.optimizers.Adam(0.0, beta_1=0.0, beta_2=0.0, epsilon=0.0)
     assert (opt.beta_1, opt.beta_2, opt.epsilon) == (0.0, 0.0, 0.0)

@@ -12,6 +12,7 @@ import time
 import tracemalloc
 import weakref
 
+import numpy as np
 import pytest
 
 import dtape
@@ -411,6 +412,18 @@ def test_valid_timeouts_accepted(monkeypatch):
     assert ds.MirroredStrategy(DEVICES)._timeout == _config.DISTRIBUTE_TIMEOUT_S
     monkeypatch.setenv("DTAPE_DISTRIBUTE_TIMEOUT", "0.5")
     assert _config._read_timeout("DTAPE_DISTRIBUTE_TIMEOUT", 300.0) == 0.5
+
+
+def test_numpy_number_timeouts_accepted_and_numpy_bools_refused():
+    # np.float32(2) was refused with a TypeError: numpy's numbers are real numbers (numbers.Real)
+    assert ds.MirroredStrategy(DEVICES, timeout=np.float32(2))._timeout == 2.0
+    assert ds.MirroredStrategy(DEVICES, timeout=np.int64(3))._timeout == 3.0
+    assert ds.CommunicationOptions(timeout_seconds=np.float32(2)).timeout_seconds == 2.0
+    assert type(ds.CommunicationOptions(timeout_seconds=np.float64(2.5)).timeout_seconds) is float
+    with pytest.raises(ValueError, match="finite"):
+        ds.CommunicationOptions(timeout_seconds=np.float64(np.inf))
+    with pytest.raises(TypeError, match="number"):
+        ds.MirroredStrategy(DEVICES, timeout=np.bool_(True))
 
 
 # -- tapes never exited -----------------------------------------------------------
