@@ -49,7 +49,8 @@ class uninterrupted:
     so the components never end up different. On the main thread the
     Python handlers of SIGINT and SIGTERM are swapped for one that records
     the signal, then restored, and the recorded signals handed to them in
-    arrival order, on exit. On other threads (which never run signal
+    arrival order, on exit; a handler that code inside the section installs
+    stays installed. On other threads (which never run signal
     handlers) and in nested sections it does nothing. Keep the section
     short: it is how long Ctrl-C may wait.
 
@@ -88,13 +89,18 @@ class uninterrupted:
         if not self._active:
             return False
         previous = _Deferral.previous
+        held_for = {}  # signal -> the handler it was held for, where code in the section installed another
         for s in list(previous):
             if callable(previous[s]):
-                _signal.signal(s, previous[s])
+                if _signal.getsignal(s) is _hold:
+                    _signal.signal(s, previous[s])
+                else:  # a handler installed inside the section stays, as it would without the section
+                    held_for[s] = previous[s]
             del previous[s]
         pending, _Deferral.pending = _Deferral.pending, []
         for signum, frame in pending:  # a handler that raises ends the replay, as it would end the code
-            handler = _signal.getsignal(signum)
+            # a signal goes to the handler in force when it arrived (its replacement gets later ones)
+            handler = held_for.get(signum) or _signal.getsignal(signum)
             if callable(handler):
                 handler(signum, frame)
         return False

@@ -71,6 +71,37 @@ def test_a_python_handler_gets_each_signal_in_order_at_the_end_and_is_restored()
             signal.signal(s, h)
 
 
+def test_a_handler_installed_inside_a_section_stays_installed():
+    """The section restored the handler it replaced over one that code inside it installed (an optimizer
+    step runs in a section, so a handler installed by a callback there was silently dropped)."""
+    got = []
+
+    def before(signum, frame):
+        got.append(("before", signum))
+
+    def mine(signum, frame):
+        got.append(("mine", signum))
+
+    old = {s: signal.signal(s, before) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with uninterrupted():
+            signal.raise_signal(signal.SIGINT)  # held back, for the handler in force now
+            _spin()
+            assert signal.signal(signal.SIGINT, mine) is not before  # the section's own stand-in
+            signal.raise_signal(signal.SIGINT)  # the new handler's: runs now
+            _spin()
+            assert got == [("mine", signal.SIGINT)]
+        assert signal.getsignal(signal.SIGINT) is mine
+        assert signal.getsignal(signal.SIGTERM) is before  # not touched inside: restored
+        assert got == [("mine", signal.SIGINT), ("before", signal.SIGINT)]
+        with uninterrupted():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def test_section_without_an_interrupt_changes_nothing_and_works_off_the_main_thread():
     with uninterrupted():
         pass
