@@ -12,6 +12,7 @@ import torch
 
 from dtape.ops import _samples as S
 from dtape.ops import array_ops
+from dtape.ops._axes import AxisError, canonical_axis, reduction_axes  # noqa: F401 - AxisError: public here
 from dtape.ops._dispatch import call_fallback
 from dtape.ops._registry import TORCH_TABLE, defop, kernel_value
 from dtape.tensor import convert_to_tensor, is_variable
@@ -572,28 +573,6 @@ def _(dy, ans, inputs):
 
 
 # -- reductions ---------------------------------------------------------------
-class AxisError(ValueError, IndexError):
-    """An axis outside a tensor's dimensions (numpy's AxisError: both a ValueError, as TF's
-    InvalidArgumentError is one, and the IndexError torch raises)."""
-
-
-def reduction_axes(ndim, axis, op="reduce"):
-    """`axis` (None, int or sequence; negative counts from the end) as sorted non-negative axes.
-
-    Raises:
-      AxisError: an axis outside [-ndim, ndim) (a 0-d tensor takes 0 and -1, as torch).
-    """
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    bound = max(ndim, 1)
-    for a in axes:
-        if not -bound <= a < bound:
-            raise AxisError(f"{op}: axis {a} is out of range for a tensor of rank {ndim}; "
-                            f"axes must be in [{-bound}, {bound - 1}]")
-    return tuple(sorted(a % ndim if ndim else 0 for a in axes))
-
-
 def _keep_shape(shape, axis):
     axes = reduction_axes(len(shape), axis)
     return [1 if i in axes else s for i, s in enumerate(shape)]
@@ -771,13 +750,13 @@ def logical_not(x):
 @defop()
 def argmax(x, axis=None, output_type=torch.int64):
     """Index of the max along `axis` (None: axis 0, as TF). Source: tf.math.argmax."""
-    return torch.argmax(x, dim=0 if axis is None else axis).to(output_type)
+    return torch.argmax(x, dim=canonical_axis(0 if axis is None else axis, x.ndim, "argmax")).to(output_type)
 
 
 @defop()
 def argmin(x, axis=None, output_type=torch.int64):
     """Index of the min along `axis` (None: axis 0, as TF). Source: tf.math.argmin."""
-    return torch.argmin(x, dim=0 if axis is None else axis).to(output_type)
+    return torch.argmin(x, dim=canonical_axis(0 if axis is None else axis, x.ndim, "argmin")).to(output_type)
 
 
 def _torch_reduce(torch_fn, op):
