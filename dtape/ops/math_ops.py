@@ -504,10 +504,10 @@ def _einsum_operand_grad(dy, operands, i, equation):
 
     The letters of operand i that occur elsewhere (output or other operands)
     come from one einsum of dy with the other operands; a letter found only
-    in operand i is broadcast back, a letter repeated in it (a diagonal,
-    'ii->i') puts the gradient on that diagonal (identity factors), and a
-    size-1 dimension that the einsum broadcast against a larger one is
-    summed back to size 1.
+    in operand i is broadcast back, and a letter repeated in it (a
+    diagonal, 'ii->i') puts the gradient on that diagonal (identity
+    factors). A size-1 dimension the einsum broadcast comes back at the
+    full size: the walk sums it down, as for any broadcasting op.
     """
     lhs, out = equation.split("->")
     subs = lhs.split(",")
@@ -516,9 +516,6 @@ def _einsum_operand_grad(dy, operands, i, equation):
     present = "".join(dict.fromkeys(c for c in target if c in out or any(c in s for s in others)))
     g = torch.einsum(",".join([out] + others) + "->" + present, dy, *[operands[j] for j in range(len(subs)) if j != i])
     size = {c: operands[i].shape[target.index(c)] for c in target}
-    wide = [k for k, c in enumerate(present) if size[c] == 1 and g.shape[k] != 1]
-    if wide:  # broadcast by the einsum: the gradient sums over the copies
-        g = torch.sum(g, dim=wide, keepdim=True)
     if len(set(target)) != len(target):
         return _onto_diagonals(g, present, target, size, equation)
     shape = [operands[i].shape[k] for k in range(len(target))]
