@@ -597,6 +597,13 @@ def _sublist_equation(args):
     return ",".join(subs), operands
 
 
+def _torch_einsum(equation, *operands):
+    """torch.einsum's calls: einsum(eq, a, b), einsum(eq, [a, b]) and the sublist form."""
+    if isinstance(equation, str) and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    return einsum(equation, *operands)
+
+
 def _explicit_equation(equation, ndims):
     """The equation with '->' written out and every '...' replaced by letters for its dimensions
     (right-aligned, as broadcasting), so the gradient rule reads one form: 'ij,jk' -> 'ij,jk->ik',
@@ -851,7 +858,7 @@ def _register_torch_adapters():
         TORCH_TABLE[fn] = _bmm_torch
     TORCH_TABLE[torch.sum] = _torch_reduce(torch.sum, reduce_sum)
     TORCH_TABLE[torch.mean] = _torch_reduce(torch.mean, reduce_mean)
-    TORCH_TABLE[torch.einsum] = lambda eq, *ops: einsum(eq, *(ops[0] if isinstance(eq, str) and len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops))
+    TORCH_TABLE[torch.einsum] = _torch_einsum
 
 
 _register_torch_adapters()
