@@ -2,6 +2,7 @@
 bounds, NaN and tied extremes, out-of-range axes, `out=`, and valid input that used to raise."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,100 @@ def test_strategy_reduce_out_of_range_axis_raises_naming_the_call():
     assert strategy.reduce("SUM", v, axis=-1).torch().tolist() == [6.0, 6.0]
 
 
+X23 = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: dtape.gather(x, [0], axis=2), lambda x: dtape.gather(x, [0], axis=-3),
+    lambda x: dtape.concat([x, x], axis=2), lambda x: dtape.concat([x, x], axis=-3),
+    lambda x: dtape.stack([x, x], axis=3), lambda x: dtape.stack([x, x], axis=-4),
+    lambda x: dtape.split(x, 1, axis=2), lambda x: dtape.split(x, 2, axis=-3),
+    lambda x: dtape.expand_dims(x, 3), lambda x: dtape.expand_dims(x, -4),
+    lambda x: dtape.squeeze(dtape.reshape(x, [1, 6]), 2), lambda x: dtape.squeeze(dtape.reshape(x, [1, 6]), -3),
+    lambda x: dtape.nn.softmax(x, axis=2), lambda x: dtape.nn.log_softmax(x, axis=-3),
+    lambda x: dtape.argmax(x, axis=2), lambda x: dtape.argmin(x, axis=-3),
+    lambda x: dtape.one_hot(dtape.constant([0, 1]), 3, axis=2),
+    lambda x: dtape.one_hot(dtape.constant([0, 1]), 3, axis=-2),
+    lambda x: dtape.gather(x, dtape.constant([[0], [1]]), axis=1, batch_dims=-3),
+    lambda x: dtape.gather(x, dtape.constant([[0], [1]]), axis=1, batch_dims=3),
+], ids=["gather2", "gather-3", "concat2", "concat-3", "stack3", "stack-4", "split2", "split-3", "expand3",
+        "expand-4", "squeeze2", "squeeze-3", "softmax2", "log_softmax-3", "argmax2", "argmin-3", "one_hot2",
+        "one_hot-2", "batch_dims-3", "batch_dims3"])
+def test_axis_taking_ops_refuse_an_out_of_range_axis_instead_of_wrapping(call):
+    # gather took axis=2 as axis 0 ([[0, 1, 2]]) and axis=-3 as axis 1 ([[0], [3]]); TF raises
+    x = dtape.constant(X23)
+    with pytest.raises(dtape.ops.math_ops.AxisError, match=r"is out of range for (a tensor|indices) of rank \d"):
+        call(x)
+
+
+def test_gather_negative_batch_dims_counts_from_the_indices_rank_as_tf():
+    # TF adds rank(indices): -1 on rank-2 indices is 1 (it was read as 2, past the indices' batch)
+    x = dtape.constant(X23)
+    idx = dtape.constant([[2, 0], [1, 1]])
+    want = dtape.gather(x, idx, axis=1, batch_dims=1).torch()
+    assert want.tolist() == [[2.0, 0.0], [4.0, 4.0]]
+    assert torch.equal(dtape.gather(x, idx, axis=1, batch_dims=-1).torch(), want)
+
+
+@pytest.mark.parametrize("perm, match", [([0, 0], "not a permutation"), ([1, -1], "not a permutation"),
+                                         ([0], "1 entries for a tensor of rank 2"), ([0, 2], "out of range")])
+def test_transpose_perm_must_be_a_permutation(perm, match):
+    with pytest.raises(ValueError, match=match):
+        dtape.transpose(dtape.constant(X23), perm)
+
+
+@pytest.mark.parametrize("name", REDUCTIONS + ["moments"])
+@pytest.mark.parametrize("axis", [0, -1, [0]])
+def test_reduce_any_axis_of_a_scalar_raises_as_tf(name, axis):
+    # sum/mean/prod/logsumexp returned the scalar, max/min raised a bare IndexError
+    fn = dtape.nn.moments if name == "moments" else getattr(dtape, name)
+    with pytest.raises(dtape.ops.math_ops.AxisError,
+                       match=rf"{name}: axis -?[01] is out of range for a tensor of rank 0; a 0-d tensor has no axis"):
+        fn(dtape.constant(3.0), axis)
+    assert fn(dtape.constant(3.0), None if name != "moments" else []) is not None
+
+
+@pytest.mark.parametrize("name", REDUCTIONS + ["moments"])
+@pytest.mark.parametrize("axis", [[0, 0], [1, -1], (-2, 0, 1)])
+def test_reduce_duplicate_axes_raise_one_message(name, axis):
+    # reduce_prod computed silently, the others raised torch's "dim 1 appears multiple times"
+    fn = dtape.nn.moments if name == "moments" else getattr(dtape, name)
+    with pytest.raises(ValueError, match=rf"{name}: axes .* contain a duplicate dimension"):
+        fn(dtape.constant(X23), axis)
+
+
+def _axis_spellings(axis):
+    spellings = [np.int64(axis) if isinstance(axis, int) else np.array(axis, dtype=np.int32),
+                 dtape.constant(axis), torch.tensor(axis), dtape.Variable(axis)]
+    return spellings + ([[np.int32(a) for a in axis]] if isinstance(axis, list) else [])
+
+
+@pytest.mark.parametrize("name", REDUCTIONS + ["moments"])
+@pytest.mark.parametrize("axis", [1, -2, [0, 1], [1]])
+def test_reduce_axis_as_numpy_int_or_integer_tensor_matches_the_int(name, axis):
+    # np.int64 and dtape.constant raised TypeError, dtape.constant([0, 1]) a RecursionError
+    fn = dtape.nn.moments if name == "moments" else getattr(dtape, name)
+    a = torch.tensor(X23, dtype=D) + 0.5
+    want = _grads(lambda x: fn(x, axis)[0] if name == "moments" else fn(x, axis), a.tolist())
+    for spelled in _axis_spellings(axis):
+        got = _grads(lambda x: fn(x, spelled)[0] if name == "moments" else fn(x, spelled), a.tolist())
+        _assert_same([got[0]] + got[1], [want[0]] + want[1])
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, ax: dtape.gather(x, [2, 0], axis=ax), lambda x, ax: dtape.concat([x, x], axis=ax),
+    lambda x, ax: dtape.stack([x, x], axis=ax), lambda x, ax: dtape.split(x, [1, 2], axis=ax)[1],
+    lambda x, ax: dtape.expand_dims(x, ax) * 2.0, lambda x, ax: dtape.nn.softmax(x, axis=ax),
+    lambda x, ax: dtape.nn.log_softmax(x, axis=ax), lambda x, ax: dtape.transpose(x, [ax, 0]),
+    lambda x, ax: dtape.squeeze(dtape.expand_dims(x, 2), ax + 1) * 2.0,
+], ids=["gather", "concat", "stack", "split", "expand_dims", "softmax", "log_softmax", "transpose", "squeeze"])
+def test_axis_taking_ops_accept_numpy_ints_and_integer_tensors(call):
+    want = _grads(lambda x: call(x, 1), X23)
+    for spelled in _axis_spellings(1):
+        got = _grads(lambda x: call(x, spelled), X23)
+        _assert_same([got[0]] + got[1], [want[0]] + want[1])
+
+
 # -- out= is refused --------------------------------------------------------------
 def test_torch_fallback_out_into_dtape_tensor_is_refused_and_leaves_it_unchanged():
     x = dtape.constant([1.0, 1.0, 1.0])
@@ -246,6 +341,46 @@ def test_einsum_implicit_output_values_and_gradients_match_torch(equation, shape
         want, want_g = _torch_grads(lambda *xs: torch.einsum(equation, *xs), *vals)
         assert got.shape == want.shape
         _assert_same([got] + got_g, [want] + want_g)
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("...ij,jk->...ik", [(2, 5, 3, 4), (4, 2)]), ("...ij,...jk", [(2, 1, 3, 4), (5, 4, 2)]),
+    ("i...->...", [(3, 2, 4)]), ("...,...->...", [(2, 1), (3,)]), ("ii->i", [(3, 3)]), ("ii->", [(3, 3)]),
+    ("bii->bi", [(2, 3, 3)]), ("iij,jk->ik", [(3, 3, 2), (2, 4)]), ("ij,ii->j", [(3, 2), (3, 3)]),
+    ("iji->j", [(3, 2, 3)]), ("xyi,xyi->xy", [(5, 1, 2), (5, 3, 2)]),
+])
+def test_einsum_ellipsis_repeated_and_broadcast_indices_match_torch_to_second_order(equation, shapes):
+    # the gradient raised NotImplementedError for an ellipsis or an index repeated within one operand
+    gen = torch.Generator().manual_seed(2)
+    vals = [torch.randn(s, generator=gen, dtype=D) for s in shapes]
+    tx = [v.clone().requires_grad_() for v in vals]
+    y = torch.einsum(equation, *tx)
+    w = torch.randn(y.shape, generator=gen, dtype=D)
+    g1 = torch.autograd.grad((y * w).sum(), tx, create_graph=True)
+    g2 = torch.autograd.grad(sum((g * g * torch.tanh(x)).sum() for g, x in zip(g1, tx)), tx)
+    xs = [dtape.Variable(v) for v in vals]
+    with dtape.GradientTape() as outer:
+        with dtape.GradientTape() as inner:
+            got = dtape.einsum(equation, *xs)
+            total = dtape.reduce_sum(got * dtape.constant(w))
+        d1 = inner.gradient(total, xs)
+        second = sum(dtape.reduce_sum(g * g * dtape.tanh(x)) for g, x in zip(d1, xs))
+    d2 = outer.gradient(second, xs)
+    _assert_same([t.torch() for t in [got, *d1, *d2]], [t.detach() for t in [y, *g1, *g2]])
+
+
+@pytest.mark.parametrize("args", [
+    lambda a, b: (a, [0, 1], b, [1, 2]), lambda a, b: (a, [0, 1], b, [1, 2], [2, 0]),
+    lambda a, b: (a, [Ellipsis, 1], b, [1, 2], [Ellipsis, 2]), lambda a, b: (a, [0, 27], b, [27, 1]),
+], ids=["implicit", "explicit", "ellipsis", "upper-case"])
+def test_torch_einsum_sublist_form_values_and_gradients_match_torch(args):
+    # torch.einsum(a, [0, 1], b, [1, 2]) raised AttributeError "'Tensor' object has no attribute 'replace'"
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 3, generator=gen, dtype=D).tolist(), torch.randn(3, 4, generator=gen, dtype=D).tolist()
+    got, got_g = _grads(lambda x, y: torch.einsum(*args(x, y)), a, b)
+    want, want_g = _torch_grads(lambda x, y: torch.einsum(*args(x, y)), a, b)
+    assert got.shape == want.shape
+    _assert_same([got] + got_g, [want] + want_g)
 
 
 @pytest.mark.parametrize("key", [[], (slice(None), [])])

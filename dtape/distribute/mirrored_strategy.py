@@ -16,11 +16,18 @@ from dtape.tensor import normalize_device
 from dtape.variables import VariableSynchronization
 
 
+# torch keeps a device index in 8 bits: 'cpu:128' would silently become 'cpu:-128'
+_MAX_DEVICE_INDEX = 127
+
+
 def _validate_devices(devices):
     """The replicas' device names in canonical form ('cpu:N', 'cuda:N'), distinct and available."""
     if devices is None:
         n = torch.cuda.device_count()
         devices = [f"cuda:{i}" for i in range(n)] if n else ["cpu:0"]
+    if isinstance(devices, (str, torch.device)):  # as TF: a list of devices, even for one
+        raise ValueError(f"MirroredStrategy(devices=...) takes a list of device names, got the single "
+                         f"{type(devices).__name__} {str(devices)!r}; pass [{str(devices)!r}]")
     given = [str(d) for d in devices]
     if not given:
         raise ValueError("MirroredStrategy needs at least one device, e.g. devices=['cpu:0', 'cpu:1']")
@@ -36,28 +43,63 @@ def _validate_devices(devices):
     return devices
 
 
+_NAMES = "name devices 'cpu:0', 'cpu:1', ... or 'cuda:0', 'cuda:1', ..."
+
+
 def _canonical_device(name):
     """'CPU:0', 'cpu' -> 'cpu:0'; 'gpu:1', 'CUDA:1' -> 'cuda:1'; 'cuda' -> the current CUDA device.
 
-    Two spellings of one device would otherwise make two replicas share it,
-    and a malformed index ('cpu:x') would be taken as 'cpu'.
+    TF's spellings name the same devices: '/cpu:0', '/device:CPU:0',
+    '/job:localhost/replica:0/task:0/device:GPU:1' (this process's job,
+    replica and task only). Two spellings of one device would otherwise make
+    two replicas share it, and a malformed index ('cpu:x') would be taken
+    as 'cpu'.
     """
-    kind, sep, index = name.strip().lower().partition(":")
+    kind, index = _parse_device(name)
     kind = "cuda" if kind == "gpu" else kind
-    if sep and not re.fullmatch("[0-9]+", index):
-        raise ValueError(f"MirroredStrategy device {name!r} has no valid index (expected a number after ':'); "
-                         "name devices 'cpu:0', 'cpu:1', ... or 'cuda:0', 'cuda:1', ...")
+    if index is not None and not re.fullmatch("[0-9]+", index):
+        raise ValueError(f"MirroredStrategy device {name!r} has no valid index (expected a number after "
+                         f"'{kind}:'); {_NAMES}")
+    if index is not None and int(index) > _MAX_DEVICE_INDEX:
+        raise ValueError(f"MirroredStrategy device {name!r}: index {int(index)} is past {_MAX_DEVICE_INDEX}, "
+                         f"the largest device index torch holds; {_NAMES}")
     if kind == "cpu":
-        return f"cpu:{int(index) if sep else 0}"
+        return f"cpu:{int(index) if index is not None else 0}"
     try:
-        dev = torch.device(f"{kind}:{int(index)}" if sep else kind)
+        dev = torch.device(f"{kind}:{int(index)}" if index is not None else kind)
     except RuntimeError:
-        raise ValueError(f"MirroredStrategy device {name!r} is not a device name; name devices "
-                         "'cpu:0', 'cpu:1', ... or 'cuda:0', 'cuda:1', ...") from None
+        raise ValueError(f"MirroredStrategy device {name!r} is not a device name; {_NAMES}") from None
     if dev.index is None:
         current = torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0
         dev = torch.device(dev.type, current)
     return str(dev)
+
+
+def _parse_device(name):
+    """(kind, index or None) of 'cpu:0', 'cuda', or a TF device string ('/job:localhost/replica:0/
+    task:0/device:CPU:0', '/device:GPU:1', '/gpu:1'); kind lower-case, index as written."""
+    parts = [p for p in name.strip().split("/") if p]
+    if not parts:
+        raise ValueError(f"MirroredStrategy device {name!r} is not a device name; {_NAMES}")
+    found = None
+    for part in parts:
+        field, sep, value = part.partition(":")
+        field = field.lower()
+        if sep and field in ("job", "replica", "task"):
+            if value != {"job": "localhost"}.get(field, "0"):
+                raise ValueError(f"MirroredStrategy device {name!r} names {field} {value!r}: its replicas run in "
+                                 "this process (job:localhost, replica:0, task:0); name local devices, e.g. "
+                                 "'cpu:0' or 'cuda:1', and use MultiWorkerMirroredStrategy across processes")
+            continue
+        if field == "device" and sep:  # '/device:CPU:0' -> 'CPU:0'
+            field, sep, value = value.partition(":")
+            field = field.lower()
+        if found is not None or not field:
+            raise ValueError(f"MirroredStrategy device {name!r} is not a device name; {_NAMES}")
+        found = (field, value if sep else None)
+    if found is None:
+        raise ValueError(f"MirroredStrategy device {name!r} names no device; {_NAMES}")
+    return found
 
 
 class MirroredStrategy(Strategy):
@@ -66,9 +108,12 @@ class MirroredStrategy(Strategy):
     Args:
       devices: device names, e.g. ["cuda:0", "cuda:1"], or ["cpu:0", "cpu:1"]
         for replicas simulated as threads on the CPU. Default: every GPU, else one CPU.
-        Names are made canonical ('CPU:0' and 'cpu' are 'cpu:0', 'gpu:1' is
-        'cuda:1'; `extended.worker_devices` holds them) and must be distinct:
-        a ValueError names duplicates and malformed names ('cpu:x').
+        Names are made canonical ('CPU:0', 'cpu' and TF's '/cpu:0',
+        '/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:0' are
+        'cpu:0', 'gpu:1' and '/gpu:1' are 'cuda:1'; `extended.worker_devices`
+        holds them) and must be distinct: a ValueError names duplicates,
+        malformed names ('cpu:x'), indices past 127, other jobs or tasks,
+        and a bare string instead of a list (as TF, always a list).
       timeout: seconds a step may wait on a replica, or a merge_fn may run,
         before TimeoutError (default DTAPE_DISTRIBUTE_TIMEOUT, 300). Finite
         and > 0: NaN, zero, negative and infinity raise ValueError (every

@@ -8,6 +8,7 @@ import builtins
 import torch
 
 from dtape.ops import _samples as S
+from dtape.ops._axes import AxisError, axis_values, canonical_axis, permutation
 from dtape.ops._dispatch import call_fallback
 from dtape.ops._registry import TORCH_TABLE, defop
 from dtape.tensor import (DEFAULT_FLOAT_DTYPE, Tensor, to_torch, as_dtype, default_device, is_variable,
@@ -49,14 +50,14 @@ def transpose(a, perm=None):
     nothing, forward or backward (a 2-D transpose stays a view: matrix
     products read transposed strides directly).
     """
-    perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
+    perm = list(_brange(a.ndim))[::-1] if perm is None else permutation(perm, a.ndim)
     out = torch.permute(a, perm)
     return out.contiguous() if out.ndim > 2 else out
 
 
 @transpose.grad
 def _(dy, ans, a, perm=None):
-    perm = list(_brange(a.ndim))[::-1] if perm is None else [p % a.ndim for p in perm]
+    perm = list(_brange(a.ndim))[::-1] if perm is None else permutation(perm, a.ndim)
     return transpose.any(dy, _invert(perm))
 
 
@@ -72,7 +73,7 @@ TORCH_TABLE[torch.transpose] = _torch_transpose
 @defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"axis": 1}), ((S.randn(rng, 2, 3),), {"axis": -1})])
 def expand_dims(input, axis):  # noqa: A002 - TF's argument name
     """Inserts a size-1 dimension at `axis` (negative counts from the end of the result). Source: tf.expand_dims."""
-    return torch.unsqueeze(input, axis)
+    return torch.unsqueeze(input, canonical_axis(axis, input.ndim, "expand_dims", inserts=True))
 
 
 @expand_dims.grad
@@ -89,11 +90,12 @@ def squeeze(input, axis=None):  # noqa: A002
     """
     if axis is None:
         return torch.squeeze(input)
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    for a in axes:
+    axes = axis_values(axis, "squeeze")
+    axes = {canonical_axis(a, input.ndim, "squeeze") for a in ((axes,) if isinstance(axes, int) else axes)}
+    for a in sorted(axes):
         if input.shape[a] != 1:
             raise ValueError(f"squeeze: dimension {a} has size {input.shape[a]}, not 1 (shape {tuple(input.shape)})")
-    return torch.reshape(input, [s for i, s in enumerate(input.shape) if i not in {a % input.ndim for a in axes}])
+    return torch.reshape(input, [s for i, s in enumerate(input.shape) if i not in axes])
 
 
 @squeeze.grad
@@ -109,11 +111,16 @@ def _concat_samples(rng):
 @defop(list_input=True, samples=_concat_samples, saves="none", complex_grad=True)
 def concat(values, axis):
     """Joins a list of tensors along an existing `axis`. Source: tf.concat."""
-    return torch.cat(list(values), dim=axis)
+    return torch.cat(list(values), dim=_concat_axis(values, axis))
+
+
+def _concat_axis(values, axis):
+    return canonical_axis(axis, values[0].ndim if values else 1, "concat")
 
 
 @concat.grad
 def _(dy, ans, values, axis):
+    axis = _concat_axis(values, axis)
     sizes = [v.shape[axis] for v in values]
     return tuple(torch.split(dy, sizes, dim=axis))
 
@@ -125,12 +132,16 @@ def _stack_samples(rng):
 @defop(list_input=True, samples=_stack_samples, saves="none", complex_grad=True)
 def stack(values, axis=0):
     """Stacks same-shape tensors along a new `axis`. Source: tf.stack."""
-    return torch.stack(list(values), dim=axis)
+    return torch.stack(list(values), dim=_stack_axis(values, axis))
+
+
+def _stack_axis(values, axis):
+    return canonical_axis(axis, values[0].ndim if values else 0, "stack", inserts=True)
 
 
 @stack.grad
 def _(dy, ans, values, axis=0):
-    return tuple(torch.unbind(dy, dim=axis))
+    return tuple(torch.unbind(dy, dim=_stack_axis(values, axis)))
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 3, 1),), {"shape": (2, 3, 4)})], complex_grad=True)
@@ -341,13 +352,14 @@ def split(value, num_or_size_splits, axis=0):
 
     Source: tf.split.
     """
+    axis = canonical_axis(axis, value.ndim, "split")
     sizes = _split_sizes(value.shape[axis], num_or_size_splits)
     return tuple(torch.split(value, sizes, dim=axis))
 
 
 @split.grad
 def _(dys, ans, value, num_or_size_splits, axis=0):
-    return torch.cat(list(dys), dim=axis)
+    return torch.cat(list(dys), dim=canonical_axis(axis, value.ndim, "split"))
 
 
 def _tile_samples(rng):
@@ -384,9 +396,13 @@ def _(dy, ans, input, multiples):  # noqa: A002
 # -- gather -------------------------------------------------------------------
 def _gather_layout(pshape, ishape, axis, batch_dims):
     """Permutation of params to [batch..., n, mid..., rest...] for a batched take along `axis`."""
-    rank = len(pshape)
-    batch_dims = batch_dims % (len(ishape) + 1) if batch_dims < 0 else batch_dims
-    axis = batch_dims if axis is None else axis % rank
+    rank, irank = len(pshape), len(ishape)
+    batch_dims = axis_values(batch_dims, "gather", "batch_dims")
+    if isinstance(batch_dims, tuple) or not -irank <= batch_dims <= irank:
+        raise AxisError(f"gather: batch_dims {batch_dims} is out of range for indices of rank {irank}; "
+                        f"batch_dims must be in [{-irank}, {irank}] (negative counts from the indices' rank)")
+    batch_dims = batch_dims + irank if batch_dims < 0 else batch_dims
+    axis = batch_dims if axis is None else canonical_axis(axis, rank, "gather")
     if not batch_dims <= axis < rank:
         raise ValueError(f"gather: need batch_dims <= axis < rank, got batch_dims={batch_dims}, axis={axis}, "
                          f"params rank {rank}")
@@ -559,6 +575,10 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
     Source: tf.one_hot.
     """
     dtype = as_dtype(dtype)
+    axis = axis_values(axis, "one_hot")
+    if isinstance(axis, tuple) or not (axis == -1 or 0 <= axis <= indices.ndim):
+        raise AxisError(f"one_hot: axis {axis} is out of range for indices of rank {indices.ndim}; "
+                        f"axis must be -1 (last) or in [0, {indices.ndim}]")
     valid = torch.logical_and(indices >= 0, indices < depth)
     hot = torch.nn.functional.one_hot(torch.where(valid, indices, 0).long(), depth).bool()
     hot = torch.logical_and(hot, valid.unsqueeze(-1))

@@ -12,9 +12,10 @@ import torch
 
 from dtape.ops import _samples as S
 from dtape.ops import array_ops
+from dtape.ops._axes import AxisError, canonical_axis, reduction_axes  # noqa: F401 - AxisError: public here
 from dtape.ops._dispatch import call_fallback
 from dtape.ops._registry import TORCH_TABLE, defop, kernel_value
-from dtape.tensor import convert_to_tensor, is_variable
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
            "sign", "pow", "square", "sqrt", "rsqrt", "exp", "log", "log1p", "sin", "cos", "tanh",
@@ -499,12 +500,24 @@ def _einsum_fwd(inputs, equation):
 
 
 def _einsum_operand_grad(dy, operands, i, equation):
-    lhs, out = equation.replace(" ", "").split("->")
+    """d(sum dy * einsum)/d(operand i) for an explicit, ellipsis-free equation.
+
+    The letters of operand i that occur elsewhere (output or other operands)
+    come from one einsum of dy with the other operands; a letter found only
+    in operand i is broadcast back, and a letter repeated in it (a
+    diagonal, 'ii->i') puts the gradient on that diagonal (identity
+    factors). A size-1 dimension the einsum broadcast comes back at the
+    full size: the walk sums it down, as for any broadcasting op.
+    """
+    lhs, out = equation.split("->")
     subs = lhs.split(",")
     target = subs[i]
-    present = "".join(dict.fromkeys(c for c in target if c in out or any(c in s for j, s in enumerate(subs) if j != i)))
     others = [s for j, s in enumerate(subs) if j != i]
+    present = "".join(dict.fromkeys(c for c in target if c in out or any(c in s for s in others)))
     g = torch.einsum(",".join([out] + others) + "->" + present, dy, *[operands[j] for j in range(len(subs)) if j != i])
+    size = {c: operands[i].shape[target.index(c)] for c in target}
+    if len(set(target)) != len(target):
+        return _onto_diagonals(g, present, target, size, equation)
     shape = [operands[i].shape[k] for k in range(len(target))]
     if present != target:  # letters only in this operand were summed out: broadcast back
         view = [shape[k] if c in present else 1 for k, c in enumerate(target)]
@@ -512,6 +525,27 @@ def _einsum_operand_grad(dy, operands, i, equation):
         g = torch.reshape(_permute_to(g, present, "".join(perm_src)), view)
         g = torch.broadcast_to(g, shape)
     return g
+
+
+def _onto_diagonals(g, present, target, size, equation):
+    """g (letters `present`) placed in an operand of letters `target` that repeats some: each
+    repeat of a letter gets a fresh letter tied to the first by an identity matrix, so one einsum
+    of distinct letters writes the diagonal (a letter absent from g gets a vector of ones)."""
+    free = iter(c for c in _LETTERS if c not in equation)
+    factors, subs, seen, renamed = [g], [present], set(), []
+    for c in target:
+        if c in seen:
+            d = next(free)
+            factors.append(torch.eye(size[c], dtype=g.dtype, device=g.device))
+            subs.append(c + d)
+            renamed.append(d)
+        else:
+            seen.add(c)
+            renamed.append(c)
+            if c not in present and target.count(c) == 1:
+                factors.append(torch.ones(size[c], dtype=g.dtype, device=g.device))
+                subs.append(c)
+    return torch.einsum(",".join(subs) + "->" + "".join(renamed), *factors)
 
 
 def _permute_to(g, have, want):
@@ -527,30 +561,76 @@ def _einsum(inputs, equation):
 
 @_einsum.grad
 def _(dy, ans, operands, equation, needs=None):
-    if "..." in equation or "->" not in equation or any(len(set(s)) != len(s) for s in equation.split("->")[0].split(",")):
-        raise NotImplementedError(f"einsum gradient for {equation!r}: use an explicit '->' output, "
-                                  "no ellipsis and no repeated index within one operand")
     return tuple(_einsum_operand_grad(dy, operands, i, equation) if needs is None or needs[i] else None
                  for i in range(len(operands)))
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def einsum(equation, *inputs):
     """Einstein summation, e.g. einsum('ij,jk->ik', a, b). Source: tf.einsum.
 
-    Without '->' the output is numpy's and torch's implicit one: the indices
-    that occur once, in alphabetical order. Gradients need no ellipsis and no
-    index repeated within one operand.
+    Without '->' the output is numpy's and torch's implicit one: the
+    ellipsis dimensions, then the indices that occur once, in alphabetical
+    order. An ellipsis ('...ij,jk->...ik') and indices repeated within one
+    operand ('ii->i', a diagonal; 'ii->', a trace) are differentiable.
+    torch's sublist form, einsum(a, [0, 1], b, [1, 2]), is accepted too.
     """
-    return _einsum(list(inputs), _explicit_output(equation))
+    if not isinstance(equation, str):
+        equation, inputs = _sublist_equation((equation,) + inputs)
+    inputs = [x if isinstance(x, Tensor) else convert_to_tensor(x) for x in inputs]
+    return _einsum(inputs, _explicit_equation(equation, [x.ndim for x in inputs]))
 
 
-def _explicit_output(equation):
-    """'ij,jk' -> 'ij,jk->ik': the implicit output written out, so the rule reads one form."""
+def _sublist_equation(args):
+    """torch's einsum(op0, sublist0, op1, sublist1, ..., [out_sublist]) as (equation, operands):
+    ints 0-25 are a-z, 26-51 A-Z, Ellipsis is '...'."""
+    def letters(sub):
+        try:
+            return "".join("..." if s is Ellipsis else _LETTERS[s] for s in sub)
+        except (IndexError, TypeError):
+            raise ValueError(f"einsum: a sublist holds ints in [0, 52) or Ellipsis, got {sub!r:.60}") from None
+    operands, subs = list(args[0::2]), [letters(s) for s in args[1::2]]
+    if len(operands) > len(subs):  # an odd count: the last is the output's sublist
+        return ",".join(subs) + "->" + letters(operands.pop()), operands
+    return ",".join(subs), operands
+
+
+def _torch_einsum(equation, *operands):
+    """torch.einsum's calls: einsum(eq, a, b), einsum(eq, [a, b]) and the sublist form."""
+    if isinstance(equation, str) and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    return einsum(equation, *operands)
+
+
+def _explicit_equation(equation, ndims):
+    """The equation with '->' written out and every '...' replaced by letters for its dimensions
+    (right-aligned, as broadcasting), so the gradient rule reads one form: 'ij,jk' -> 'ij,jk->ik',
+    '...ij,jk->...ik' on a rank-3 first input -> 'aij,jk->aik'."""
     equation = equation.replace(" ", "")
-    if "->" in equation or "..." in equation:
-        return equation
-    letters = equation.replace(",", "")
-    return equation + "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    lhs, arrow, out = equation.partition("->")
+    subs = lhs.split(",")
+    if len(subs) != len(ndims):
+        raise ValueError(f"einsum: equation {equation!r} names {len(subs)} operands, got {len(ndims)}")
+    if "..." not in equation:
+        if arrow:
+            return equation
+        letters = lhs.replace(",", "")
+        return equation + "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    free = [c for c in _LETTERS if c not in equation]
+    spans = [n - (len(s) - 3) if "..." in s else 0 for s, n in zip(subs, ndims)]
+    width = max(spans)
+    if min(spans) < 0 or len(free) < width:
+        raise ValueError(f"einsum: equation {equation!r} does not fit operands of ranks {ndims}")
+    dots = "".join(free[:width])
+    subs = [s.replace("...", dots[width - k:] if k else "") for s, k in zip(subs, spans)]
+    if arrow:
+        out = out.replace("...", dots)
+    else:
+        letters = lhs.replace(",", "").replace(".", "")
+        out = dots + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return ",".join(subs) + "->" + out
 
 
 def _add_n_samples(rng):
@@ -572,28 +652,6 @@ def _(dy, ans, inputs):
 
 
 # -- reductions ---------------------------------------------------------------
-class AxisError(ValueError, IndexError):
-    """An axis outside a tensor's dimensions (numpy's AxisError: both a ValueError, as TF's
-    InvalidArgumentError is one, and the IndexError torch raises)."""
-
-
-def reduction_axes(ndim, axis, op="reduce"):
-    """`axis` (None, int or sequence; negative counts from the end) as sorted non-negative axes.
-
-    Raises:
-      AxisError: an axis outside [-ndim, ndim) (a 0-d tensor takes 0 and -1, as torch).
-    """
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    bound = max(ndim, 1)
-    for a in axes:
-        if not -bound <= a < bound:
-            raise AxisError(f"{op}: axis {a} is out of range for a tensor of rank {ndim}; "
-                            f"axes must be in [{-bound}, {bound - 1}]")
-    return tuple(sorted(a % ndim if ndim else 0 for a in axes))
-
-
 def _keep_shape(shape, axis):
     axes = reduction_axes(len(shape), axis)
     return [1 if i in axes else s for i, s in enumerate(shape)]
@@ -771,13 +829,13 @@ def logical_not(x):
 @defop()
 def argmax(x, axis=None, output_type=torch.int64):
     """Index of the max along `axis` (None: axis 0, as TF). Source: tf.math.argmax."""
-    return torch.argmax(x, dim=0 if axis is None else axis).to(output_type)
+    return torch.argmax(x, dim=canonical_axis(0 if axis is None else axis, x.ndim, "argmax")).to(output_type)
 
 
 @defop()
 def argmin(x, axis=None, output_type=torch.int64):
     """Index of the min along `axis` (None: axis 0, as TF). Source: tf.math.argmin."""
-    return torch.argmin(x, dim=0 if axis is None else axis).to(output_type)
+    return torch.argmin(x, dim=canonical_axis(0 if axis is None else axis, x.ndim, "argmin")).to(output_type)
 
 
 def _torch_reduce(torch_fn, op):
@@ -800,7 +858,7 @@ def _register_torch_adapters():
         TORCH_TABLE[fn] = _bmm_torch
     TORCH_TABLE[torch.sum] = _torch_reduce(torch.sum, reduce_sum)
     TORCH_TABLE[torch.mean] = _torch_reduce(torch.mean, reduce_mean)
-    TORCH_TABLE[torch.einsum] = lambda eq, *ops: einsum(eq, *(ops[0] if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops))
+    TORCH_TABLE[torch.einsum] = _torch_einsum
 
 
 _register_torch_adapters()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dtape import random as _random
 from dtape.ops import _samples as S
+from dtape.ops._axes import canonical_axis
 from dtape.ops._registry import defop, kernel_value
 from dtape.ops.array_ops import gather, one_hot
 from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message, at_b, as_dy_dtype
@@ -143,11 +144,12 @@ def _softmax_samples(rng):
 @defop(samples=_softmax_samples, saves="output")
 def softmax(logits, axis=-1):
     """exp(logits) / sum(exp(logits), axis); floating, any shape -> same. Source: tf.nn.softmax."""
-    return torch.softmax(logits, dim=axis)
+    return torch.softmax(logits, dim=canonical_axis(axis, logits.ndim, "softmax"))
 
 
 @softmax.grad
 def _(dy, ans, logits, axis=-1):
+    axis = canonical_axis(axis, ans.ndim, "softmax")
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
         return torch._softmax_backward_data(dy, ans, axis, ans.dtype)
     return kernel_value(ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True)),
@@ -157,11 +159,12 @@ def _(dy, ans, logits, axis=-1):
 @defop(samples=_softmax_samples, saves="output")
 def log_softmax(logits, axis=-1):
     """logits - logsumexp(logits, axis); floating, any shape -> same. Source: tf.nn.log_softmax."""
-    return torch.log_softmax(logits, dim=axis)
+    return torch.log_softmax(logits, dim=canonical_axis(axis, logits.ndim, "log_softmax"))
 
 
 @log_softmax.grad
 def _(dy, ans, logits, axis=-1):
+    axis = canonical_axis(axis, ans.ndim, "log_softmax")
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
         return torch._log_softmax_backward_data(dy, ans, axis, ans.dtype)
     return kernel_value(dy - torch.exp(ans) * torch.sum(dy, dim=axis, keepdim=True),
@@ -233,11 +236,13 @@ def softmax_cross_entropy_with_logits(labels, logits, axis=-1):
 
     Source: tf.nn.softmax_cross_entropy_with_logits (v2).
     """
+    axis = canonical_axis(axis, logits.ndim, "softmax_cross_entropy_with_logits")
     return -torch.sum(labels * torch.log_softmax(logits, dim=axis), dim=axis)
 
 
 @softmax_cross_entropy_with_logits.grad
 def _(dy, ans, labels, logits, axis=-1):
+    axis = canonical_axis(axis, logits.ndim, "softmax_cross_entropy_with_logits")
     dy = torch.unsqueeze(dy, axis)
     total = torch.sum(labels, dim=axis, keepdim=True)
     return -dy * log_softmax.any(logits, axis=axis), dy * (softmax.any(logits, axis=axis) * total - labels)

@@ -285,6 +285,42 @@ def test_mirrored_strategy_device_names_are_canonical():
     assert ds.MirroredStrategy(["cpu"]).extended.worker_devices == ("cpu:0",)
 
 
+@pytest.mark.parametrize("devices, want", [
+    (["/cpu:0"], ("cpu:0",)), (["/device:CPU:0", "/CPU:1"], ("cpu:0", "cpu:1")),
+    (["/job:localhost/replica:0/task:0/device:CPU:0", "cpu:1"], ("cpu:0", "cpu:1")),
+    (["cpu:127"], ("cpu:127",)),
+])
+def test_mirrored_strategy_accepts_tf_device_spellings_of_local_devices(devices, want):
+    # TF canonicalizes '/cpu:0' and '/job:localhost/.../device:CPU:0' to the local CPU; they were refused
+    assert ds.MirroredStrategy(devices).extended.worker_devices == want
+
+
+@pytest.mark.parametrize("spelling", ["/gpu:1", "/device:GPU:1", "/job:localhost/replica:0/task:0/device:GPU:1"])
+def test_mirrored_strategy_tf_gpu_spellings_name_the_cuda_device(spelling):
+    if torch.cuda.device_count() > 1:
+        assert ds.MirroredStrategy([spelling]).extended.worker_devices == ("cuda:1",)
+    else:  # read as cuda:1, refused for want of it (not as a malformed name)
+        with pytest.raises(ValueError, match=r"device 'cuda:1' is not available"):
+            ds.MirroredStrategy([spelling])
+
+
+@pytest.mark.parametrize("devices, match", [
+    (["/job:worker/replica:0/task:0/device:CPU:0"], "names job 'worker'.*this process.*MultiWorkerMirroredStrategy"),
+    (["/job:localhost/replica:0/task:1/device:CPU:0"], "names task '1'.*this process"),
+    (["/replica:2/cpu:0"], "names replica '2'"),
+    (["/device:CPU:x"], "'/device:CPU:x' has no valid index"), (["/job:localhost"], "names no device"),
+    (["/cpu:0/gpu:0"], "is not a device name"),
+    (["cpu:99999999999999999999"], "index 99999999999999999999 is past 127"), (["cpu:128"], "index 128 is past 127"),
+    (["cuda:200"], "index 200 is past 127"),
+    ("cpu:0", r"takes a list of device names, got the single str 'cpu:0'; pass \['cpu:0'\]"),
+])
+def test_mirrored_strategy_refuses_other_jobs_absurd_indices_and_a_bare_string(devices, match):
+    # 'cpu:99999999999999999999' was accepted; torch keeps 8 bits, so 'cpu:128' would be 'cpu:-128'.
+    # A bare string was read letter by letter ("device 'c' is not a device name"); TF takes a list.
+    with pytest.raises(ValueError, match=match):
+        ds.MirroredStrategy(devices)
+
+
 def test_optimizer_build_creates_mirrored_slots_before_any_step(strategy):
     with strategy.scope():
         v = dtape.Variable(torch.ones(3))
