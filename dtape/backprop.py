@@ -243,7 +243,7 @@ walk_info = _WalkInfo()
 
 
 def _walk_is_raw(records, target_ids, dys):
-    """True unless a tape recording on this thread watches a tensor the walk reads (issue 7 point 4).
+    """True unless a tape recording on this thread watches a tensor the walk reads.
 
     The walk's results are computed from the output gradients and the
     records' saved tensors, so it must be recorded (run on dtape.Tensors)

@@ -304,7 +304,7 @@ def memory_case(device, sizes=(784, 1024, 1024, 10), batch=256):
         loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(dtape.constant(labels), h))
     if hasattr(tape, "nbytes"):
         d_bytes, d_records = tape.nbytes(), tape.num_records()
-    else:  # a dtape without GradientTape.nbytes (before issue 7): the records' inputs and outputs
+    else:  # a dtape without GradientTape.nbytes (older versions): the records' inputs and outputs
         recs = tape._tape.records()
         d_bytes = _storage_bytes([x.torch() for r in recs for x in list(r[3]) + list(r[4])
                                   if isinstance(x, dtape.Tensor)])
@@ -419,7 +419,7 @@ class _TorchCharLM(torch.nn.Module):
         return F.layer_norm(h, (c.WIDTH,), g, bb, eps=1e-3) @ wh + bh
 
 
-# -- (i) 2 torchrun workers: dtape against DistributedDataParallel (issue 6 point 9) -------
+# -- (i) 2 torchrun workers: dtape against DistributedDataParallel ---------------------
 def multiworker_case(quick):
     """scripts/bench_multiworker.py's launches (3 sets of 60 steps; --quick: 1 of 20); prints its ratios."""
     import bench_multiworker
@@ -430,7 +430,7 @@ def multiworker_case(quick):
     return out
 
 
-# -- (d) counts: tape scope (issue 7 point 3) and Python calls per variable read (point 7) ----
+# -- (d) counts: tape scope and Python calls per variable read -----------------------------
 def count_calls(fn):
     """Python function calls (sys.setprofile 'call' events, this thread) made by fn(), fn itself included."""
     n = [0]

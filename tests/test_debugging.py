@@ -1,4 +1,4 @@
-"""Observability (issue 7 point 8): check numerics, check_mirrored, torch.profiler ranges."""
+"""Observability: check numerics, check_mirrored, torch.profiler ranges."""
 import gc
 
 import pytest

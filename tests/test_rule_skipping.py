@@ -1,4 +1,4 @@
-"""Gradient rules skip the input gradients no source needs (issue 7 point 6).
+"""Gradient rules skip the input gradients no source needs.
 
 Each test counts the expensive gradient computations (by wrapping the helper
 that does them) and checks the gradients against torch.autograd in float64.

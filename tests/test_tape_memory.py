@@ -1,4 +1,4 @@
-"""Tape memory (issue 7 points 1, 2, 4, 5): what records save, trace deletion, the per-walk fast path, GC objects."""
+"""Tape memory: what records save, trace deletion, the per-walk fast path, GC objects."""
 import gc
 import threading
 

@@ -1,4 +1,4 @@
-"""Tensors and variables behave like numbers and arrays (issue 8, point 2).
+"""Tensors and variables behave like numbers and arrays.
 
 f-string formatting, numpy arrays on the left of operators (recorded, so
 gradients flow), dtype names and `as_dtype`, repr of bfloat16/float16,

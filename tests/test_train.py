@@ -139,7 +139,7 @@ def test_train_charlm_short_mirrored_run_matches_one_device(train):
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
 
 
-# -- checking first, resuming, stopping, outputs (issue 8 point 1) -------------------------
+# -- checking first, resuming, stopping, outputs -------------------------
 
 def _usage_error(train, capsys, *args):
     """Runs main, expecting a usage error; returns its one stderr line."""

@@ -218,7 +218,7 @@ def test_variable_initial_value_callable_and_dtype():
         dtape.Variable()
 
 
-# -- atomic writes (issue 5, point 5) ---------------------------------------------
+# -- atomic writes ---------------------------------------------
 
 
 def _run_threads(target, n_threads, timeout=30):
@@ -256,7 +256,7 @@ def test_variable_update_value_is_the_locked_write_path():
     v._lock.release()
 
 
-# -- a variable as the gradient target (issue 5, point 5) -------------------------
+# -- a variable as the gradient target -------------------------
 def test_gradient_of_variable_wrt_itself_is_one():
     v = dtape.Variable(torch.tensor([2.0, -1.0], dtype=D))
     w = dtape.Variable(3.0)

@@ -1,4 +1,4 @@
-"""A failure on one worker fails every worker's step, naming the failing rank (issue 6, point 6).
+"""A failure on one worker fails every worker's step, naming the failing rank.
 
 tests/multiprocess/worker_faults.py runs a small training loop on two
 torchrun workers; rank 1 fails in step 2 (see its docstring). Every process

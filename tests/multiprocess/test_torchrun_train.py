@@ -1,4 +1,4 @@
-"""scripts/train.py --strategy multi_worker under torchrun equals --strategy one_device (issue 6, points 6-8).
+"""scripts/train.py --strategy multi_worker under torchrun equals --strategy one_device.
 
 Per-step losses of 2 CPU workers (gloo, 127.0.0.1) must equal one device's
 on the same global batches to 1e-5 relative: standalone for digits and a

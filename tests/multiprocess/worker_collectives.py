@@ -1,4 +1,4 @@
-"""Worker for test_collectives_multi_worker.py (issue 6 points 3-5 on two torchrun workers, gloo).
+"""Worker for test_collectives_multi_worker.py (two torchrun workers, gloo).
 
 Each rank checks, against one-device values computed in the same process:
 differentiable all_reduce (SUM, weighted MEAN) and all_gather (unequal sizes);
