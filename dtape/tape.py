@@ -70,6 +70,12 @@ class _ThreadState(threading.local):
 
 _thread_state = _ThreadState()
 
+# torch's grad mode is thread-local, as the stop flag: `torch.no_grad()`, `inference_mode()` and
+# `set_grad_enabled(False)` stop recording on the thread that enters them, so module code written for
+# torch keeps its meaning (a value computed under no_grad is a constant). Bound once: this is read on
+# every recorded op, after the cheaper "is any tape active" check.
+_grad_enabled = torch.is_grad_enabled
+
 
 def _identity_resolver(variable):
     return (variable,)
@@ -282,12 +288,15 @@ def check_saved_versions(rec, inputs, outputs):
     (torch's autograd refuses the same way, from the same version counters).
     """
     now = 0
-    for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
-        if type(x) is torch.Tensor:
-            now += x._version
-    for x in outputs:
-        if type(x) is torch.Tensor:
-            now += x._version
+    try:
+        for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
+            if type(x) is torch.Tensor:
+                now += x._version
+        for x in outputs:
+            if type(x) is torch.Tensor:
+                now += x._version
+    except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
+        now = _version_sum(inputs + outputs)
     if now != rec.ver:
         shapes = [tuple(x.shape) for x in inputs + outputs if type(x) is torch.Tensor]
         raise RuntimeError(
@@ -295,6 +304,16 @@ def check_saved_versions(rec, inputs, outputs):
             f"modified by an in-place operation after the op ran (version counters sum {now}, "
             f"{rec.ver} when saved), so its gradient cannot be computed: write into a copy "
             "(t.torch().clone()) or run the op after the in-place write")
+
+
+def _version_sum(tensors):
+    """The sum of the version counters of the torch tensors in `tensors`, inference tensors counting 0.
+
+    A tensor made under `torch.inference_mode` has no version counter, and
+    outside that mode it cannot be written in place (torch refuses), so
+    there is nothing to check for it.
+    """
+    return sum(x._version for x in tensors if type(x) is torch.Tensor and not x.is_inference())
 
 
 def is_meta(x):
@@ -594,9 +613,9 @@ class track_pushed_tapes(ThreadLocalScope):
 
 
 def _recording_tapes():
-    """Tapes that record on this thread now (empty when stopped)."""
+    """Tapes that record on this thread now (empty when stopped or torch's grad mode is off)."""
     state = _thread_state
-    if state.stopped:
+    if state.stopped or not _grad_enabled():
         return ()
     tapes = _tape_set
     if state.paused:
@@ -636,7 +655,7 @@ def variable_accessed(variable):
     state = _thread_state
     if state.captures:
         state.captures[-1].setdefault(id(variable), variable)
-    if state.stopped:
+    if state.stopped or not _grad_enabled():
         return
     key = getattr(variable, "_id", None)
     run, scope, paused = state.run, state.scope, state.paused
@@ -664,7 +683,7 @@ def variable_read(variable, out, op):
         state.captures[-1].setdefault(id(variable), variable)
     vid = variable._id
     foreign = ()  # sibling replicas' tapes: they must not record this replica's read
-    if not state.stopped:  # variable_accessed inlined: this is the hot path of every variable operand
+    if not state.stopped and _grad_enabled():  # variable_accessed inlined: this is the hot path of every variable operand
         run, scope, paused = state.run, state.scope, state.paused
         for tape in _tape_set:
             if run is not None and tape._run is run and tape._owner is not scope:
@@ -746,7 +765,7 @@ def record(op, in_ids, inputs, outputs, attrs):
       attrs: dict of non-tensor arguments (given back to `op.backward`), or None.
     """
     state = _thread_state
-    if state.stopped:
+    if state.stopped or not _grad_enabled():
         return
     out_ids = None
     for tape in _tape_set:
@@ -763,9 +782,12 @@ def record(op, in_ids, inputs, outputs, attrs):
             saved = _save(op, inputs, outputs)
             n_saved = len(saved)
             ver = 0  # inline (no call): every recorded op runs this
-            for x in saved:
-                if type(x) is torch.Tensor:
-                    ver += x._version
+            try:
+                for x in saved:
+                    if type(x) is torch.Tensor:
+                        ver += x._version
+            except RuntimeError:  # an inference tensor has no version counter
+                ver = _version_sum(saved)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
@@ -905,13 +927,16 @@ class record_only:
     """Thread-local: on this thread, only `tape` records (the stop flag is lifted).
 
     Used to record a body on a private tape whatever the caller's state
-    (stopped, or other tapes active); restores the previous state on exit.
+    (stopped, torch's grad mode off, or other tapes active); restores the
+    previous state on exit. Grad mode is part of the stop flag, so it is
+    enabled in the block: a `recompute_grad` body re-run by a walk that the
+    user started under `torch.no_grad()` must still record on its tape.
     """
 
     __slots__ = ("_scopes",)
 
     def __init__(self, tape):
-        self._scopes = (_resume_recording(False), _pause_all_but(tape))
+        self._scopes = (_resume_recording(False), torch.enable_grad(), _pause_all_but(tape))
 
     def __enter__(self):
         for scope in self._scopes:
