@@ -75,6 +75,23 @@ _thread_state = _ThreadState()
 # torch keeps its meaning (a value computed under no_grad is a constant). Bound once: this is read on
 # every recorded op, after the cheaper "is any tape active" check.
 _grad_enabled = torch.is_grad_enabled
+_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def _grad_mode_stops():
+    """True when torch's grad mode stops recording on this thread (read only once grad mode is off).
+
+    torch runs an `autograd.Function`'s forward with grad mode and forward-mode
+    AD both off; a user's `no_grad()` / `set_grad_enabled(False)` leaves
+    forward-mode AD on, and `inference_mode()` says so itself. Inside such a
+    forward (reentrant `torch.utils.checkpoint` is one) the function got
+    dtape tensors, since `Function.apply` does not dispatch
+    `__torch_function__`: dtape keeps recording there, or the gradient
+    through the function would be lost (None) instead of the gradient of
+    the ops it ran.
+    """
+    return _fwd_grad_enabled() or _inference_mode()
 
 
 def _identity_resolver(variable):
@@ -615,7 +632,7 @@ class track_pushed_tapes(ThreadLocalScope):
 def _recording_tapes():
     """Tapes that record on this thread now (empty when stopped or torch's grad mode is off)."""
     state = _thread_state
-    if state.stopped or not _grad_enabled():
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return ()
     tapes = _tape_set
     if state.paused:
@@ -655,7 +672,7 @@ def variable_accessed(variable):
     state = _thread_state
     if state.captures:
         state.captures[-1].setdefault(id(variable), variable)
-    if state.stopped or not _grad_enabled():
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return
     key = getattr(variable, "_id", None)
     run, scope, paused = state.run, state.scope, state.paused
@@ -683,7 +700,7 @@ def variable_read(variable, out, op):
         state.captures[-1].setdefault(id(variable), variable)
     vid = variable._id
     foreign = ()  # sibling replicas' tapes: they must not record this replica's read
-    if not state.stopped and _grad_enabled():  # variable_accessed inlined: this is the hot path of every variable operand
+    if not (state.stopped or not _grad_enabled() and _grad_mode_stops()):  # variable_accessed inlined: this is the hot path of every variable operand
         run, scope, paused = state.run, state.scope, state.paused
         for tape in _tape_set:
             if run is not None and tape._run is run and tape._owner is not scope:
@@ -765,7 +782,7 @@ def record(op, in_ids, inputs, outputs, attrs):
       attrs: dict of non-tensor arguments (given back to `op.backward`), or None.
     """
     state = _thread_state
-    if state.stopped or not _grad_enabled():
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return
     out_ids = None
     for tape in _tape_set:
