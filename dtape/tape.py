@@ -700,7 +700,8 @@ def variable_read(variable, out, op):
         state.captures[-1].setdefault(id(variable), variable)
     vid = variable._id
     foreign = ()  # sibling replicas' tapes: they must not record this replica's read
-    if not (state.stopped or not _grad_enabled() and _grad_mode_stops()):  # variable_accessed inlined: this is the hot path of every variable operand
+    # variable_accessed inlined: this is the hot path of every variable operand
+    if not (state.stopped or not _grad_enabled() and _grad_mode_stops()):
         run, scope, paused = state.run, state.scope, state.paused
         for tape in _tape_set:
             if run is not None and tape._run is run and tape._owner is not scope:

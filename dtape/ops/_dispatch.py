@@ -244,7 +244,22 @@ def install_variable_operators(cls):
     for name in Tensor._operator_names:
         setattr(cls, name, _delegate(name))
     cls.__torch_function__ = classmethod(_torch_function)
+    cls.__getattr__ = _variable_attribute
     cls._dtape_variable = True
+
+
+def _variable_attribute(self, name):
+    """torch.Tensor's methods and properties on a variable (`v.view(2, 2)`, `v.sum()`, `v.item()`, `v.T`).
+
+    Called only for names the variable class lacks: reads the variable (a
+    recorded read, as every operator) and answers as `Tensor` does, so a
+    variable has the torch methods a dtape.Tensor has. Private names and
+    the names dtape duck-types on are never forwarded, so `hasattr` checks
+    and half-built objects raise AttributeError at once.
+    """
+    if name.startswith("_") or name in _NOT_FORWARDED or getattr(torch.Tensor, name, None) is None:
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    return _torch_attribute(self._dtape_read(), name)
 
 
 def _delegate(name):
