@@ -73,6 +73,29 @@ class _ThreadState(threading.local):
 
 _thread_state = _ThreadState()
 
+# torch's grad mode is thread-local, as the stop flag: `torch.no_grad()`, `inference_mode()` and
+# `set_grad_enabled(False)` stop recording on the thread that enters them, so module code written for
+# torch keeps its meaning (a value computed under no_grad is a constant). Bound once: this is read on
+# every recorded op, after the cheaper "is any tape active" check.
+_grad_enabled = torch.is_grad_enabled
+_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def _grad_mode_stops():
+    """True when torch's grad mode stops recording on this thread (read only once grad mode is off).
+
+    torch runs an `autograd.Function`'s forward with grad mode and forward-mode
+    AD both off; a user's `no_grad()` / `set_grad_enabled(False)` leaves
+    forward-mode AD on, and `inference_mode()` says so itself. Inside such a
+    forward (reentrant `torch.utils.checkpoint` is one) the function got
+    dtape tensors, since `Function.apply` does not dispatch
+    `__torch_function__`: dtape keeps recording there, or the gradient
+    through the function would be lost (None) instead of the gradient of
+    the ops it ran.
+    """
+    return _fwd_grad_enabled() or _inference_mode()
+
 
 def _identity_resolver(variable):
     return (variable,)
@@ -285,12 +308,15 @@ def check_saved_versions(rec, inputs, outputs):
     (torch's autograd refuses the same way, from the same version counters).
     """
     now = 0
-    for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
-        if type(x) is torch.Tensor:
-            now += x._version
-    for x in outputs:
-        if type(x) is torch.Tensor:
-            now += x._version
+    try:
+        for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
+            if type(x) is torch.Tensor:
+                now += x._version
+        for x in outputs:
+            if type(x) is torch.Tensor:
+                now += x._version
+    except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
+        now = _version_sum(inputs + outputs)
     if now != rec.ver:
         shapes = [tuple(x.shape) for x in inputs + outputs if type(x) is torch.Tensor]
         raise RuntimeError(
@@ -298,6 +324,16 @@ def check_saved_versions(rec, inputs, outputs):
             f"modified by an in-place operation after the op ran (version counters sum {now}, "
             f"{rec.ver} when saved), so its gradient cannot be computed: write into a copy "
             "(t.torch().clone()) or run the op after the in-place write")
+
+
+def _version_sum(tensors):
+    """The sum of the version counters of the torch tensors in `tensors`, inference tensors counting 0.
+
+    A tensor made under `torch.inference_mode` has no version counter, and
+    outside that mode it cannot be written in place (torch refuses), so
+    there is nothing to check for it.
+    """
+    return sum(x._version for x in tensors if type(x) is torch.Tensor and not x.is_inference())
 
 
 def is_meta(x):
@@ -597,9 +633,9 @@ class track_pushed_tapes(ThreadLocalScope):
 
 
 def _recording_tapes():
-    """Tapes that record on this thread now (empty when stopped)."""
+    """Tapes that record on this thread now (empty when stopped or torch's grad mode is off)."""
     state = _thread_state
-    if state.stopped:
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return ()
     tapes = _tape_set
     if state.paused:
@@ -639,7 +675,7 @@ def variable_accessed(variable):
     state = _thread_state
     if state.captures:
         state.captures[-1].setdefault(id(variable), variable)
-    if state.stopped:
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return
     key = getattr(variable, "_id", None)
     run, scope, paused = state.run, state.scope, state.paused
@@ -667,7 +703,8 @@ def variable_read(variable, out, op):
         state.captures[-1].setdefault(id(variable), variable)
     vid = variable._id
     foreign = ()  # sibling replicas' tapes: they must not record this replica's read
-    if not state.stopped:  # variable_accessed inlined: this is the hot path of every variable operand
+    # variable_accessed inlined: this is the hot path of every variable operand
+    if not (state.stopped or not _grad_enabled() and _grad_mode_stops()):
         run, scope, paused = state.run, state.scope, state.paused
         for tape in _tape_set:
             if run is not None and tape._run is run and tape._owner is not scope:
@@ -781,7 +818,7 @@ def record(op, in_ids, inputs, outputs, attrs):
       attrs: dict of non-tensor arguments (given back to `op.backward`), or None.
     """
     state = _thread_state
-    if state.stopped:
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return
     out_ids = None
     for tape in _tape_set:
@@ -802,9 +839,12 @@ def record(op, in_ids, inputs, outputs, attrs):
             saved = _save(op, inputs, outputs)
             n_saved = len(saved)
             ver = 0  # inline (no call): every recorded op runs this
-            for x in saved:
-                if type(x) is torch.Tensor:
-                    ver += x._version
+            try:
+                for x in saved:
+                    if type(x) is torch.Tensor:
+                        ver += x._version
+            except RuntimeError:  # an inference tensor has no version counter
+                ver = _version_sum(saved)
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
@@ -944,13 +984,16 @@ class record_only:
     """Thread-local: on this thread, only `tape` records (the stop flag is lifted).
 
     Used to record a body on a private tape whatever the caller's state
-    (stopped, or other tapes active); restores the previous state on exit.
+    (stopped, torch's grad mode off, or other tapes active); restores the
+    previous state on exit. Grad mode is part of the stop flag, so it is
+    enabled in the block: a `recompute_grad` body re-run by a walk that the
+    user started under `torch.no_grad()` must still record on its tape.
     """
 
     __slots__ = ("_scopes",)
 
     def __init__(self, tape):
-        self._scopes = (_resume_recording(False), _pause_all_but(tape))
+        self._scopes = (_resume_recording(False), torch.enable_grad(), _pause_all_but(tape))
 
     def __enter__(self):
         for scope in self._scopes:

@@ -95,12 +95,17 @@ class Tensor:
 
     def __len__(self):
         if self._t.dim() == 0:
-            raise TypeError("len() of a 0-d dtape.Tensor; it has no length")
+            # torch.tensor([a, b]) asks a list's items for len(): torch reads only numbers, numpy and torch tensors
+            raise TypeError("len() of a 0-d dtape.Tensor; it has no length (torch.tensor([...]) cannot read dtape "
+                            "tensors inside a list: use torch.stack([...]) or dtape.stack, or numbers: float(x))")
         return self._t.shape[0]
 
     def __iter__(self):
         if self._t.dim() == 0:
-            raise TypeError("iteration over a 0-d dtape.Tensor")
+            # torch.amp.GradScaler.scale iterates what is not a torch.Tensor
+            raise TypeError("iteration over a 0-d dtape.Tensor (a torch API that takes only torch.Tensors, such as "
+                            "torch.amp.GradScaler.scale, iterates other objects: multiply by the scale instead, "
+                            "loss * scaler.get_scale(), or use dtape.mixed_precision.LossScaleOptimizer)")
         return (self[i] for i in range(self._t.shape[0]))
 
     def __repr__(self):

@@ -51,6 +51,7 @@ import torch
 
 from dtape import _config
 from dtape import tape as _tp
+from dtape.backprop import profile_range
 from dtape.distribute import context
 from dtape.distribute.cross_device_ops import accumulation_dtype
 from dtape.distribute.reduce_util import ReduceOp
@@ -216,17 +217,19 @@ def _launch(ext, bucket, grads_by_index):
     flat buffer (one collective or device copy per bucket), which is given
     away (`scratch`): a strategy may reduce it in place. CPU replica threads
     (`ext._flat_buckets` False) sum the gradients as they are: a flat buffer
-    would only add a copy of every gradient.
+    would only add a copy of every gradient. A "dtape.all_reduce" range in
+    torch.profiler traces.
     """
-    parts, flags = [], []
-    for member in bucket.members:
-        g = grads_by_index.get(member[0])
-        parts.append(_flat(member, g, bucket))
-        flags.append(0.0 if g is None else 1.0)
-    parts.append(torch.tensor(flags, dtype=bucket.dtype, device=bucket.device))
-    if not ext._flat_buckets:
-        return ext._all_reduce_flat_async(ReduceOp.SUM, parts)
-    return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True)
+    with profile_range("dtape.all_reduce"):  # one named range per bucket, as DDP's one collective per bucket
+        parts, flags = [], []
+        for member in bucket.members:
+            g = grads_by_index.get(member[0])
+            parts.append(_flat(member, g, bucket))
+            flags.append(0.0 if g is None else 1.0)
+        parts.append(torch.tensor(flags, dtype=bucket.dtype, device=bucket.device))
+        if not ext._flat_buckets:
+            return ext._all_reduce_flat_async(ReduceOp.SUM, parts)
+        return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True)
 
 
 def _float_items(values_and_refs, order=None):

@@ -23,6 +23,7 @@ generators follow tf.random.Generator.split (one independent stream per
 replica, derived from one seed).
 """
 import contextlib
+import warnings
 
 import numpy as np
 import torch
@@ -33,6 +34,15 @@ from dtape.tensor import device as device_scope
 from dtape.tensor import normalize_device
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+# True on the thread that started a thread-local (default) torch.profiler; False elsewhere and for a
+# profiler recording all threads (its state is process-global).
+_profiler_enabled = torch._C._autograd._profiler_enabled
+_PROFILER_WARNING = (
+    "torch.profiler.profile() with its default settings records only the thread that started it (torch keeps "
+    "its state in C++ thread-local storage that Python threads cannot inherit), so the ops of this "
+    "strategy's replica threads are not in the trace; to see them, record every thread: "
+    "torch.profiler.profile(..., experimental_config=torch._C._profiler._ExperimentalConfig("
+    "profile_all_threads=True))")
 _MAX_SEED = 2**63 - 1
 
 
@@ -153,7 +163,22 @@ def capture_caller_state():
     """Captures the calling thread's grad mode, inference mode and autocast settings; a new run token.
 
     Call it once per `strategy.run` call: its replicas share the token.
+
+    torch's profiler state cannot be carried: a default `torch.profiler.profile()`
+    keeps its state and its op callbacks in the starting thread's C++
+    thread-local state (`at::ThreadLocalState`: the PROFILER_STATE debug info
+    and the RecordFunction callbacks), which torch copies to its own threads
+    (autograd engine, `at::launch`) but exposes to no Python thread; a second
+    profiler started on a replica thread would start and stop the one
+    process-wide kineto trace under the caller's. So the replica threads'
+    ops are seen only by a profiler that records every thread
+    (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`,
+    whose state is process-global); with a thread-local one running on the
+    caller (`torch._C._autograd._profiler_enabled()` is True only there) a
+    warning says so.
     """
+    if _profiler_enabled():
+        warnings.warn(_PROFILER_WARNING, UserWarning, stacklevel=4)
     cache = torch.is_autocast_cache_enabled()
     autocast = tuple((t, torch.get_autocast_dtype(t), cache)
                      for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t))

@@ -164,12 +164,34 @@ def call_fallback(func, args, kwargs):
     return pytree.tree_unflatten(wrapped, out_spec)
 
 
+# torch functions whose result torch's autograd treats as a constant (no grad_fn): `.detach()`,
+# `.data` and the `new_*` / `*_like` factories. They run on the values and are never recorded, so a
+# gradient never flows through them (and the walk never asks torch for one).
+_CONSTANT_FNS = frozenset([
+    torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+    torch.Tensor.new_full, torch.Tensor.new_empty, torch.Tensor.new_empty_strided, torch.Tensor.new_tensor,
+    torch.empty_like, torch.full_like])
+
+
+def _call_constant(func, args, kwargs):
+    """Runs `func` on the raw values of dtape tensors and variables; wraps its tensors, unrecorded."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    with _tp.stop_recording():  # a variable's value is read, not recorded: the result is a constant
+        leaves, tensors, positions = _unwrap_leaves(flat)
+    for pos, t in zip(positions, tensors):
+        leaves[pos] = t._t
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return pytree.tree_map_only(torch.Tensor, Tensor, func(*args, **kwargs))
+
+
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if kwargs and kwargs.get("out") is not None:
         _refuse_out(func)
     handler = TORCH_TABLE.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
+    if func in _CONSTANT_FNS:
+        return _call_constant(func, args, kwargs or {})
     return call_fallback(func, args, kwargs or {})
 
 
@@ -222,7 +244,22 @@ def install_variable_operators(cls):
     for name in Tensor._operator_names:
         setattr(cls, name, _delegate(name))
     cls.__torch_function__ = classmethod(_torch_function)
+    cls.__getattr__ = _variable_attribute
     cls._dtape_variable = True
+
+
+def _variable_attribute(self, name):
+    """torch.Tensor's methods and properties on a variable (`v.view(2, 2)`, `v.sum()`, `v.item()`, `v.T`).
+
+    Called only for names the variable class lacks: reads the variable (a
+    recorded read, as every operator) and answers as `Tensor` does, so a
+    variable has the torch methods a dtape.Tensor has. Private names and
+    the names dtape duck-types on are never forwarded, so `hasattr` checks
+    and half-built objects raise AttributeError at once.
+    """
+    if name.startswith("_") or name in _NOT_FORWARDED or getattr(torch.Tensor, name, None) is None:
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    return _torch_attribute(self._dtape_read(), name)
 
 
 def _delegate(name):
