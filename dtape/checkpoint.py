@@ -86,6 +86,16 @@ def _variables_of(obj):
     return list(found)
 
 
+def _has_state_dict(obj):
+    """True for an object saved by its `state_dict()` and restored by `load_state_dict(...)`: one with both
+    methods that offers no dtape variables (a torch optimizer or lr scheduler, a torch module), or one that
+    says so (`_checkpoint_by_state_dict`: a `dtape.optimizers.from_torch` optimizer, whose state is torch's)."""
+    if is_variable(obj) or not (callable(getattr(obj, "state_dict", None))
+                                and callable(getattr(obj, "load_state_dict", None))):
+        return False
+    return bool(getattr(obj, "_checkpoint_by_state_dict", False)) or getattr(obj, "variables", None) is None
+
+
 def _named_variables(name, obj):
     """[(key, variable)] for one keyword argument of save/restore, or None for plain data."""
     if is_variable(obj):
@@ -303,9 +313,13 @@ def save(path, **objects):
       >>> dtape.checkpoint.save("/tmp/ckpt", model=model, optimizer=opt, step=10)
     """
     path = os.fspath(path)
-    tensors, stored, data, every = {}, {}, {}, []
+    tensors, stored, data, every, states = {}, {}, {}, [], []
     for name, obj in objects.items():
         _check_name(name)
+        if _has_state_dict(obj):
+            data[name] = _encode(obj.state_dict(), f"{name!r} (its state_dict())", tensors, set())
+            states.append(name)
+            continue
         pairs = _named_variables(name, obj)
         if pairs is None:
             data[name] = _encode(obj, repr(name), tensors, set())
@@ -314,14 +328,16 @@ def save(path, **objects):
         every += pairs
         for key, var in pairs:
             tensors[key] = _saved_value(var)
-    _writer(every).write(lambda: _write_atomically(path, _serialize(tensors, stored, data)))
+    _writer(every).write(lambda: _write_atomically(path, _serialize(tensors, stored, data, states)))
     return path
 
 
-def _serialize(tensors, stored, data):
+def _serialize(tensors, stored, data, states=()):
     """The file's bytes: safetensors with our metadata, the checksum filled in last."""
     metadata = {"dtape.format": _FORMAT, "dtape.objects": json.dumps(stored), "dtape.data": json.dumps(data),
                 _SHA_KEY: _ZERO_DIGEST}
+    if states:  # names of `data` entries that are objects' state dicts (absent: none, as older files)
+        metadata["dtape.states"] = json.dumps(list(states))
     try:
         payload = bytearray(safetensors.torch.save(tensors, metadata=metadata))
     except (ValueError, TypeError, safetensors.SafetensorError) as e:
@@ -537,11 +553,14 @@ def _load(path):
         data = json.loads(metadata["dtape.data"])
         data = {name: _decode(node, tensors, path) for name, node in data.items()}
         _check_stored(path, stored, tensors)
+        states = json.loads(metadata.get("dtape.states", "[]"))
+        if not (isinstance(states, list) and all(isinstance(n, str) and n in data for n in states)):
+            raise ValueError(f"state dict names {states!r:.80} are not all data entries")
     except CheckpointError:
         raise
     except Exception as e:     # a checksummed but inconsistent file: crafted, or a bug
         raise CheckpointError(f"checkpoint {path!r} is corrupt: {type(e).__name__}: {e}") from None
-    return tensors, stored, data
+    return tensors, stored, data, states
 
 
 def _check_stored(path, stored, tensors):
@@ -568,7 +587,7 @@ def read(path):
 
     Source: tf.train.load_checkpoint (a reader, by key).
     """
-    tensors, stored, data = _load(path)
+    tensors, stored, data, _ = _load(path)
     out = {key: tensors[key] for pairs in stored.values() for key, _ in pairs}
     out.update(data)
     return out
@@ -622,19 +641,28 @@ def restore(path, *, strict=True, **objects):
     (the folder must be visible to all of them).
     Source: tf.train.Checkpoint.restore.
     """
-    tensors, stored, data = _load(path)
+    tensors, stored, data, states = _load(path)
     path = os.fspath(path)
-    plan = []
+    plan, loads = [], []
     for name, obj in objects.items():
         _check_name(name)
+        if _has_state_dict(obj):
+            if name not in states:
+                raise ValueError(f"restore: no state dict {name!r} in checkpoint {path}; it holds state dicts "
+                                 f"{sorted(states)}, variables for {sorted(stored)} and data "
+                                 f"{sorted(set(data) - set(states))}")
+            loads.append((obj, data[name]))
+            continue
         pairs = _named_variables(name, obj)
         if pairs is None:
             raise TypeError(f"restore: {name!r} is a {type(obj).__name__}, not a variable, module or optimizer; "
                             f"plain data comes back in restore()'s return value")
         plan += _plan_restore(path, name, pairs, stored, tensors, data, strict)
+    for obj, state in loads:  # before any variable is assigned: a state dict that does not fit raises first
+        obj.load_state_dict(state)
     for var, value in plan:
         _assign_all(var, value)
-    return data
+    return {name: value for name, value in data.items() if name not in states}
 
 
 def _plan_restore(path, name, pairs, stored, tensors, data, strict):

@@ -1,0 +1,196 @@
+"""dtape.optimizers.from_torch: a torch.optim optimizer behind dtape's apply_gradients.
+
+The reference in each test is the same model trained by plain single-process torch (autograd, the
+same torch optimizer class, `clip_grad_norm_`, the same scheduler), never dtape's own formulas.
+"""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dtape
+import dtape.distribute as ds
+from _strategies import mirrored
+
+VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 64, 16, 32, 2, 2
+GLOBAL_BATCH = 8
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention (scaled_dot_product_attention) and a GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
+        self.fc_out = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, LAYERS blocks, final LayerNorm, head tied to the token embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(CONTEXT, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for module in self.modules():  # GPT-2's initialisation: small weights, so the loss starts near log(VOCAB)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _batches(steps, seed=0):
+    """`steps` global batches (inputs, targets) of a noisy counting sequence: learnable, so the loss falls."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=gen)
+        seq = (start + torch.arange(CONTEXT + 1)) % VOCAB
+        noise = torch.rand(seq.shape, generator=gen) < 0.1
+        seq = torch.where(noise, torch.randint(0, VOCAB, seq.shape, generator=gen), seq)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def _warmup_cosine(warmup, total, floor=0.1):
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def _adamw_groups(params):
+    """nanoGPT's split: matrices (and embeddings) decay, vectors (biases, norms) do not."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _make_adamw(params, steps):
+    opt = torch.optim.AdamW(_adamw_groups(params), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(10, steps))
+
+
+def _make_sgd(params, steps):
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=max(1, steps // 2), gamma=0.1)
+
+
+def _torch_run(model, make_optimizer, batches, clip):
+    """Per-step losses (and the clip_grad_norm_ totals) of plain single-process torch."""
+    params = list(model.parameters())
+    opt, sched = make_optimizer(params, len(batches))
+    losses, norms = [], []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms, opt
+
+
+def _tensors(tm):
+    """The torch tensors of a TorchModule's trainable variables, in a torch optimizer's order."""
+    params = getattr(tm, "parameters", None)
+    if callable(params):
+        return list(params())
+    return [v.torch() for v in tm.trainable_variables]
+
+
+def _dtape_run(strategy, model, make_optimizer, batches, clip, after=None):
+    """Per-step global losses of the same training under `strategy` through TorchModule + from_torch."""
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    variables = tm.trainable_variables
+    torch_opt, sched = make_optimizer(_tensors(tm), len(batches))
+    opt = dtape.optimizers.from_torch(torch_opt, global_clipnorm=clip)
+    tokens = GLOBAL_BATCH * CONTEXT
+
+    def step(x, y):
+        with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+            logits = tm(x)
+            loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1), reduction="sum") / tokens
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    losses = []
+    for k, (x, y) in enumerate(strategy.experimental_distribute_dataset(batches)):
+        losses.append(float(strategy.reduce(ds.ReduceOp.SUM, strategy.run(step, args=(x, y)))))
+        sched.step()
+        if after is not None:
+            after(k, tm, opt, torch_opt, sched)
+    return losses, tm, opt, torch_opt
+
+
+def _seeded_gpt(seed=0):
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def _assert_components_equal(tm):
+    for var in tm.trainable_variables:
+        comps = getattr(var, "values", (var,))
+        for c in comps[1:]:
+            assert torch.equal(c.torch(), comps[0].torch()), var.name
+
+
+GPT_STEPS = 100
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): on a loaded machine torch's thread pool makes this
+    small model's single-process run 20-100x slower, and the test is not about threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.usefixtures("closes_strategies", "one_thread")
+def test_gpt_adamw_two_groups_warmup_cosine_clip_mirrored_equals_torch():
+    batches = _batches(GPT_STEPS)
+    model = _seeded_gpt()
+    ref, norms, ref_opt = _torch_run(copy.deepcopy(model), _make_adamw, batches, clip=1.0)
+    assert min(norms) < 1.0 < max(norms)  # the clip was active on some steps and not on others
+    got, tm, opt, torch_opt = _dtape_run(mirrored(2), copy.deepcopy(model), _make_adamw, batches, clip=1.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    assert ref[-1] < 0.6 * ref[0]
+    _assert_components_equal(tm)
+    # the user's torch optimizer carried the schedule and the state, as in the torch run
+    assert [g["lr"] for g in torch_opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    assert torch_opt.state_dict()["state"][0]["step"] == GPT_STEPS
