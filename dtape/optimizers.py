@@ -816,6 +816,16 @@ class TorchOptimizer(Optimizer):
         self._stale = False      # the user's optimizer loaded a state dict since the copies were made
         torch_optimizer.register_load_state_dict_post_hook(
             functools.partial(_copies_stale, weakref.ref(self)))
+        # Until a variable is matched with its slot, the slot holds an empty placeholder and only a weak
+        # reference to the user's tensor: the optimizer holding it would make a write before the first step
+        # (a checkpoint restore) copy the variable's tensor, which then no longer matches.
+        self._pending = {}       # (group index, position) -> (weakref to the user's tensor, its _memory_key)
+        for g, group in enumerate(torch_optimizer.param_groups):
+            params = group["params"]
+            for i, p in enumerate(params):
+                self._pending[(g, i)] = (weakref.ref(p), _memory_key(p))
+                _bind(torch_optimizer, [((g, i), None, None)], [torch.empty(0, dtype=p.dtype, device=p.device)],
+                      [None])
 
     @property
     def learning_rate(self):
@@ -880,18 +890,28 @@ class TorchOptimizer(Optimizer):
 
     # -- matching variables with the torch optimizer's parameters -----------------------------
     def _match(self, variables):
+        """Finds each new variable's slot in the torch optimizer: the parameter that is one of its component
+        tensors or has exactly its memory; the user's optimizer then holds the primary component's tensor."""
         todo = [v for v in variables if _slot_key(v) not in self._slot_of]
         if not todo:
             return
-        taken = set(self._slot_of.values())
-        by_id, by_memory = {}, {}
-        for g, group in enumerate(self.torch_optimizer.param_groups):
+        user = self.torch_optimizer
+        by_id, by_memory, alive = {}, {}, []
+        for g, group in enumerate(user.param_groups):
             for i, p in enumerate(group["params"]):
-                if (g, i) not in taken:
-                    by_id[id(p)] = (g, i)
-                    key = _memory_key(p)
-                    if key is not None:
-                        by_memory[key] = (g, i)
+                if (g, i) in self._var_at:
+                    continue
+                ref, key = self._pending.get((g, i), (None, None))
+                if ref is not None:
+                    p = ref()  # None: the user's tensor is gone, so no variable holds it
+                else:
+                    key = _memory_key(p)  # a group added after from_torch holds the tensors themselves
+                if p is None:
+                    continue
+                alive.append(p)  # alive while matching: its memory cannot be reused by another tensor meanwhile
+                by_id[id(p)] = (g, i)
+                if key is not None:
+                    by_memory[key] = (g, i)
         found, missing = {}, []
         for var in todo:
             comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
@@ -901,15 +921,21 @@ class TorchOptimizer(Optimizer):
                 missing.append(var)
             else:
                 found[_slot_key(var)] = slot
+        del alive
         if missing:
-            names = [f"{v.name!r} {list(v.shape)}" for v in missing]
+            names = ", ".join(f"{v.name!r} {list(v.shape)}" for v in missing)
             raise ValueError(
                 f"{self.name}: variables {names} are not parameters of the torch optimizer (none of its parameters "
-                f"shares their memory). Build the torch optimizer over the variables' own tensors (a TorchModule's "
-                f"parameters(), or [v.torch() for v in variables]) and pass it to from_torch before anything "
-                f"writes them; to restore a checkpoint first, call optimizer.build(variables) before restoring")
-        self._slot_of.update(found)
-        self._var_at.update({found[_slot_key(v)]: v for v in todo})
+                f"is their tensor or has its memory). Build the torch optimizer over the variables' own tensors "
+                f"(a TorchModule's parameters(), or [v.torch() for v in variables]), not over copies or the "
+                f"tensors of another module")
+        for var in todo:
+            slot = found[_slot_key(var)]
+            self._slot_of[_slot_key(var)] = slot
+            self._var_at[slot] = var
+            self._pending.pop(slot, None)
+            comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
+            _bind(user, [(slot, None, None)], [comps[0].torch()], [None])
 
     # -- one torch optimizer per replica index ---------------------------------------------------
     def _optimizers(self, n):
