@@ -6,7 +6,12 @@ each with its `.name` (for a distributed variable, the container's name).
 Variables are recognised by `dtape.tensor.is_variable`; a distributed
 variable also has a `.values` tuple of components (its logical value is saved: a MirroredVariable's primary, a
 SyncOnReadVariable's aggregate; restore assigns every component); a
-container has a `variables()` method or a `.variables` attribute.
+container has a `variables()` method or a `.variables` attribute. An object
+with `state_dict()` and `load_state_dict()` that offers no variables (a torch
+optimizer or lr scheduler), or that says so with `_checkpoint_by_state_dict`
+(a `dtape.optimizers.from_torch` optimizer), is stored as its state dict, as
+plain data (the header's `dtape.states` names those entries), and restored
+with `load_state_dict`.
 
 File format: a safetensors file (an 8-byte header length, a JSON header, raw
 tensor bytes) whose `__metadata__` holds the format tag, the stored objects
@@ -288,8 +293,10 @@ def save(path, **objects):
         left in the folder by a killed save of the same path are removed
         (those of a process still running are kept).
       **objects: name -> variable, module, optimizer (anything with a
-        `variables()` method or `.variables` attribute), or plain data (see
-        the module docstring) returned by `restore` / `read`. Names may not
+        `variables()` method or `.variables` attribute), an object saved by
+        its `state_dict()` (see the module docstring: a torch optimizer or
+        lr scheduler, a `from_torch` optimizer), or plain data (see the
+        module docstring) returned by `restore` / `read`. Names may not
         contain '/' or start with '__'.
 
     Returns:
@@ -623,17 +630,22 @@ def restore(path, *, strict=True, **objects):
       **objects: name -> variable, module or optimizer, as given to `save`.
         An optimizer must already have its slot variables (restore after
         `optimizer.build(variables)` or one `apply_gradients`). For a
-        distributed variable every component is assigned.
+        distributed variable every component is assigned. An object saved by
+        its state dict gets `load_state_dict(saved)` (before any variable is
+        assigned; a torch optimizer needs no step first).
 
     Returns:
-      dict of the plain data stored in the file (name -> value).
+      dict of the plain data stored in the file (name -> value; state dicts
+      of objects are not included).
 
     Raises:
       CheckpointError: the file is missing, unreadable, corrupt or not a
         dtape checkpoint.
       ValueError: a name is missing from the file, a module/optimizer has a
         different number of variables, or a variable's name (strict),
-        shape or dtype differs; nothing is assigned then.
+        shape or dtype differs; nothing is assigned then. (A state dict that
+        `load_state_dict` refuses raises its error, before any variable is
+        assigned.)
       TypeError: an object is plain data, not a variable/module/optimizer.
 
     Call it in the cross-replica context (outside `strategy.run`). Under
