@@ -168,6 +168,10 @@ def _seeded_gpt(seed=0):
     return TinyGPT()
 
 
+def _memory(tm):
+    return [c.torch().data_ptr() for v in tm.trainable_variables for c in getattr(v, "values", (v,))]
+
+
 def _assert_components_equal(tm):
     for var in tm.trainable_variables:
         comps = getattr(var, "values", (var,))
@@ -213,7 +217,11 @@ def test_sgd_momentum_across_a_steplr_drop_equals_torch(replicas):
     model = _seeded_gpt(1)
     ref, _, ref_opt = _torch_run(copy.deepcopy(model), _make_sgd, batches, clip=None)
     strategy = mirrored(2) if replicas == 2 else ds.OneDeviceStrategy("cpu")
-    got, tm, _, torch_opt = _dtape_run(strategy, copy.deepcopy(model), _make_sgd, batches, clip=None)
+    tm, torch_opt, sched, opt = _setup(strategy, copy.deepcopy(model), _make_sgd, len(batches), None)
+    got = _train(strategy, tm, opt, sched, batches[:1])
+    memory = _memory(tm)
+    got += _train(strategy, tm, opt, sched, batches[1:])
+    assert _memory(tm) == memory  # every step wrote the weights in place (torch's optimizer holding them or not)
     if replicas == 1:
         assert got == ref  # the same kernels on the same gradients: bit for bit
     np.testing.assert_allclose(got, ref, rtol=1e-5)
@@ -247,6 +255,11 @@ def test_checkpoint_resume_is_bit_exact_under_mirrored(tmp_path):
     assert [g["lr"] for g in torch_opt2.param_groups] == [g["lr"] for g in torch_opt.param_groups]
     rest = _train(strategy, tm2, opt2, sched2, batches[half:])
     assert first + rest == full
+    _assert_components_equal(tm2)
+    # into objects that have stepped (the replicas' private optimizer copies exist and are ahead): they take
+    # the restored state too
+    dtape.checkpoint.restore(path, model=tm2, optimizer=opt2, scheduler=sched2)
+    assert _train(strategy, tm2, opt2, sched2, batches[half:]) == rest
     _assert_components_equal(tm2)
 
 
