@@ -735,7 +735,7 @@ def from_torch(torch_optimizer, global_clipnorm=None):
         a TorchModule's `parameters()`, or `[v.torch() for v in variables]`
         (a MirroredVariable's `torch()` is its primary component).
       global_clipnorm: clip the summed gradients together to this L2 norm
-        first, with `torch.nn.utils.clip_grad_norm_`'s formula (scale by
+        first, with `torch.nn.utils.clip_grad_norm_` itself (scale by
         min(1, max_norm / (norm + 1e-6))); None: no clipping.
 
     Returns:
@@ -761,9 +761,11 @@ class TorchOptimizer(Optimizer):
 
     `apply_gradients` aggregates as every dtape optimizer (in a replica
     context: the bucketed SUM all-reduce of `GradientSync`, one merge_call),
-    clips by `global_clipnorm` if set, then gives each variable's tensor its
-    summed gradient as `.grad` and runs the torch optimizer's `step()`: torch's
-    formulas, parameter groups, hyperparameters and per-parameter state.
+    then gives each variable's tensor a copy of its summed gradient as `.grad`
+    (a buffer kept between steps, as torch keeps `p.grad`: the gradients
+    passed in are never written), runs `torch.nn.utils.clip_grad_norm_` on
+    them if `global_clipnorm` is set, and the torch optimizer's `step()`:
+    torch's formulas, parameter groups, hyperparameters and per-parameter state.
     Variables whose gradient is None (on every replica) are skipped, as torch
     skips parameters without `.grad`.
 
@@ -813,6 +815,7 @@ class TorchOptimizer(Optimizer):
         self._slot_of = {}       # _slot_key(variable) -> (group index, position): where it is in param_groups
         self._var_at = {}        # (group index, position) -> the variable (container) there
         self._copies = {}        # replica index >= 1 -> the torch optimizer of that index's components
+        self._grads = {}         # (id(torch optimizer), slot) -> its `.grad` buffer (see _grad_buffer)
         self._stale = False      # the user's optimizer loaded a state dict since the copies were made
         torch_optimizer.register_load_state_dict_post_hook(
             functools.partial(_copies_stale, weakref.ref(self)))
@@ -867,7 +870,7 @@ class TorchOptimizer(Optimizer):
                 self.iterations.assign(int(iterations))
 
     def _clip_gradients(self, pairs):
-        return pairs  # clipped per replica index in `_step_index`, with torch's formula
+        return pairs  # clipped per replica index in `_step_index`, by torch.nn.utils.clip_grad_norm_
 
     def _apply(self, strategy, pairs):
         variables = [v for _, v in pairs]
@@ -881,10 +884,9 @@ class TorchOptimizer(Optimizer):
             for i, c in enumerate(comps):
                 by_index.setdefault(i, []).append((self._slot_of[_slot_key(var)], c, _replica_part(g, i).torch()))
         optimizers = self._optimizers(len(by_index))
-        used = set()  # storages of the gradients given to earlier indices (torch steps may write .grad)
         with _tp.stop_recording(), uninterrupted():
             for i in sorted(by_index):
-                self._step_index(optimizers[i], by_index[i], used)
+                self._step_index(optimizers[i], by_index[i])
             self.iterations.assign_add(1)
         return self.iterations
 
@@ -944,6 +946,7 @@ class TorchOptimizer(Optimizer):
         user = self.torch_optimizer
         layout = [len(g["params"]) for g in user.param_groups]
         if self._stale or any([len(g["params"]) for g in c.param_groups] != layout for c in self._copies.values()):
+            self._grads = {k: b for k, b in self._grads.items() if k[0] == id(user)}
             self._copies.clear()
             self._stale = False
         missing = [i for i in range(1, n) if i not in self._copies]
@@ -967,7 +970,18 @@ class TorchOptimizer(Optimizer):
                 out[slot] = comps[index].torch()
         return out
 
-    def _step_index(self, opt, entries, used):
+    def _grad_buffer(self, opt, slot, param):
+        """The `.grad` tensor of `opt`'s parameter at `slot`: kept from step to step (torch keeps `p.grad`), so
+        a step that writes its gradients (clipping does) writes this private copy, never the gradients given
+        to apply_gradients nor another replica's."""
+        key = (id(opt), slot)
+        buf = self._grads.get(key)
+        if buf is None or buf.shape != param.shape or buf.stride() != param.stride() or \
+                buf.dtype != param.dtype or buf.device != param.device:
+            buf = self._grads[key] = torch.empty_like(param)
+        return buf
+
+    def _step_index(self, opt, entries):
         """Runs `opt.step()` on one replica index's components with their summed gradients as `.grad`."""
         comps = [c for _, c, _ in entries]
         saved = []
@@ -978,12 +992,11 @@ class TorchOptimizer(Optimizer):
 
         def step(tensors):  # under the variables' locks, on their tensors or their copies
             _bind(opt, entries, tensors, saved)
-            grads = [_grad_for(t, gr, used) for t, (_, _, gr) in zip(tensors, entries)]
-            if self.global_clipnorm is not None:
-                grads = _clip_like_torch(grads, self.global_clipnorm)
-            for t, gr in zip(tensors, grads):
-                t.grad = gr
+            for ((g, i), _, grad), t in zip(entries, tensors):
+                t.grad = self._grad_buffer(opt, (g, i), t).copy_(grad)
             try:
+                if self.global_clipnorm is not None:
+                    torch.nn.utils.clip_grad_norm_(tensors, self.global_clipnorm)
                 opt.step()
             finally:
                 for t in tensors:
@@ -1035,29 +1048,6 @@ def _bind(opt, entries, tensors, released):
         params[i] = t
         if state is not None:
             opt.state[t] = state
-
-
-def _grad_for(param, grad, used):
-    """`grad` as torch's `.grad` of `param`: on its device, with its strides, never a tensor whose memory an
-    earlier replica index's step had (a step may write its `.grad`)."""
-    grad = grad.to(param.device)
-    ptr = grad.untyped_storage().data_ptr()
-    if grad.stride() != param.stride() or ptr in used:
-        grad = torch.empty_like(param).copy_(grad)
-        ptr = grad.untyped_storage().data_ptr()
-    used.add(ptr)
-    return grad
-
-
-def _clip_like_torch(grads, max_norm):
-    """`torch.nn.utils.clip_grad_norm_(params, max_norm)` on the gradients, into new tensors.
-
-    Source: torch.nn.utils.clip_grad_norm_ (get_total_norm, then each gradient times
-    min(1, max_norm / (total + 1e-6))).
-    """
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return [g * coef.to(g.device) for g in grads]
 
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "TorchOptimizer", "from_torch", "schedules"]

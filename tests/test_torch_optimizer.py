@@ -342,3 +342,42 @@ def test_global_clipnorm_is_torch_s_clip_grad_norm():
     for w, e in zip(ws, expected):
         assert torch.equal(w.torch(), e)
     np.testing.assert_allclose(grads[0].numpy(), [3.0, 4.0])  # the caller's gradients are not modified
+
+
+class _GradScalingSGD(torch.optim.SGD):
+    """SGD that halves each `.grad` in place before its step (torch optimizers may write their gradients)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
+
+
+@pytest.mark.usefixtures("closes_strategies")
+@pytest.mark.parametrize("sync", [True, False], ids=["gradient_sync", "plain_tape"])
+def test_each_replica_s_optimizer_gets_its_own_gradient_tensors(sync):
+    """A step that writes `.grad` on one replica index never changes the gradient another index steps with."""
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(5))
+
+    def run(strategy):
+        with strategy.scope():
+            w = dtape.Variable(torch.ones(3, 2), name="w")
+        opt = dtape.optimizers.from_torch(_GradScalingSGD([w.torch()], lr=0.1))
+
+        def step(xb):
+            with dtape.GradientTape(gradient_sync=ds.GradientSync() if sync else None) as tape:
+                loss = dtape.reduce_sum(dtape.matmul(xb, w) ** 2)
+            grad = tape.gradient(loss, w)
+            before = grad.torch().clone()
+            opt.apply_gradients([(grad, w)])
+            assert torch.equal(grad.torch(), before)  # dtape gradients stay immutable
+        for xb in strategy.experimental_distribute_dataset([x] * 2):
+            strategy.run(step, args=(xb,))
+        return w
+    expected = run(ds.OneDeviceStrategy("cpu")).torch()
+    w = run(mirrored(2))
+    for c in w.values:
+        torch.testing.assert_close(c.torch(), expected, rtol=1e-6, atol=0)
