@@ -4,121 +4,18 @@ The reference in each test is the same model trained by plain single-process tor
 same torch optimizer class, `clip_grad_norm_`, the same scheduler), never dtape's own formulas.
 """
 import copy
-import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+import _gpt
 import dtape
 import dtape.distribute as ds
+from _gpt import CONTEXT, GLOBAL_BATCH, VOCAB
+from _gpt import batches as _batches, make_adamw as _make_adamw, make_sgd as _make_sgd, torch_run as _torch_run
 from _strategies import mirrored
-
-VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 64, 16, 32, 2, 2
-GLOBAL_BATCH = 8
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention (scaled_dot_product_attention) and a GELU MLP."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
-        self.fc_out = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x):
-        b, t, c = x.size()
-        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
-
-
-class TinyGPT(nn.Module):
-    """Token + position embeddings, LAYERS blocks, final LayerNorm, head tied to the token embedding."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.wpe = nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight
-        for module in self.modules():  # GPT-2's initialisation: small weights, so the loss starts near log(VOCAB)
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def _batches(steps, seed=0):
-    """`steps` global batches (inputs, targets) of a noisy counting sequence: learnable, so the loss falls."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=gen)
-        seq = (start + torch.arange(CONTEXT + 1)) % VOCAB
-        noise = torch.rand(seq.shape, generator=gen) < 0.1
-        seq = torch.where(noise, torch.randint(0, VOCAB, seq.shape, generator=gen), seq)
-        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
-    return out
-
-
-def _warmup_cosine(warmup, total, floor=0.1):
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
-
-
-def _adamw_groups(params):
-    """nanoGPT's split: matrices (and embeddings) decay, vectors (biases, norms) do not."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _make_adamw(params, steps):
-    opt = torch.optim.AdamW(_adamw_groups(params), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(10, steps))
-
-
-def _make_sgd(params, steps):
-    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
-    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=max(1, steps // 2), gamma=0.1)
-
-
-def _torch_run(model, make_optimizer, batches, clip):
-    """Per-step losses (and the clip_grad_norm_ totals) of plain single-process torch."""
-    params = list(model.parameters())
-    opt, sched = make_optimizer(params, len(batches))
-    losses, norms = [], []
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
-        loss.backward()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    return losses, norms, opt
 
 
 def _tensors(tm):
@@ -163,11 +60,6 @@ def _dtape_run(strategy, model, make_optimizer, batches, clip):
     return _train(strategy, tm, opt, sched, batches), tm, opt, torch_opt
 
 
-def _seeded_gpt(seed=0):
-    torch.manual_seed(seed)
-    return TinyGPT()
-
-
 def _memory(tm):
     return [c.torch().data_ptr() for v in tm.trainable_variables for c in getattr(v, "values", (v,))]
 
@@ -197,7 +89,7 @@ def one_thread():
 @pytest.mark.usefixtures("closes_strategies", "one_thread")
 def test_gpt_adamw_two_groups_warmup_cosine_clip_mirrored_equals_torch():
     batches = _batches(GPT_STEPS)
-    model = _seeded_gpt()
+    model = _gpt.seeded_gpt()
     ref, norms, ref_opt = _torch_run(copy.deepcopy(model), _make_adamw, batches, clip=1.0)
     assert min(norms) < 1.0 < max(norms)  # the clip was active on some steps and not on others
     got, tm, opt, torch_opt = _dtape_run(mirrored(2), copy.deepcopy(model), _make_adamw, batches, clip=1.0)
@@ -214,7 +106,7 @@ def test_gpt_adamw_two_groups_warmup_cosine_clip_mirrored_equals_torch():
 def test_sgd_momentum_across_a_steplr_drop_equals_torch(replicas):
     """torch's SGD (momentum buffer times the new lr after the drop, weight decay added to the gradient)."""
     batches = _batches(12, seed=1)
-    model = _seeded_gpt(1)
+    model = _gpt.seeded_gpt(1)
     ref, _, ref_opt = _torch_run(copy.deepcopy(model), _make_sgd, batches, clip=None)
     strategy = mirrored(2) if replicas == 2 else ds.OneDeviceStrategy("cpu")
     tm, torch_opt, sched, opt = _setup(strategy, copy.deepcopy(model), _make_sgd, len(batches), None)
@@ -236,7 +128,7 @@ def test_checkpoint_resume_is_bit_exact_under_mirrored(tmp_path):
     optimizer and scheduler restored from it continue exactly as the uninterrupted run."""
     steps, half = 8, 4
     batches = _batches(steps, seed=2)
-    model = _seeded_gpt(2)
+    model = _gpt.seeded_gpt(2)
     strategy = mirrored(2)
     tm, _, sched, opt = _setup(strategy, copy.deepcopy(model), _make_adamw, steps, 1.0)
     full = _train(strategy, tm, opt, sched, batches)
@@ -247,7 +139,7 @@ def test_checkpoint_resume_is_bit_exact_under_mirrored(tmp_path):
     dtape.checkpoint.save(path, model=tm, optimizer=opt, scheduler=sched, step=half)
     saved_exp_avg = torch_opt.state_dict()["state"][0]["exp_avg"].clone()
 
-    tm2, torch_opt2, sched2, opt2 = _setup(strategy, _seeded_gpt(3), _make_adamw, steps, 1.0)  # other weights
+    tm2, torch_opt2, sched2, opt2 = _setup(strategy, _gpt.seeded_gpt(3), _make_adamw, steps, 1.0)  # other weights
     data = dtape.checkpoint.restore(path, model=tm2, optimizer=opt2, scheduler=sched2)
     assert data == {"step": half}
     assert int(opt2.iterations.numpy()) == half
@@ -268,7 +160,7 @@ def test_state_dict_is_torch_s_and_moves_between_dtape_and_torch():
     """`state_dict()` is the torch optimizer's: loaded into a plain torch optimizer (with the weights), torch
     continues the dtape run exactly; and back."""
     batches = _batches(6, seed=3)
-    model = _seeded_gpt(4)
+    model = _gpt.seeded_gpt(4)
     strategy = ds.OneDeviceStrategy("cpu")
     tm, torch_opt, sched, opt = _setup(strategy, copy.deepcopy(model), _make_sgd, 6, None)
     _train(strategy, tm, opt, sched, batches[:3])
