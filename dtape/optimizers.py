@@ -789,11 +789,12 @@ class TorchOptimizer(Optimizer):
     optimizer=opt)` stores that state dict and `restore` loads it (before or
     after the first step).
 
-    The variables are matched with the torch optimizer's parameters by memory
-    at the first `build(var_list)` or `apply_gradients`; a variable written
-    before that while the optimizer held its tensor (e.g. restored) has a new
-    tensor and no longer matches: call `build(variables)` right after
-    `from_torch`.
+    `from_torch` takes the torch optimizer's parameters over: each variable is
+    matched with the parameter that is its tensor (or has its memory) at the
+    first `build(var_list)` or `apply_gradients`; until then its slot holds
+    an empty placeholder and only a weak reference to the user's tensor, so a
+    write before the first step (a checkpoint restore) stays in place and the
+    match still holds.
 
     Raises (apply_gradients, build):
       ValueError: a variable that is none of the torch optimizer's
@@ -925,7 +926,8 @@ class TorchOptimizer(Optimizer):
                 found[_slot_key(var)] = slot
         del alive
         if missing:
-            names = ", ".join(f"{v.name!r} {list(v.shape)}" for v in missing)
+            names = ", ".join(f"{v.name!r} {list(v.shape)}" for v in missing[:4])
+            names += f" and {len(missing) - 4} more" if len(missing) > 4 else ""
             raise ValueError(
                 f"{self.name}: variables {names} are not parameters of the torch optimizer (none of its parameters "
                 f"is their tensor or has its memory). Build the torch optimizer over the variables' own tensors "
