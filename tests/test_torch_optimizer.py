@@ -273,3 +273,25 @@ def test_each_replica_s_optimizer_gets_its_own_gradient_tensors(sync):
     w = run(mirrored(2))
     for c in w.values:
         torch.testing.assert_close(c.torch(), expected, rtol=1e-6, atol=0)
+
+
+def test_checkpoint_stores_objects_with_a_state_dict(tmp_path):
+    v = dtape.Variable(torch.ones(2), name="v")
+    torch_opt = torch.optim.SGD([v.torch()], lr=0.5, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    opt = dtape.optimizers.from_torch(torch_opt)
+    opt.apply_gradients([(dtape.ones([2]), v)])
+    sched.step()
+    path = tmp_path / "ckpt"
+    dtape.checkpoint.save(path, v=v, optimizer=opt, scheduler=sched, step=1)
+    stored = dtape.checkpoint.read(path)
+    assert torch.equal(stored["optimizer"]["state"][0]["momentum_buffer"], torch.ones(2))
+    assert stored["optimizer"]["param_groups"][0]["lr"] == 0.25 and stored["scheduler"]["last_epoch"] == 1
+    # a plain torch optimizer and scheduler restore from it too (torch ignores the extra `iterations`)
+    other = torch.optim.SGD([torch.zeros(2)], lr=0.1, momentum=0.9)
+    other_sched = torch.optim.lr_scheduler.StepLR(other, step_size=1, gamma=0.5)
+    assert dtape.checkpoint.restore(path, optimizer=other, scheduler=other_sched) == {"step": 1}
+    assert other.param_groups[0]["lr"] == 0.25 and other_sched.last_epoch == 1
+    assert torch.equal(other.state_dict()["state"][0]["momentum_buffer"], torch.ones(2))
+    with pytest.raises(ValueError, match="no state dict 'sched' in checkpoint"):
+        dtape.checkpoint.restore(path, sched=sched)
