@@ -752,6 +752,11 @@ def from_torch(torch_optimizer, global_clipnorm=None):
       >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
       >>> optimizer = dtape.optimizers.from_torch(opt, global_clipnorm=1.0)
       >>> # in strategy.run: optimizer.apply_gradients(zip(grads, variables)); after it: sched.step()
+
+    Step schedulers once per training step, outside `strategy.run` (in it,
+    every replica thread would step the scheduler). Calling the torch
+    optimizer's own `step()` or `zero_grad()` as well is harmless: its
+    parameters have no `.grad` outside `apply_gradients`.
     """
     return TorchOptimizer(torch_optimizer, global_clipnorm=global_clipnorm)
 
