@@ -551,6 +551,11 @@ def _verify_checksum(path, raw, digest):
 
 def _load(path):
     """(tensors, stored objects, plain data) of the checkpoint at `path`, all verified."""
+    return _load_all(path)[:3]
+
+
+def _load_all(path):
+    """`_load(path)` and the names of the data entries that are objects' state dicts."""
     path = os.fspath(path)
     raw = _read_bytes(path)
     metadata = _parse_header(path, raw)
@@ -594,7 +599,7 @@ def read(path):
 
     Source: tf.train.load_checkpoint (a reader, by key).
     """
-    tensors, stored, data, _ = _load(path)
+    tensors, stored, data = _load(path)
     out = {key: tensors[key] for pairs in stored.values() for key, _ in pairs}
     out.update(data)
     return out
@@ -653,7 +658,7 @@ def restore(path, *, strict=True, **objects):
     (the folder must be visible to all of them).
     Source: tf.train.Checkpoint.restore.
     """
-    tensors, stored, data, states = _load(path)
+    tensors, stored, data, states = _load_all(path)
     path = os.fspath(path)
     plan, loads = [], []
     for name, obj in objects.items():
