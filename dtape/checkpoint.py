@@ -6,7 +6,12 @@ each with its `.name` (for a distributed variable, the container's name).
 Variables are recognised by `dtape.tensor.is_variable`; a distributed
 variable also has a `.values` tuple of components (its logical value is saved: a MirroredVariable's primary, a
 SyncOnReadVariable's aggregate; restore assigns every component); a
-container has a `variables()` method or a `.variables` attribute.
+container has a `variables()` method or a `.variables` attribute. An object
+with `state_dict()` and `load_state_dict()` that offers no variables (a torch
+optimizer or lr scheduler), or that says so with `_checkpoint_by_state_dict`
+(a `dtape.optimizers.from_torch` optimizer), is stored as its state dict, as
+plain data (the header's `dtape.states` names those entries), and restored
+with `load_state_dict`.
 
 File format: a safetensors file (an 8-byte header length, a JSON header, raw
 tensor bytes) whose `__metadata__` holds the format tag, the stored objects
@@ -84,6 +89,16 @@ def _variables_of(obj):
     if callable(found):
         found = found()
     return list(found)
+
+
+def _has_state_dict(obj):
+    """True for an object saved by its `state_dict()` and restored by `load_state_dict(...)`: one with both
+    methods that offers no dtape variables (a torch optimizer or lr scheduler, a torch module), or one that
+    says so (`_checkpoint_by_state_dict`: a `dtape.optimizers.from_torch` optimizer, whose state is torch's)."""
+    if is_variable(obj) or not (callable(getattr(obj, "state_dict", None))
+                                and callable(getattr(obj, "load_state_dict", None))):
+        return False
+    return bool(getattr(obj, "_checkpoint_by_state_dict", False)) or getattr(obj, "variables", None) is None
 
 
 def _named_variables(name, obj):
@@ -278,8 +293,10 @@ def save(path, **objects):
         left in the folder by a killed save of the same path are removed
         (those of a process still running are kept).
       **objects: name -> variable, module, optimizer (anything with a
-        `variables()` method or `.variables` attribute), or plain data (see
-        the module docstring) returned by `restore` / `read`. Names may not
+        `variables()` method or `.variables` attribute), an object saved by
+        its `state_dict()` (see the module docstring: a torch optimizer or
+        lr scheduler, a `from_torch` optimizer), or plain data (see the
+        module docstring) returned by `restore` / `read`. Names may not
         contain '/' or start with '__'.
 
     Returns:
@@ -303,9 +320,13 @@ def save(path, **objects):
       >>> dtape.checkpoint.save("/tmp/ckpt", model=model, optimizer=opt, step=10)
     """
     path = os.fspath(path)
-    tensors, stored, data, every = {}, {}, {}, []
+    tensors, stored, data, every, states = {}, {}, {}, [], []
     for name, obj in objects.items():
         _check_name(name)
+        if _has_state_dict(obj):
+            data[name] = _encode(obj.state_dict(), f"{name!r} (its state_dict())", tensors, set())
+            states.append(name)
+            continue
         pairs = _named_variables(name, obj)
         if pairs is None:
             data[name] = _encode(obj, repr(name), tensors, set())
@@ -314,14 +335,16 @@ def save(path, **objects):
         every += pairs
         for key, var in pairs:
             tensors[key] = _saved_value(var)
-    _writer(every).write(lambda: _write_atomically(path, _serialize(tensors, stored, data)))
+    _writer(every).write(lambda: _write_atomically(path, _serialize(tensors, stored, data, states)))
     return path
 
 
-def _serialize(tensors, stored, data):
+def _serialize(tensors, stored, data, states=()):
     """The file's bytes: safetensors with our metadata, the checksum filled in last."""
     metadata = {"dtape.format": _FORMAT, "dtape.objects": json.dumps(stored), "dtape.data": json.dumps(data),
                 _SHA_KEY: _ZERO_DIGEST}
+    if states:  # names of `data` entries that are objects' state dicts (absent: none, as older files)
+        metadata["dtape.states"] = json.dumps(list(states))
     try:
         payload = bytearray(safetensors.torch.save(tensors, metadata=metadata))
     except (ValueError, TypeError, safetensors.SafetensorError) as e:
@@ -528,6 +551,11 @@ def _verify_checksum(path, raw, digest):
 
 def _load(path):
     """(tensors, stored objects, plain data) of the checkpoint at `path`, all verified."""
+    return _load_all(path)[:3]
+
+
+def _load_all(path):
+    """`_load(path)` and the names of the data entries that are objects' state dicts."""
     path = os.fspath(path)
     raw = _read_bytes(path)
     metadata = _parse_header(path, raw)
@@ -537,11 +565,14 @@ def _load(path):
         data = json.loads(metadata["dtape.data"])
         data = {name: _decode(node, tensors, path) for name, node in data.items()}
         _check_stored(path, stored, tensors)
+        states = json.loads(metadata.get("dtape.states", "[]"))
+        if not (isinstance(states, list) and all(isinstance(n, str) and n in data for n in states)):
+            raise ValueError(f"state dict names {states!r:.80} are not all data entries")
     except CheckpointError:
         raise
     except Exception as e:     # a checksummed but inconsistent file: crafted, or a bug
         raise CheckpointError(f"checkpoint {path!r} is corrupt: {type(e).__name__}: {e}") from None
-    return tensors, stored, data
+    return tensors, stored, data, states
 
 
 def _check_stored(path, stored, tensors):
@@ -604,17 +635,22 @@ def restore(path, *, strict=True, **objects):
       **objects: name -> variable, module or optimizer, as given to `save`.
         An optimizer must already have its slot variables (restore after
         `optimizer.build(variables)` or one `apply_gradients`). For a
-        distributed variable every component is assigned.
+        distributed variable every component is assigned. An object saved by
+        its state dict gets `load_state_dict(saved)` (before any variable is
+        assigned; a torch optimizer needs no step first).
 
     Returns:
-      dict of the plain data stored in the file (name -> value).
+      dict of the plain data stored in the file (name -> value; state dicts
+      of objects are not included).
 
     Raises:
       CheckpointError: the file is missing, unreadable, corrupt or not a
         dtape checkpoint.
       ValueError: a name is missing from the file, a module/optimizer has a
         different number of variables, or a variable's name (strict),
-        shape or dtype differs; nothing is assigned then.
+        shape or dtype differs; nothing is assigned then. (A state dict that
+        `load_state_dict` refuses raises its error, before any variable is
+        assigned.)
       TypeError: an object is plain data, not a variable/module/optimizer.
 
     Call it in the cross-replica context (outside `strategy.run`). Under
@@ -622,19 +658,28 @@ def restore(path, *, strict=True, **objects):
     (the folder must be visible to all of them).
     Source: tf.train.Checkpoint.restore.
     """
-    tensors, stored, data = _load(path)
+    tensors, stored, data, states = _load_all(path)
     path = os.fspath(path)
-    plan = []
+    plan, loads = [], []
     for name, obj in objects.items():
         _check_name(name)
+        if _has_state_dict(obj):
+            if name not in states:
+                raise ValueError(f"restore: no state dict {name!r} in checkpoint {path}; it holds state dicts "
+                                 f"{sorted(states)}, variables for {sorted(stored)} and data "
+                                 f"{sorted(set(data) - set(states))}")
+            loads.append((obj, data[name]))
+            continue
         pairs = _named_variables(name, obj)
         if pairs is None:
             raise TypeError(f"restore: {name!r} is a {type(obj).__name__}, not a variable, module or optimizer; "
                             f"plain data comes back in restore()'s return value")
         plan += _plan_restore(path, name, pairs, stored, tensors, data, strict)
+    for obj, state in loads:  # before any variable is assigned: a state dict that does not fit raises first
+        obj.load_state_dict(state)
     for var, value in plan:
         _assign_all(var, value)
-    return data
+    return {name: value for name, value in data.items() if name not in states}
 
 
 def _plan_restore(path, name, pairs, stored, tensors, data, strict):

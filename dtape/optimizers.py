@@ -18,6 +18,7 @@ train exactly as one device on the global batch.
 Source: tf.keras.optimizers (SGD, Adam, AdamW, RMSprop, Adagrad).
 """
 import contextlib
+import copy
 import functools
 import inspect
 import math
@@ -733,4 +734,337 @@ class Adagrad(Optimizer):
         _write_all(variables, lambda w, g, a: w - lr * g / _sqrt(a + eps), grads, acc)
 
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "schedules"]
+# -- torch.optim ---------------------------------------------------------------------------
+
+def from_torch(torch_optimizer, global_clipnorm=None):
+    """A dtape optimizer that runs `torch_optimizer`'s own update after the usual cross-replica sum.
+
+    Args:
+      torch_optimizer: a `torch.optim.Optimizer` (any class, any parameter
+        groups and hyperparameters) built over the variables' own tensors:
+        a TorchModule's `parameters()`, or `[v.torch() for v in variables]`
+        (a MirroredVariable's `torch()` is its primary component).
+      global_clipnorm: clip the summed gradients together to this L2 norm
+        first, with `torch.nn.utils.clip_grad_norm_` itself (scale by
+        min(1, max_norm / (norm + 1e-6))); None: no clipping.
+
+    Returns:
+      A `TorchOptimizer`: `apply_gradients(grads_and_vars)` as every dtape
+      optimizer (see `TorchOptimizer`).
+
+    Raises:
+      TypeError: `torch_optimizer` is not a torch.optim.Optimizer.
+      ValueError: a non-positive or non-finite global_clipnorm.
+
+    Example:
+      >>> opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+      ...                          {"params": no_decay, "weight_decay": 0.0}], lr=6e-4)
+      >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+      >>> optimizer = dtape.optimizers.from_torch(opt, global_clipnorm=1.0)
+      >>> # in strategy.run: optimizer.apply_gradients(zip(grads, variables)); after it: sched.step()
+
+    Step schedulers once per training step, outside `strategy.run` (in it,
+    every replica thread would step the scheduler). Calling the torch
+    optimizer's own `step()` or `zero_grad()` as well is harmless: its
+    parameters have no `.grad` outside `apply_gradients`.
+    """
+    return TorchOptimizer(torch_optimizer, global_clipnorm=global_clipnorm)
+
+
+class TorchOptimizer(Optimizer):
+    """A `torch.optim.Optimizer` behind dtape's `apply_gradients` (made by `from_torch`).
+
+    `apply_gradients` aggregates as every dtape optimizer (in a replica
+    context: the bucketed SUM all-reduce of `GradientSync`, one merge_call),
+    then gives each variable's tensor a copy of its summed gradient as `.grad`
+    (a buffer kept between steps, as torch keeps `p.grad`: the gradients
+    passed in are never written), runs `torch.nn.utils.clip_grad_norm_` on
+    them if `global_clipnorm` is set, and the torch optimizer's `step()`:
+    torch's formulas, parameter groups, hyperparameters and per-parameter state.
+    Variables whose gradient is None (on every replica) are skipped, as torch
+    skips parameters without `.grad`.
+
+    Under MirroredStrategy every replica index has its own component of each
+    variable and so its own optimizer state: index 0 (the primary components)
+    is updated by the user's optimizer itself, every other index by a private
+    copy of it (same class, parameter groups and state). Before each step the
+    copies take every hyperparameter of the user's parameter groups (`lr`,
+    `betas`, `momentum`, `weight_decay`, ...), so a `torch.optim.lr_scheduler`
+    stepping the user's optimizer reaches every replica; they take its state
+    again after its `load_state_dict`. The copies see the same gradients and
+    values, so the components stay bit-identical. Under
+    MultiWorkerMirroredStrategy each worker's optimizer is the user's.
+
+    Between steps the torch optimizer's parameters are the variables' current
+    tensors (its `param_groups`); a variable's tensor is written in place
+    when nothing else holds it, else its copy is updated and becomes the
+    variable's value, as with every dtape optimizer (the optimizer's own
+    references do not count). `state_dict()` / `load_state_dict()` are the
+    torch optimizer's (plus `iterations`); `dtape.checkpoint.save(path,
+    optimizer=opt)` stores that state dict and `restore` loads it (before or
+    after the first step).
+
+    `from_torch` takes the torch optimizer's parameters over: each variable is
+    matched with the parameter that is its tensor (or has its memory) at the
+    first `build(var_list)` or `apply_gradients`; until then its slot holds
+    an empty placeholder and only a weak reference to the user's tensor, so a
+    write before the first step (a checkpoint restore) stays in place and the
+    match still holds.
+
+    Raises (apply_gradients, build):
+      ValueError: a variable that is none of the torch optimizer's
+        parameters; a variable listed twice. Otherwise as `Optimizer`.
+    """
+
+    _checkpoint_by_state_dict = True  # dtape.checkpoint stores state_dict() (torch's state, not dtape variables)
+
+    def __init__(self, torch_optimizer, global_clipnorm=None, name=None):
+        if not isinstance(torch_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"from_torch takes a torch.optim.Optimizer, got {type(torch_optimizer).__name__}; "
+                            "for a dtape optimizer use it directly")
+        # Not Optimizer.__init__: the learning rate is the torch optimizer's (its param_groups).
+        self.name = name or type(torch_optimizer).__name__
+        self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(None, None, global_clipnorm)
+        self._slots = {}
+        self._iterations = None
+        self.torch_optimizer = torch_optimizer
+        self._slot_of = {}       # _slot_key(variable) -> (group index, position): where it is in param_groups
+        self._var_at = {}        # (group index, position) -> the variable (container) there
+        self._copies = {}        # replica index >= 1 -> the torch optimizer of that index's components
+        self._grads = {}         # (id(torch optimizer), slot) -> its `.grad` buffer (see _grad_buffer)
+        self._stale = False      # the user's optimizer loaded a state dict since the copies were made
+        torch_optimizer.register_load_state_dict_post_hook(
+            functools.partial(_copies_stale, weakref.ref(self)))
+        # Until a variable is matched with its slot, the slot holds an empty placeholder and only a weak
+        # reference to the user's tensor: the optimizer holding it would make a write before the first step
+        # (a checkpoint restore) copy the variable's tensor, which then no longer matches.
+        self._pending = {}       # (group index, position) -> (weakref to the user's tensor, its _memory_key)
+        for g, group in enumerate(torch_optimizer.param_groups):
+            params = group["params"]
+            for i, p in enumerate(params):
+                self._pending[(g, i)] = (weakref.ref(p), _memory_key(p))
+                _bind(torch_optimizer, [((g, i), None, None)], [torch.empty(0, dtype=p.dtype, device=p.device)],
+                      [None])
+
+    @property
+    def learning_rate(self):
+        """The first parameter group's `lr`; setting it sets every group's (as a scheduler would)."""
+        return self.torch_optimizer.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        _check_learning_rate(value)
+        for group in self.torch_optimizer.param_groups:
+            group["lr"] = value
+
+    def _lr(self):
+        return float(self.learning_rate)
+
+    def build(self, var_list):
+        """Matches `var_list` with the torch optimizer's parameters now (see the class docstring)."""
+        self._match([distribute.value_container(v) for v in var_list])
+        return self.iterations
+
+    def variables(self):
+        """The `iterations` variable (the optimizer's state is torch's: see `state_dict`)."""
+        return [self.iterations]
+
+    def state_dict(self):
+        """The torch optimizer's `state_dict()` (its tensors, not copies), plus `iterations` (an int)."""
+        out = self.torch_optimizer.state_dict()
+        out["iterations"] = int(self.iterations.numpy())
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Loads a torch optimizer state dict (as `torch.optim.Optimizer.load_state_dict`) into every replica's
+        optimizer; `iterations` too when present (a dict from `state_dict()`)."""
+        state_dict = dict(state_dict)
+        iterations = state_dict.pop("iterations", None)
+        self.torch_optimizer.load_state_dict(state_dict)
+        if iterations is not None:
+            with _tp.stop_recording(), _scope(getattr(self.iterations, "distribute_strategy", None)):
+                self.iterations.assign(int(iterations))
+
+    def _clip_gradients(self, pairs):
+        return pairs  # clipped per replica index in `_step_index`, by torch.nn.utils.clip_grad_norm_
+
+    def _apply(self, strategy, pairs):
+        variables = [v for _, v in pairs]
+        if len({id(v) for v in variables}) != len(variables):
+            raise ValueError(f"{self.name}.apply_gradients: a variable is listed twice; pass each variable once "
+                             "(sum its gradients first)")
+        self._match(variables)
+        by_index = {}  # replica index -> [(slot, component, gradient)]
+        for g, var in pairs:
+            comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
+            for i, c in enumerate(comps):
+                by_index.setdefault(i, []).append((self._slot_of[_slot_key(var)], c, _replica_part(g, i).torch()))
+        optimizers = self._optimizers(len(by_index))
+        with _tp.stop_recording(), uninterrupted():
+            for i in sorted(by_index):
+                self._step_index(optimizers[i], by_index[i])
+            self.iterations.assign_add(1)
+        return self.iterations
+
+    # -- matching variables with the torch optimizer's parameters -----------------------------
+    def _match(self, variables):
+        """Finds each new variable's slot in the torch optimizer: the parameter that is one of its component
+        tensors or has exactly its memory; the user's optimizer then holds the primary component's tensor."""
+        todo = [v for v in variables if _slot_key(v) not in self._slot_of]
+        if not todo:
+            return
+        user = self.torch_optimizer
+        by_id, by_memory, alive = {}, {}, []
+        for g, group in enumerate(user.param_groups):
+            for i, p in enumerate(group["params"]):
+                if (g, i) in self._var_at:
+                    continue
+                ref, key = self._pending.get((g, i), (None, None))
+                if ref is not None:
+                    p = ref()  # None: the user's tensor is gone, so no variable holds it
+                else:
+                    key = _memory_key(p)  # a group added after from_torch holds the tensors themselves
+                if p is None:
+                    continue
+                alive.append(p)  # alive while matching: its memory cannot be reused by another tensor meanwhile
+                by_id[id(p)] = (g, i)
+                if key is not None:
+                    by_memory[key] = (g, i)
+        found, missing = {}, []
+        for var in todo:
+            comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
+            slot = next((s for s in (by_id.get(id(c.torch())) or by_memory.get(_memory_key(c.torch()))
+                                     for c in comps) if s is not None), None)
+            if slot is None or slot in found.values():
+                missing.append(var)
+            else:
+                found[_slot_key(var)] = slot
+        del alive
+        if missing:
+            names = ", ".join(f"{v.name!r} {list(v.shape)}" for v in missing[:4])
+            names += f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            raise ValueError(
+                f"{self.name}: variables {names} are not parameters of the torch optimizer (none of its parameters "
+                f"is their tensor or has its memory). Build the torch optimizer over the variables' own tensors "
+                f"(a TorchModule's parameters(), or [v.torch() for v in variables]), not over copies or the "
+                f"tensors of another module")
+        for var in todo:
+            slot = found[_slot_key(var)]
+            self._slot_of[_slot_key(var)] = slot
+            self._var_at[slot] = var
+            self._pending.pop(slot, None)
+            comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
+            _bind(user, [(slot, None, None)], [comps[0].torch()], [None])
+
+    # -- one torch optimizer per replica index ---------------------------------------------------
+    def _optimizers(self, n):
+        """[the torch optimizer of replica index i for i < n]: the user's, then its copies (made or refreshed
+        before any index steps, so every copy starts from the user's state)."""
+        user = self.torch_optimizer
+        layout = [len(g["params"]) for g in user.param_groups]
+        if self._stale or any([len(g["params"]) for g in c.param_groups] != layout for c in self._copies.values()):
+            self._grads = {k: b for k, b in self._grads.items() if k[0] == id(user)}
+            self._copies.clear()
+            self._stale = False
+        missing = [i for i in range(1, n) if i not in self._copies]
+        if missing:
+            state = user.state_dict()
+            for i in missing:
+                self._copies[i] = _copy_optimizer(user, self._index_params(i), copy.deepcopy(state))
+        for c in self._copies.values():  # the hyperparameters a scheduler (or the user) set on the user's groups
+            for mine, theirs in zip(c.param_groups, user.param_groups):
+                for key, value in theirs.items():
+                    if key != "params":
+                        mine[key] = value
+        return [user] + [self._copies[i] for i in range(1, n)]
+
+    def _index_params(self, index):
+        """{slot: replica `index`'s component tensor} for the matched variables with such a component."""
+        out = {}
+        for slot, var in self._var_at.items():
+            comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
+            if index < len(comps):
+                out[slot] = comps[index].torch()
+        return out
+
+    def _grad_buffer(self, opt, slot, param):
+        """The `.grad` tensor of `opt`'s parameter at `slot`: kept from step to step (torch keeps `p.grad`), so
+        a step that writes its gradients (clipping does) writes this private copy, never the gradients given
+        to apply_gradients nor another replica's."""
+        key = (id(opt), slot)
+        buf = self._grads.get(key)
+        if buf is None or buf.shape != param.shape or buf.stride() != param.stride() or \
+                buf.dtype != param.dtype or buf.device != param.device:
+            buf = self._grads[key] = torch.empty_like(param)
+        return buf
+
+    def _step_index(self, opt, entries):
+        """Runs `opt.step()` on one replica index's components with their summed gradients as `.grad`."""
+        comps = [c for _, c, _ in entries]
+        saved = []
+        for (g, i), _, _ in entries:  # let go of the tensors: update_together must see who else holds them
+            params = opt.param_groups[g]["params"]
+            saved.append(opt.state.pop(params[i], None))
+            params[i] = None
+
+        def step(tensors):  # under the variables' locks, on their tensors or their copies
+            _bind(opt, entries, tensors, saved)
+            for ((g, i), _, grad), t in zip(entries, tensors):
+                t.grad = self._grad_buffer(opt, (g, i), t).copy_(grad)
+            try:
+                if self.global_clipnorm is not None:
+                    torch.nn.utils.clip_grad_norm_(tensors, self.global_clipnorm)
+                opt.step()
+            finally:
+                for t in tensors:
+                    t.grad = None
+        try:
+            update_together(comps, step)
+        finally:  # the optimizer's parameters: what the variables hold now (also if the step failed)
+            _bind(opt, entries, [c.torch() for c in comps], saved)
+
+
+def _copies_stale(optimizer_ref, torch_optimizer):
+    """The user's optimizer loaded a state dict: the replicas' copies take it before the next step."""
+    optimizer = optimizer_ref()
+    if optimizer is not None:
+        optimizer._stale = True
+
+
+def _memory_key(t):
+    """Where tensor `t`'s elements are (storage, offset, shape, strides, dtype, device); None for no elements."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _copy_optimizer(user, params, state_dict):
+    """A torch optimizer of `user`'s class and parameter groups over `params` ({slot: tensor}; an empty
+    placeholder on the user's parameter's device elsewhere), with `state_dict` loaded. `user`'s
+    per-instance `step` (a scheduler's wrapper) and hooks are not copied."""
+    clone = type(user).__new__(type(user))
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [params[(g, i)] if (g, i) in params else torch.empty(0, dtype=p.dtype, device=p.device)
+                          for i, p in enumerate(group["params"])]}
+              for g, group in enumerate(user.param_groups)]
+    torch.optim.Optimizer.__init__(clone, groups, user.defaults)
+    for key, value in user.__dict__.items():  # flags a subclass's __init__ set (e.g. _step_supports_amp_scaling)
+        if key not in clone.__dict__ and key not in ("step", "_opt_called"):
+            clone.__dict__[key] = value
+    clone.load_state_dict(state_dict)
+    return clone
+
+
+def _bind(opt, entries, tensors, released):
+    """Makes `tensors` the parameters at `entries`' slots of `opt`, each with its state: that of the slot's
+    current tensor, or (a slot let go of, None) its entry in `released`."""
+    for ((g, i), _, _), t, state in zip(entries, tensors, released):
+        params = opt.param_groups[g]["params"]
+        if params[i] is not None:
+            state = opt.state.pop(params[i], None)
+        params[i] = t
+        if state is not None:
+            opt.state[t] = state
+
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "TorchOptimizer", "from_torch", "schedules"]

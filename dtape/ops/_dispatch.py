@@ -245,6 +245,7 @@ def install_variable_operators(cls):
         setattr(cls, name, _delegate(name))
     cls.__torch_function__ = classmethod(_torch_function)
     cls.__getattr__ = _variable_attribute
+    cls.grad = property(_no_grad_attribute, doc="Always raises AttributeError: see NO_GRAD_MESSAGE.")
     cls._dtape_variable = True
 
 
@@ -277,6 +278,19 @@ def _delegate(name):
 _NOT_FORWARDED = frozenset({"values", "name"})
 
 
+# `.grad`: torch.nn.utils.clip_grad_norm_ (and code like it) reads `p.grad` of each tensor it is given and skips
+# None; answering torch's None would make it clip nothing and return 0, silently.
+NO_GRAD_MESSAGE = (
+    "dtape tensors and variables have no .grad: a gradient is the value tape.gradient returns (so "
+    "torch.nn.utils.clip_grad_norm_ on them would find no gradient and clip nothing). Clip the summed gradients "
+    "with the optimizer's global_clipnorm= (dtape.optimizers.from_torch(torch_optimizer, global_clipnorm=max_norm) "
+    "uses clip_grad_norm_'s formula), or clip the values: dtape.clip_by_global_norm(grads, max_norm)")
+
+
+def _no_grad_attribute(self):
+    raise AttributeError(NO_GRAD_MESSAGE)
+
+
 def _torch_attribute(self, name):
     """torch.Tensor's methods and properties on a dtape.Tensor (`x.dim()`, `x.view(...)`, `x.T`).
 
@@ -286,6 +300,8 @@ def _torch_attribute(self, name):
     on dtape tensors. Private names and in-place methods are not forwarded
     (in-place methods raise TypeError when called: Tensor is immutable).
     """
+    if name == "grad":
+        _no_grad_attribute(self)
     attr = None if name.startswith("_") or name in _NOT_FORWARDED else getattr(torch.Tensor, name, None)
     if attr is None:
         raise AttributeError(f"'dtape.Tensor' object has no attribute {name!r}")

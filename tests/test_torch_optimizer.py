@@ -1,0 +1,297 @@
+"""dtape.optimizers.from_torch: a torch.optim optimizer behind dtape's apply_gradients.
+
+The reference in each test is the same model trained by plain single-process torch (autograd, the
+same torch optimizer class, `clip_grad_norm_`, the same scheduler), never dtape's own formulas.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _gpt
+import dtape
+import dtape.distribute as ds
+from _gpt import CONTEXT, GLOBAL_BATCH, VOCAB
+from _gpt import batches as _batches, make_adamw as _make_adamw, make_sgd as _make_sgd, torch_run as _torch_run
+from _strategies import mirrored
+
+
+def _tensors(tm):
+    """The torch tensors of a TorchModule's trainable variables, in a torch optimizer's order."""
+    params = getattr(tm, "parameters", None)
+    if callable(params):
+        return list(params())
+    return [v.torch() for v in tm.trainable_variables]
+
+
+def _setup(strategy, model, make_optimizer, steps, clip):
+    """TorchModule of `model` under `strategy`, a torch optimizer over its variables' tensors (with its
+    scheduler) and from_torch of it."""
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    torch_opt, sched = make_optimizer(_tensors(tm), steps)
+    return tm, torch_opt, sched, dtape.optimizers.from_torch(torch_opt, global_clipnorm=clip)
+
+
+def _train(strategy, tm, opt, sched, batches):
+    """Per-step global losses: each replica's share of the mean cross entropy over the global batch."""
+    variables = tm.trainable_variables
+    tokens = GLOBAL_BATCH * CONTEXT
+
+    def step(x, y):
+        with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+            logits = tm(x)
+            loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1), reduction="sum") / tokens
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    losses = []
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        losses.append(float(strategy.reduce(ds.ReduceOp.SUM, strategy.run(step, args=(x, y)))))
+        sched.step()
+    return losses
+
+
+def _dtape_run(strategy, model, make_optimizer, batches, clip):
+    """Per-step global losses of the same training under `strategy` through TorchModule + from_torch."""
+    tm, torch_opt, sched, opt = _setup(strategy, model, make_optimizer, len(batches), clip)
+    return _train(strategy, tm, opt, sched, batches), tm, opt, torch_opt
+
+
+def _memory(tm):
+    return [c.torch().data_ptr() for v in tm.trainable_variables for c in getattr(v, "values", (v,))]
+
+
+def _assert_components_equal(tm):
+    for var in tm.trainable_variables:
+        comps = getattr(var, "values", (var,))
+        for c in comps[1:]:
+            assert torch.equal(c.torch(), comps[0].torch()), var.name
+
+
+GPT_STEPS = 100
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): on a loaded machine torch's thread pool makes this
+    small model's single-process run 20-100x slower, and the test is not about threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.usefixtures("closes_strategies", "one_thread")
+def test_gpt_adamw_two_groups_warmup_cosine_clip_mirrored_equals_torch():
+    batches = _batches(GPT_STEPS)
+    model = _gpt.seeded_gpt()
+    ref, norms, ref_opt = _torch_run(copy.deepcopy(model), _make_adamw, batches, clip=1.0)
+    assert min(norms) < 1.0 < max(norms)  # the clip was active on some steps and not on others
+    got, tm, opt, torch_opt = _dtape_run(mirrored(2), copy.deepcopy(model), _make_adamw, batches, clip=1.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    assert ref[-1] < 0.6 * ref[0]
+    _assert_components_equal(tm)
+    # the user's torch optimizer carried the schedule and the state, as in the torch run
+    assert [g["lr"] for g in torch_opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    assert torch_opt.state_dict()["state"][0]["step"] == GPT_STEPS
+
+
+@pytest.mark.usefixtures("closes_strategies", "one_thread")
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sgd_momentum_across_a_steplr_drop_equals_torch(replicas):
+    """torch's SGD (momentum buffer times the new lr after the drop, weight decay added to the gradient)."""
+    batches = _batches(12, seed=1)
+    model = _gpt.seeded_gpt(1)
+    ref, _, ref_opt = _torch_run(copy.deepcopy(model), _make_sgd, batches, clip=None)
+    strategy = mirrored(2) if replicas == 2 else ds.OneDeviceStrategy("cpu")
+    tm, torch_opt, sched, opt = _setup(strategy, copy.deepcopy(model), _make_sgd, len(batches), None)
+    got = _train(strategy, tm, opt, sched, batches[:1])
+    memory = _memory(tm)
+    got += _train(strategy, tm, opt, sched, batches[1:])
+    assert _memory(tm) == memory  # every step wrote the weights in place (torch's optimizer holding them or not)
+    if replicas == 1:
+        assert got == ref  # the same kernels on the same gradients: bit for bit
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    assert torch_opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == pytest.approx(0.0005)  # dropped twice (12 steps, step_size 6)
+    _assert_components_equal(tm)
+    assert ref[-1] < ref[0]
+
+
+@pytest.mark.usefixtures("closes_strategies", "one_thread")
+def test_checkpoint_resume_is_bit_exact_under_mirrored(tmp_path):
+    """dtape.checkpoint saves the torch optimizer's state (and the scheduler's) with the model; a fresh model,
+    optimizer and scheduler restored from it continue exactly as the uninterrupted run."""
+    steps, half = 8, 4
+    batches = _batches(steps, seed=2)
+    model = _gpt.seeded_gpt(2)
+    strategy = mirrored(2)
+    tm, _, sched, opt = _setup(strategy, copy.deepcopy(model), _make_adamw, steps, 1.0)
+    full = _train(strategy, tm, opt, sched, batches)
+
+    tm, torch_opt, sched, opt = _setup(strategy, copy.deepcopy(model), _make_adamw, steps, 1.0)
+    first = _train(strategy, tm, opt, sched, batches[:half])
+    path = tmp_path / "ckpt"
+    dtape.checkpoint.save(path, model=tm, optimizer=opt, scheduler=sched, step=half)
+    saved_exp_avg = torch_opt.state_dict()["state"][0]["exp_avg"].clone()
+
+    tm2, torch_opt2, sched2, opt2 = _setup(strategy, _gpt.seeded_gpt(3), _make_adamw, steps, 1.0)  # other weights
+    data = dtape.checkpoint.restore(path, model=tm2, optimizer=opt2, scheduler=sched2)
+    assert data == {"step": half}
+    assert int(opt2.iterations.numpy()) == half
+    assert torch.equal(torch_opt2.state_dict()["state"][0]["exp_avg"], saved_exp_avg)
+    assert [g["lr"] for g in torch_opt2.param_groups] == [g["lr"] for g in torch_opt.param_groups]
+    rest = _train(strategy, tm2, opt2, sched2, batches[half:])
+    assert first + rest == full
+    _assert_components_equal(tm2)
+    # into objects that have stepped (the replicas' private optimizer copies exist and are ahead): they take
+    # the restored state too
+    dtape.checkpoint.restore(path, model=tm2, optimizer=opt2, scheduler=sched2)
+    assert _train(strategy, tm2, opt2, sched2, batches[half:]) == rest
+    _assert_components_equal(tm2)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_state_dict_is_torch_s_and_moves_between_dtape_and_torch():
+    """`state_dict()` is the torch optimizer's: loaded into a plain torch optimizer (with the weights), torch
+    continues the dtape run exactly; and back."""
+    batches = _batches(6, seed=3)
+    model = _gpt.seeded_gpt(4)
+    strategy = ds.OneDeviceStrategy("cpu")
+    tm, torch_opt, sched, opt = _setup(strategy, copy.deepcopy(model), _make_sgd, 6, None)
+    _train(strategy, tm, opt, sched, batches[:3])
+    state = opt.state_dict()
+    assert state["iterations"] == 3 and set(state["state"][0]) == {"momentum_buffer"}
+
+    ref = copy.deepcopy(model)
+    named = dict(ref.named_parameters())
+    with torch.no_grad():
+        for v in tm.trainable_variables:
+            named[v.name.split("/", 1)[1]].copy_(v.torch())
+    ref_opt, ref_sched = _make_sgd([named[v.name.split("/", 1)[1]] for v in tm.trainable_variables], 6)
+    ref_opt.load_state_dict(copy.deepcopy(state))  # torch's state_dict shares its tensors, as torch's does
+    ref_sched.load_state_dict(sched.state_dict())
+    expected = []
+    for x, y in batches[3:]:
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(ref(x).view(-1, VOCAB), y.view(-1))
+        loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        expected.append(loss.item())
+    assert _train(strategy, tm, opt, sched, batches[3:]) == expected
+
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # torch's own dict (no iterations): iterations stays
+    assert int(opt.iterations.numpy()) == 6
+    for a, b in zip(torch_opt.state.values(), ref_opt.state.values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_errors_name_the_cause_and_the_fix():
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        dtape.optimizers.from_torch(dtape.optimizers.SGD(0.1))
+    v = dtape.Variable(torch.ones(3), name="w")
+    other = torch.ones(3)   # a copy, not the variable's tensor
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([other], lr=0.1))
+    with pytest.raises(ValueError, match=r"'w' \[3\] are not parameters of the torch optimizer.*v.torch\(\)"):
+        opt.apply_gradients([(dtape.ones([3]), v)])
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([v.torch()], lr=0.1))
+    with pytest.raises(ValueError, match="listed twice"):
+        opt.apply_gradients([(dtape.ones([3]), v), (dtape.ones([3]), v)])
+    with pytest.raises(ValueError, match="global_clipnorm must be a finite float > 0"):
+        dtape.optimizers.from_torch(torch.optim.SGD([v.torch()], lr=0.1), global_clipnorm=0.0)
+    opt.apply_gradients([(dtape.ones([3]), v)])
+    np.testing.assert_allclose(v.numpy(), [0.9, 0.9, 0.9], rtol=1e-6)
+
+
+def test_clip_grad_norm_on_dtape_gradients_raises_naming_global_clipnorm():
+    v = dtape.Variable(torch.ones(3))
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(v * v * 10.0)
+    grads = tape.gradient(loss, [v])
+    for given in (grads, [v]):   # the gradients, or the variables as if they were torch parameters
+        with pytest.raises(AttributeError, match="global_clipnorm"):
+            torch.nn.utils.clip_grad_norm_(given, 1.0)
+    assert getattr(grads[0], "grad", None) is None   # getattr with a default still answers
+
+
+def test_global_clipnorm_is_torch_s_clip_grad_norm():
+    """The summed gradient is clipped with clip_grad_norm_'s formula (max_norm / (norm + 1e-6)), then stepped."""
+    ws = [dtape.Variable(torch.tensor([3.0, 4.0])), dtape.Variable(torch.tensor([12.0]))]
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([w.torch() for w in ws], lr=1.0), global_clipnorm=1.0)
+    grads = [dtape.constant([3.0, 4.0]), dtape.constant([12.0])]   # global norm 13
+    ref = [torch.tensor([3.0, 4.0], requires_grad=True), torch.tensor([12.0], requires_grad=True)]
+    for p, g in zip(ref, grads):
+        p.grad = g.torch().clone()
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    with torch.no_grad():
+        expected = [p - p.grad for p in ref]
+    opt.apply_gradients(zip(grads, ws))
+    for w, e in zip(ws, expected):
+        assert torch.equal(w.torch(), e)
+    np.testing.assert_allclose(grads[0].numpy(), [3.0, 4.0])  # the caller's gradients are not modified
+
+
+class _GradScalingSGD(torch.optim.SGD):
+    """SGD that halves each `.grad` in place before its step (torch optimizers may write their gradients)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
+
+
+@pytest.mark.usefixtures("closes_strategies")
+@pytest.mark.parametrize("sync", [True, False], ids=["gradient_sync", "plain_tape"])
+def test_each_replica_s_optimizer_gets_its_own_gradient_tensors(sync):
+    """A step that writes `.grad` on one replica index never changes the gradient another index steps with."""
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(5))
+
+    def run(strategy):
+        with strategy.scope():
+            w = dtape.Variable(torch.ones(3, 2), name="w")
+        opt = dtape.optimizers.from_torch(_GradScalingSGD([w.torch()], lr=0.1))
+
+        def step(xb):
+            with dtape.GradientTape(gradient_sync=ds.GradientSync() if sync else None) as tape:
+                loss = dtape.reduce_sum(dtape.matmul(xb, w) ** 2)
+            grad = tape.gradient(loss, w)
+            before = grad.torch().clone()
+            opt.apply_gradients([(grad, w)])
+            assert torch.equal(grad.torch(), before)  # dtape gradients stay immutable
+        for xb in strategy.experimental_distribute_dataset([x] * 2):
+            strategy.run(step, args=(xb,))
+        return w
+    expected = run(ds.OneDeviceStrategy("cpu")).torch()
+    w = run(mirrored(2))
+    for c in w.values:
+        torch.testing.assert_close(c.torch(), expected, rtol=1e-6, atol=0)
+
+
+def test_checkpoint_stores_objects_with_a_state_dict(tmp_path):
+    v = dtape.Variable(torch.ones(2), name="v")
+    torch_opt = torch.optim.SGD([v.torch()], lr=0.5, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    opt = dtape.optimizers.from_torch(torch_opt)
+    opt.apply_gradients([(dtape.ones([2]), v)])
+    sched.step()
+    path = tmp_path / "ckpt"
+    dtape.checkpoint.save(path, v=v, optimizer=opt, scheduler=sched, step=1)
+    stored = dtape.checkpoint.read(path)
+    assert torch.equal(stored["optimizer"]["state"][0]["momentum_buffer"], torch.ones(2))
+    assert stored["optimizer"]["param_groups"][0]["lr"] == 0.25 and stored["scheduler"]["last_epoch"] == 1
+    # a plain torch optimizer and scheduler restore from it too (torch ignores the extra `iterations`)
+    other = torch.optim.SGD([torch.zeros(2)], lr=0.1, momentum=0.9)
+    other_sched = torch.optim.lr_scheduler.StepLR(other, step_size=1, gamma=0.5)
+    assert dtape.checkpoint.restore(path, optimizer=other, scheduler=other_sched) == {"step": 1}
+    assert other.param_groups[0]["lr"] == 0.25 and other_sched.last_epoch == 1
+    assert torch.equal(other.state_dict()["state"][0]["momentum_buffer"], torch.ones(2))
+    with pytest.raises(ValueError, match="no state dict 'sched' in checkpoint"):
+        dtape.checkpoint.restore(path, sched=sched)
