@@ -37,6 +37,7 @@ import time
 import weakref
 
 from dtape import tape as _tp
+from dtape._notes import add_note
 from dtape import variables
 from dtape.distribute import context, replica_scope
 from dtape.distribute.distribute_lib import ReplicaContext
@@ -47,7 +48,6 @@ from dtape.distribute.values import regroup, select_replica
 _INTERRUPT_GRACE_S = 1.0
 
 
-_HAS_ADD_NOTE = hasattr(BaseException, "add_note")  # Python >= 3.11
 
 
 # The caller's waits wake this often: CPython handles a signal that lands just
@@ -66,21 +66,6 @@ def _wait_for(cond, predicate, timeout):
         cond.wait(min(remaining, _SIGNAL_POLL_S))
         result = predicate()
     return result
-
-
-def add_note(exc, note):
-    """`exc.add_note(note)`, with a fallback for Python 3.10 (no add_note).
-
-    The fallback keeps the notes in `exc.__notes__` as 3.11 does, and appends
-    the note to a plain one-string message so 3.10 tracebacks show it.
-    """
-    if _HAS_ADD_NOTE:
-        exc.add_note(note)
-        return
-    notes = getattr(exc, "__notes__", None)
-    exc.__notes__ = (notes if isinstance(notes, list) else []) + [note]
-    if len(exc.args) == 1 and isinstance(exc.args[0], str) and type(exc).__str__ is BaseException.__str__:
-        exc.args = (f"{exc.args[0]}\n{note}",)
 
 
 try:  # CPython: raise an exception in another thread at its next bytecode

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dtape
-from dtape import _config
+from dtape import _config, _notes
 from dtape import distribute as ds
 from dtape import tape as _tp
 from dtape.distribute import mirrored_run
@@ -300,7 +300,7 @@ def test_failure_note_goes_to_the_replica_that_raised_first_not_to_one_failing_b
 
 
 def test_failure_note_without_add_note_python_310(monkeypatch):
-    monkeypatch.setattr(mirrored_run, "_HAS_ADD_NOTE", False)
+    monkeypatch.setattr(_notes, "_HAS_ADD_NOTE", False)
     strategy = ds.MirroredStrategy(DEVICES, timeout=5)
 
     def fn():
