@@ -341,7 +341,8 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
             prev = grads.get(t._id)
             grads[t._id] = dy if prev is None else prev + dy
         ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
-        _walk(records, reach, grads, set(source_ids), raw, ready, free)
+        with _tp.walk_scope(free):
+            _walk(records, reach, grads, set(source_ids), raw, ready, free)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 

@@ -63,6 +63,7 @@ class _ThreadState(threading.local):
     captures = ()
     pushed = None
     run = None
+    freeing = False  # running the last walk of a non-persistent tape (`walk_frees`)
 
     def __init__(self):  # threading.local runs it once per thread, on first use there
         self.scope = object()
@@ -87,6 +88,24 @@ def resolve_watched(variable):
 def capturing_reads():
     """True while a `capture_variable_reads()` is active on this thread."""
     return bool(_thread_state.captures)
+
+
+def walk_frees():
+    """True while this thread runs a non-persistent tape's last backward walk (`imperative_grad(free=True)`).
+
+    A record op whose state only that walk reads (a kept torch graph) may
+    free it as it is used; a persistent tape, a jacobian's several walks, and
+    records shared by several tapes keep it.
+    """
+    return _thread_state.freeing
+
+
+class walk_scope(ThreadLocalScope):
+    """Thread-local: the backward walk run inside is (True) or is not (False) its tape's last (`walk_frees`)."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "freeing"
 
 
 def register_watched_variable_resolver(fn):
@@ -958,4 +977,4 @@ __all__ = ["Tape", "RecordOp", "check_saved_versions", "active_tapes", "recordin
            "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]
+           "register_watched_variable_resolver", "resolve_watched", "walk_frees", "walk_scope", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]
