@@ -98,14 +98,26 @@ def graph_vjp(op, dys, raw, needs):
     outs = [o for o, _ in pairs]
     grad_outs = [dy if dy.dtype == o.dtype else dy.to(o.dtype) for o, dy in pairs]
     retain = op.shared or not _tp.walk_frees()
-    grads = torch.autograd.grad(outs, [op.graph_in[k] for k in wrt], grad_outs, allow_unused=True,
-                                retain_graph=retain)
+    try:
+        grads = torch.autograd.grad(outs, [op.graph_in[k] for k in wrt], grad_outs, allow_unused=True,
+                                    retain_graph=retain)
+    except RuntimeError as e:
+        raise _named(e, op) from e
     if not retain:
         op.outs = op.graph_in = None  # torch freed the graph: nothing else may ask it
     full = [None] * n
     for k, g in zip(wrt, grads):
         full[k] = g
     return tuple(full)
+
+
+def _named(error, op):
+    """torch's error from the backward of a kept graph, naming the dtape op (torch names only its own node)."""
+    if "modified by an inplace operation" in str(error):
+        return RuntimeError(f"a tensor saved for the gradient of op {op.name!r} was modified by an in-place "
+                            "operation after the op ran, so its gradient cannot be computed: write into a copy "
+                            f"(t.torch().clone()) or run the op after the in-place write (torch: {error})")
+    return RuntimeError(f"the gradient of op {op.name!r} (through torch.autograd) failed: {error}")
 
 
 class _GraphGrad(_tp.RecordOp):
@@ -134,8 +146,11 @@ def _recorded_vjp(op, pairs, wrt, n):
     outs = [o for o, _ in pairs]
     grad_outs = [d if d.dtype == o.dtype else d.to(o.dtype) for o, d in zip(outs, dy_leaves)]
     with torch.enable_grad():
-        grads = torch.autograd.grad(outs, [op.graph_in[k] for k in wrt], grad_outs, allow_unused=True,
-                                    create_graph=True, retain_graph=True)
+        try:
+            grads = torch.autograd.grad(outs, [op.graph_in[k] for k in wrt], grad_outs, allow_unused=True,
+                                        create_graph=True, retain_graph=True)
+        except RuntimeError as e:
+            raise _named(e, op) from e
     full = [None] * n
     results, graph_outs = [], []
     for k, g in zip(wrt, grads):
