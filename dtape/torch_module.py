@@ -20,7 +20,10 @@ from torch.utils import _pytree as pytree
 from dtape import tape as _tp
 from dtape.module import Module
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable, VariableAggregation
+from dtape.variables import Variable, VariableAggregation, share_storage
+
+# How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
+_BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
 
 __all__ = ["TorchModule"]
 
@@ -33,8 +36,19 @@ class TorchModule(Module):
     `torch_module/features.0.weight`), in `named_parameters()` then
     `named_buffers()` order; tied parameters share one Variable. They are
     created now, through the variable-creator stack: build the TorchModule
-    inside `strategy.scope()` to get MirroredVariables. The wrapped module's
-    own tensors are only copied from (see `state_dict` to copy back).
+    inside `strategy.scope()` to get MirroredVariables.
+
+    The wrapper is a view of the module: each Variable (under a strategy,
+    its replica-0 component; under MultiWorkerMirroredStrategy, this
+    worker's) and the module's parameter or buffer are one storage, so
+    training the Variables trains the module itself (`module.weight`
+    changes with each optimizer step), and `parameters()` /
+    `named_parameters()` are the module's own, for a torch optimizer
+    (`dtape.optimizers.from_torch`). A tensor on another device or dtype
+    than its Variable (a strategy placing replica 0 elsewhere) is moved onto
+    the Variable's storage (`param.data`). Writes to these Variables are in
+    place: a read taken before an update sees the new value, as with torch's
+    parameters.
 
     Calling it runs `module.forward(*args, **kwargs)` with the variables'
     current values substituted; every torch op is recorded on the active
@@ -53,13 +67,17 @@ class TorchModule(Module):
     `running_mean` with equal replica batches this equals the one-device
     update, `running_var` averages per-replica variances), and other buffers
     with `ONLY_FIRST_REPLICA` (replica 0's value, e.g. the step counter).
-    Every replica must update the same buffers in the same order.
+    `sync_buffers="broadcast"` gives floating buffers replica 0's value too
+    (after each update every replica holds replica 0's statistics, as DDP's
+    default `broadcast_buffers=True`). Every replica must update the same
+    buffers in the same order.
 
     Not supported (each raises where it can be detected): forward hooks,
     pre-hooks and backward hooks on any submodule (NotImplementedError at
     call); parametrizations (`torch.nn.utils.parametrize`),
-    `torch.jit.ScriptModule`s and `torch.compile`d modules (TypeError at
-    construction); parameters
+    `torch.jit.ScriptModule`s and `torch.compile`d modules or submodules
+    (TypeError at construction: the forward runs on dtape tensors, which
+    dynamo cannot trace); parameters
     modified in place inside `forward` (TypeError: dtape tensors are
     immutable); tensors held outside registered parameters/buffers (plain
     Python lists of modules, tensor attributes) are constants to dtape.
@@ -72,6 +90,10 @@ class TorchModule(Module):
         keep each tensor's dtype and device, a strategy places them on its
         replica devices).
       name: module name (default `torch_module`, made unique).
+      sync_buffers: how replicas' updates of floating buffers (BatchNorm's
+        running statistics) combine under a strategy: "mean" (default, the
+        mean of the replicas' updates) or "broadcast" (replica 0's, DDP's
+        `broadcast_buffers`).
 
     Call args:
       *args, **kwargs: the forward's arguments. dtape Tensors, Variables
@@ -86,7 +108,9 @@ class TorchModule(Module):
 
     Raises:
       TypeError: `module` is not a torch.nn.Module, is scripted, compiled
-        or parametrized; or a forward modifies a parameter in place.
+        (or has a compiled submodule) or parametrized; or a forward modifies
+        a parameter in place.
+      ValueError: `sync_buffers` is neither "mean" nor "broadcast".
       NotImplementedError: a submodule has hooks.
       ValueError: a forward sets a buffer to None or changes its shape.
 
@@ -102,12 +126,17 @@ class TorchModule(Module):
       [(2, 3), (2,)]
     """
 
-    def __init__(self, module, name=None):
+    def __init__(self, module, name=None, sync_buffers="mean"):
         _check_module(module)
+        if sync_buffers not in _BUFFER_SYNC:
+            raise ValueError(f"TorchModule(sync_buffers={sync_buffers!r}): use 'mean' (the replicas' updates "
+                             "averaged) or 'broadcast' (replica 0's, as DDP's broadcast_buffers)")
         super().__init__(name=name)
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
-        self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False), _buffer_var)
+        aggregation = _BUFFER_SYNC[sync_buffers]
+        self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
+                                   lambda b, name: _buffer_var(b, name, aggregation))
 
     def __call__(self, *args, training=None, **kwargs):
         mode = self.module.training if training is None else bool(training)
@@ -142,6 +171,45 @@ class TorchModule(Module):
                                  f"{_describe(new)}; a TorchModule's buffers keep their shape and cannot be removed")
             var.assign(new)
 
+    def parameters(self, recurse=True):
+        """The wrapped module's parameters (`module.parameters()`): the trainable Variables' own storage."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The wrapped module's `named_parameters()` (the torch names of the Variables)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Assigns a torch state dict (`module.state_dict()`, a checkpoint's) to the Variables, all replicas.
+
+        Args:
+          state_dict: dict torch name -> tensor (torch, numpy or dtape).
+          strict: as torch's: every name of the module present and no other.
+
+        Returns:
+          torch's `(missing_keys, unexpected_keys)` named tuple.
+
+        Raises:
+          RuntimeError: with `strict`, missing or unexpected names; a tensor
+            whose shape differs from its parameter's (nothing is assigned then).
+        """
+        variables = {**self._params, **self._buffers}
+        missing = [n for n in variables if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in variables]
+        bad = [f"{n}: got {tuple(state_dict[n].shape)}, the module has {tuple(v.shape)}"
+               for n, v in variables.items() if n in state_dict and tuple(state_dict[n].shape) != tuple(v.shape)]
+        problems = ([f"missing keys {missing}", f"unexpected keys {unexpected}"] if strict else []) + \
+            ([f"size mismatch ({'; '.join(bad)})"] if bad else [])
+        problems = [p for p in problems if not p.endswith("[]")]
+        if problems:
+            raise RuntimeError(f"{self.name}.load_state_dict: {', '.join(problems)}; load a state dict of the "
+                               "same architecture, or pass strict=False to skip missing and unexpected names")
+        with _tp.stop_recording():
+            for name, var in variables.items():
+                if name in state_dict:
+                    var.assign(state_dict[name])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
     def state_dict(self):
         """The variables' current values as a torch state dict: `module.load_state_dict(m.state_dict())`.
 
@@ -167,6 +235,11 @@ def _check_module(module):
         raise TypeError("TorchModule cannot wrap a torch.compile'd module (dynamo would trace dtape tensors); "
                         "wrap the original module, `compiled._orig_mod`")
     for name, sub in module.named_modules():
+        if name and isinstance(getattr(sub, "_orig_mod", None), torch.nn.Module):
+            raise TypeError(f"TorchModule: submodule {name!r} is torch.compile'd; its forward would get dtape "
+                            "tensors, which dynamo cannot trace, and its parameters no gradient. Wrap the module "
+                            f"with the original submodule instead (`module.{name} = module.{name}._orig_mod`), "
+                            "or compile the whole train step (dtape.function)")
         if torch.nn.utils.parametrize.is_parametrized(sub):
             raise TypeError(f"TorchModule: submodule {name or type(module).__name__!r} has parametrizations "
                             "(torch.nn.utils.parametrize), which are not supported; remove them with "
@@ -174,24 +247,36 @@ def _check_module(module):
 
 
 def _variables(prefix, named_tensors, make):
-    """{torch name: Variable}; names of one tensor (tied weights) share one Variable."""
+    """{torch name: Variable}, each a view of its tensor (`_share`); names of one tensor (tied weights) share one."""
     by_tensor, out = {}, {}
     for name, t in named_tensors:
         var = by_tensor.get(id(t))
         if var is None:
             var = by_tensor[id(t)] = make(t, f"{prefix}/{name}")
+            _share(var, t)
         out[name] = var
     return out
+
+
+def _share(var, t):
+    """Makes the module's tensor `t` and `var`'s first component one storage (its value: rank 0's, under
+    MultiWorkerMirroredStrategy); `t` moves onto the component's storage if their device or dtype differ."""
+    component = var.values[0] if hasattr(var, "values") else var
+    with _tp.stop_recording(), torch.no_grad():
+        if t.device == component.device and t.dtype == component.dtype:
+            share_storage(component, t.detach())
+        else:
+            share_storage(component, component.torch())
+            t.data = component.torch()
 
 
 def _param_var(p, name):
     return Variable(p.detach().clone(), trainable=p.requires_grad, name=name)
 
 
-def _buffer_var(b, name):
-    # Replicas' updates to a float buffer are averaged (Keras' moving statistics);
-    # integer buffers (counters) take replica 0's value.
-    aggregation = VariableAggregation.MEAN if b.is_floating_point() else VariableAggregation.ONLY_FIRST_REPLICA
+def _buffer_var(b, name, aggregation):
+    # Integer buffers (counters) take replica 0's value; floating ones as `sync_buffers` says.
+    aggregation = aggregation if b.is_floating_point() else VariableAggregation.ONLY_FIRST_REPLICA
     return Variable(b.detach().clone(), trainable=False, name=name, aggregation=aggregation)
 
 
