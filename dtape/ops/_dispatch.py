@@ -159,8 +159,11 @@ def _recorded_vjp(op, pairs, wrt, n):
             results.append(full[k])
             graph_outs.append(g if g.requires_grad else None)
     if results and any(o is not None for o in graph_outs):
-        graph_in = [op.graph_in[k] for k in wrt] + dy_leaves
-        in_ids = tuple(op.in_ids[k] for k in wrt) + tuple(dy._id for _, dy in pairs)
+        # every input of the graph, not only those differentiated now: dy @ W.T, the input gradient of a
+        # linear map, depends on W
+        kept = [k for k in range(n) if op.graph_in[k] is not None]
+        graph_in = [op.graph_in[k] for k in kept] + dy_leaves
+        in_ids = tuple(op.in_ids[k] for k in kept) + tuple(dy._id for _, dy in pairs)
         ins = tuple(_tp.rebuild(g.detach(), i) for g, i in zip(graph_in, in_ids))
         grad_op = _GraphGrad(op.name, [g if g.requires_grad else None for g in graph_in], graph_outs, in_ids)
         _tp.record(grad_op, in_ids, ins, tuple(results), None)
