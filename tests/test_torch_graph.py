@@ -274,6 +274,29 @@ def test_autocast_gradients_equal_torch_inside_or_outside_the_block(op, dtype, i
     torch.testing.assert_close(g.torch(), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("inside", [True, False], ids=["inside", "outside"])
+def test_autocast_input_gradients_come_back_in_the_inputs_dtype_before_summing(inside):
+    """A float32 activation feeding two autocast matmuls: torch casts it once per use, and each cast's
+    backward returns a float32 gradient, summed in float32 (a bfloat16 sum would differ)."""
+    gen = torch.Generator().manual_seed(7)
+    v0, x, w1, w2 = torch.randn(6, generator=gen), torch.randn(4, 6, generator=gen), \
+        torch.randn(6, 5, generator=gen), torch.randn(6, 5, generator=gen)
+    v = dtape.Variable(v0)
+    with dtape.GradientTape() as tape:
+        a = dtape.sin(dtape.constant(x) * v)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = dtape.reduce_sum(dtape.matmul(a, dtape.constant(w1)) * dtape.matmul(a, dtape.constant(w2)))
+            if inside:
+                g = tape.gradient(loss, v)
+    if not inside:
+        g = tape.gradient(loss, v)
+    vt = v0.clone().requires_grad_()
+    at = torch.sin(x * vt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, = torch.autograd.grad(((at @ w1) * (at @ w2)).sum(), vt)
+    torch.testing.assert_close(g.torch(), expected, rtol=0, atol=0)
+
+
 def test_torch_module_under_autocast_gradient_after_the_block_equals_torch():
     module = _seeded(MLP)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(4))
