@@ -2,14 +2,16 @@
 
 The module's parameters become trainable dtape Variables and its buffers
 non-trainable ones (created through the variable-creator stack, so under
-`strategy.scope()` they are MirroredVariables). A call runs the module's own
-`forward` on a private shallow copy of the module tree whose parameter slots
-hold the variables' current values as dtape Tensors: every torch function in
-the forward then reaches `dtape.Tensor.__torch_function__` and is recorded on
-the active tapes, as `torch.func.functional_call` substitutes parameters for
-torch's autograd. The shared module is never modified (no swapped
-parameters, no flipped train/eval mode), so replica threads can call the
-same TorchModule at once.
+`strategy.scope()` they are MirroredVariables), over the module's own storage.
+A call runs the module's own `forward` on a private shallow copy of the
+module tree whose parameter slots hold the variables' current values (this
+replica's), as `torch.func.functional_call` substitutes parameters. The
+whole forward is one torch function to the tapes: the autograd fallback runs
+it once, on plain torch tensors, under torch's autograd when a tape records
+it, and records it as one op whose gradient is one `torch.autograd.grad`
+over the graph torch built. The shared module object is never modified (no
+swapped parameters, no flipped train/eval mode), so replica threads can call
+the same TorchModule at once.
 
 Source: torch.func.functional_call (parameter substitution); Keras 3's
 `keras.layers.TorchModuleWrapper` is the analogous Keras API.
@@ -19,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from dtape import tape as _tp
 from dtape.module import Module
+from dtape.ops._dispatch import SeededRandomFunctions, call_fallback
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 from dtape.variables import Variable, VariableAggregation, share_storage
 
@@ -50,10 +53,14 @@ class TorchModule(Module):
     place: a read taken before an update sees the new value, as with torch's
     parameters.
 
-    Calling it runs `module.forward(*args, **kwargs)` with the variables'
-    current values substituted; every torch op is recorded on the active
-    tapes through `__torch_function__`, so `tape.gradient` with respect to
-    `trainable_variables` equals torch.autograd's gradient of the module.
+    Calling it runs `module.forward(*args, **kwargs)` once, on torch
+    tensors, with the variables' current values substituted, and records it
+    as one op on the active tapes; `tape.gradient` with respect to
+    `trainable_variables` is torch.autograd's gradient of the module, from
+    the graph torch built in the forward (autocast, `torch.no_grad()`,
+    `.detach()` inside the forward mean what they mean in torch). Torch's
+    random functions in it draw from streams seeded from the replica's
+    `dtape.random` generator.
 
     Buffers (e.g. BatchNorm's `running_mean`, `running_var`,
     `num_batches_tracked`) are constants for differentiation, as in
@@ -141,14 +148,15 @@ class TorchModule(Module):
     def __call__(self, *args, training=None, **kwargs):
         mode = self.module.training if training is None else bool(training)
         shadow = _shadow(self.module, mode)
-        _install(shadow, self._params, _param_values(self._params), "_parameters")
         scratch = _buffer_values(self._buffers)
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
+        values = _param_values(self._params)  # recorded reads: the op's first inputs
         args, kwargs = pytree.tree_map(_as_input, (args, kwargs))
-        out = shadow(*args, **kwargs)
+        run = _ForwardCall(shadow, self._params, list(values))
+        out = call_fallback(run, (list(values.values()), args, kwargs), {})
         self._write_back(shadow, before, mode)
-        return pytree.tree_map(_as_output, out)
+        return out
 
     def _write_back(self, shadow, before, training):
         """Assigns buffers to their Variables: all after a training call, else those the forward changed.
@@ -335,14 +343,41 @@ def _buffer_values(buffers):
     return values
 
 
+class _ForwardCall:
+    """The whole forward as one torch function of (parameter values, args, kwargs): the fallback runs it
+    once on plain tensors (under torch's autograd when a tape records it) and records it as one op, so
+    its gradient is one `torch.autograd.grad` over the graph torch built, and everything inside the
+    forward (autocast, no_grad, detach, in-place ops on activations) means what it means in torch."""
+
+    def __init__(self, shadow, params, keys):
+        self.shadow, self.params, self.keys = shadow, params, keys
+        self.__name__ = type(shadow).__name__
+
+    def __call__(self, values, args, kwargs):
+        _install(self.shadow, self.params, dict(zip(self.keys, values)), "_parameters")
+        versions = [v._version for v in values]
+        try:
+            with SeededRandomFunctions():
+                out = self.shadow(*args, **kwargs)
+        except RuntimeError as e:
+            if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
+                raise _in_place_error(self.shadow) from e
+            raise
+        if [v._version for v in values] != versions:
+            raise _in_place_error(self.shadow)
+        return out
+
+
+def _in_place_error(module):
+    return TypeError(f"TorchModule: {type(module).__name__}.forward modifies a parameter in place; a "
+                     "TorchModule's parameters are its Variables' values, changed only by assignments and "
+                     "optimizers (dtape tensors are immutable in a forward): compute a new tensor instead")
+
+
 def _as_input(x):
     if isinstance(x, (Tensor, torch.Tensor)) or is_variable(x) or hasattr(x, "__array_interface__"):
         return convert_to_tensor(x)
     return x
-
-
-def _as_output(x):
-    return Tensor(x.detach()) if isinstance(x, torch.Tensor) else x
 
 
 def _describe(x):

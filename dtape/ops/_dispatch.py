@@ -15,6 +15,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from dtape import random as _random
@@ -200,11 +201,29 @@ _rng_lock = threading.RLock()
 
 def _new_seed(tensors):
     """(seed, cuda device indices) for a random function's private stream."""
-    device = next((t._t.device for t in tensors), None)
+    return _new_raw_seed([t._t for t in tensors])
+
+
+def _new_raw_seed(tensors):
+    device = next((t.device for t in tensors), None)
     gen = _random.get_generator(device)
     seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device))
-    cuda = sorted({t._t.device.index or 0 for t in tensors if t._t.device.type == "cuda"})
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     return seed, tuple(cuda)
+
+
+class SeededRandomFunctions(TorchFunctionMode):
+    """Thread-local (torch's mode stack): torch's random functions on plain tensors draw from private
+    streams seeded from this thread's `dtape.random` generator, as the fallback runs them on dtape
+    tensors (a wrapped module's forward runs on plain tensors); every other function runs as is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _RANDOM_FNS:
+            return func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with _seeded(*_new_raw_seed(tensors)):
+            return func(*args, **kwargs)
 
 
 class _seeded:
