@@ -16,6 +16,8 @@ the same TorchModule at once.
 Source: torch.func.functional_call (parameter substitution); Keras 3's
 `keras.layers.TorchModuleWrapper` is the analogous Keras API.
 """
+import sys
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -79,12 +81,13 @@ class TorchModule(Module):
     default `broadcast_buffers=True`). Every replica must update the same
     buffers in the same order.
 
+    A `torch.compile`d module or submodule trains too: its compiled forward
+    runs on the call's copy of the original module (one compilation).
+
     Not supported (each raises where it can be detected): forward hooks,
     pre-hooks and backward hooks on any submodule (NotImplementedError at
-    call); parametrizations (`torch.nn.utils.parametrize`),
-    `torch.jit.ScriptModule`s and `torch.compile`d modules or submodules
-    (TypeError at construction: the forward runs on dtape tensors, which
-    dynamo cannot trace); parameters
+    call); parametrizations (`torch.nn.utils.parametrize`) and
+    `torch.jit.ScriptModule`s (TypeError at construction); parameters
     modified in place inside `forward` (TypeError: dtape tensors are
     immutable); tensors held outside registered parameters/buffers (plain
     Python lists of modules, tensor attributes) are constants to dtape.
@@ -114,9 +117,8 @@ class TorchModule(Module):
       The forward's output, torch.Tensor leaves as dtape Tensors.
 
     Raises:
-      TypeError: `module` is not a torch.nn.Module, is scripted, compiled
-        (or has a compiled submodule) or parametrized; or a forward modifies
-        a parameter in place.
+      TypeError: `module` is not a torch.nn.Module, is scripted or
+        parametrized; or a forward modifies a parameter in place.
       ValueError: `sync_buffers` is neither "mean" nor "broadcast".
       NotImplementedError: a submodule has hooks.
       ValueError: a forward sets a buffer to None or changes its shape.
@@ -239,15 +241,7 @@ def _check_module(module):
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError("TorchModule cannot wrap a torch.jit.ScriptModule (its forward is TorchScript, which "
                         "dtape tensors cannot enter); wrap the original Python module")
-    if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
-        raise TypeError("TorchModule cannot wrap a torch.compile'd module (dynamo would trace dtape tensors); "
-                        "wrap the original module, `compiled._orig_mod`")
     for name, sub in module.named_modules():
-        if name and isinstance(getattr(sub, "_orig_mod", None), torch.nn.Module):
-            raise TypeError(f"TorchModule: submodule {name!r} is torch.compile'd; its forward would get dtape "
-                            "tensors, which dynamo cannot trace, and its parameters no gradient. Wrap the module "
-                            f"with the original submodule instead (`module.{name} = module.{name}._orig_mod`), "
-                            "or compile the whole train step (dtape.function)")
         if torch.nn.utils.parametrize.is_parametrized(sub):
             raise TypeError(f"TorchModule: submodule {name or type(module).__name__!r} has parametrizations "
                             "(torch.nn.utils.parametrize), which are not supported; remove them with "
@@ -308,7 +302,16 @@ def _shadow(module, training):
     state["_buffers"] = dict(module._buffers)
     state["_modules"] = {k: None if m is None else _shadow(m, training) for k, m in module._modules.items()}
     state["training"] = training
+    if _is_compiled(module):  # torch.compile'd: its compiled forward must call the copied original
+        state["_orig_mod"] = state["_modules"]["_orig_mod"]
+        copy._initialize()
     return copy
+
+
+def _is_compiled(module):
+    """True for torch.compile's OptimizedModule (looked up only once dynamo is loaded: importing it costs seconds)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
 
 
 def _owner(root, name):

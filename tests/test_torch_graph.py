@@ -375,11 +375,27 @@ def test_a_module_on_another_device_or_dtype_moves_onto_the_variables():
     assert torch.equal(module.weight.detach(), torch.ones(2, 3, dtype=f64))
 
 
-def test_a_compiled_submodule_is_refused_with_the_fix():
-    module = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    module[0] = torch.compile(module[0])
-    with pytest.raises(TypeError, match=r"submodule '0' is torch.compile'd.*_orig_mod"):
-        dtape.layers.TorchModule(module)
+@pytest.mark.parametrize("where", ["submodule", "whole"])
+def test_a_compiled_module_trains_with_one_compilation(where):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    module = _seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    ref = copy.deepcopy(module)
+    if where == "submodule":
+        module[0] = torch.compile(module[0])
+    else:
+        module = torch.compile(module)
+    tm = dtape.layers.TorchModule(module)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(8))
+    for step in range(4):                                   # both modes, twice: the compiled code is reused
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(tm(x, training=bool(step % 2)) ** 2)
+        grads = tape.gradient(loss, tm.trainable_variables)
+    expected = torch.autograd.grad((ref(x) ** 2).sum(), list(ref.parameters()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g.torch(), e, rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["recompiles"]
 
 
 @pytest.mark.parametrize("sync", ["mean", "broadcast"])
@@ -402,3 +418,21 @@ def test_batchnorm_buffers_mean_or_replica_zeros_under_mirrored(sync):
         torch.testing.assert_close(getattr(module, name), expected, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="sync_buffers='first'.*'broadcast'"):
         dtape.layers.TorchModule(nn.BatchNorm1d(2), sync_buffers="first")
+
+
+def test_dropout_inside_a_wrapped_module_draws_from_the_threads_dtape_generator():
+    """A replica's dropout masks come from its own generator (replicas draw reproducibly whatever the
+    thread schedule), not from torch's global one, which the call leaves as it was."""
+    tm = dtape.layers.TorchModule(_seeded(lambda: nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5))))
+    x = torch.randn(4, 8)
+
+    def masks(torch_seed):
+        torch.manual_seed(torch_seed)
+        with dtape.random.generator_scope(torch.Generator().manual_seed(11)):
+            out = tm(x, training=True)
+        return out.torch() == 0, torch.get_rng_state()
+    (m1, state1), (m2, _) = masks(0), masks(99)
+    assert 0.2 < m1.float().mean() < 0.8
+    assert torch.equal(m1, m2)
+    torch.manual_seed(0)
+    assert torch.equal(state1, torch.get_rng_state())
