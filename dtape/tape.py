@@ -165,6 +165,10 @@ class RecordOp:
         """
         raise NotImplementedError(f"record op {type(self).__name__} does not define backward")
 
+    def recorded_again(self):
+        """Hears that this op object is being recorded once more (`dtape.function` splicing a body's
+        records onto the outer tapes): state that only one walk could use must now serve every walk."""
+
 
 class _Meta:
     """Shape, dtype and device of a tensor a record does not keep (what unbroadcasting and zeros need)."""

@@ -436,3 +436,24 @@ def test_dropout_inside_a_wrapped_module_draws_from_the_threads_dtape_generator(
     assert torch.equal(m1, m2)
     torch.manual_seed(0)
     assert torch.equal(state1, torch.get_rng_state())
+
+
+def test_a_fallback_in_a_dtape_function_serves_the_walks_of_every_tape_after_splicing():
+    """A recorded walk splices the function body's records onto the outer tape: the fallback's graph,
+    first walked (and freed) by that non-persistent tape, is also walked through the function's op."""
+    x0 = torch.rand(3, dtype=f64) + 0.5
+    f = dtape.function(lambda z: torch.lgamma(z) * z)
+    x = dtape.constant(x0)
+    with dtape.GradientTape() as t2:
+        t2.watch(x)
+        with dtape.GradientTape() as t1:
+            t1.watch(x)
+            y = dtape.reduce_sum(f(x))
+        d1 = t1.gradient(y, x)
+        s = dtape.reduce_sum(d1 * y)
+    d2 = t2.gradient(s, x)
+    xt = x0.clone().requires_grad_()
+    yt = (torch.lgamma(xt) * xt).sum()
+    g1, = torch.autograd.grad(yt, xt, create_graph=True)
+    g2, = torch.autograd.grad((g1 * yt).sum(), xt)
+    torch.testing.assert_close(d2.torch(), g2, rtol=1e-12, atol=0)

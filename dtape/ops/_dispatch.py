@@ -79,6 +79,9 @@ class TorchFallback(_tp.RecordOp):
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         return graph_vjp(self, dys, raw, needs)
 
+    def recorded_again(self):
+        self.shared = True
+
 
 def graph_vjp(op, dys, raw, needs):
     """Input gradients from the torch graph an op kept (`op.graph_in`, `op.outs`, `op.in_ids`, `op.shared`).
@@ -139,6 +142,9 @@ class _GraphGrad(_tp.RecordOp):
 
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         return graph_vjp(self, dys, raw, needs)
+
+    def recorded_again(self):
+        self.shared = True
 
 
 def _recorded_vjp(op, pairs, wrt, n):
