@@ -102,9 +102,12 @@ def graph_vjp(op, dys, raw, needs):
     outs = [o for o, _ in pairs]
     grad_outs = [dy if dy.dtype == o.dtype else dy.to(o.dtype) for o, dy in pairs]
     retain = op.shared or not _tp.walk_frees()
+    leaves = [op.graph_in[k] for k in wrt]
     try:
-        grads = torch.autograd.grad(outs, [op.graph_in[k] for k in wrt], grad_outs, allow_unused=True,
-                                    retain_graph=retain)
+        if _has_reentrant_checkpoint(outs):
+            grads = _grads_by_backward(outs, leaves, grad_outs, retain)
+        else:
+            grads = torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True, retain_graph=retain)
     except RuntimeError as e:
         raise _named(e, op) from e
     if not retain:
@@ -113,6 +116,36 @@ def graph_vjp(op, dys, raw, needs):
     for k, g in zip(wrt, grads):
         full[k] = g
     return tuple(full)
+
+
+def _has_reentrant_checkpoint(outs):
+    """True if torch's graph behind `outs` holds a reentrant `torch.utils.checkpoint` node.
+
+    Such a node refuses `torch.autograd.grad` (it only runs under a plain
+    `backward()`), so the walk must take that path; the search is over the
+    op's own graph, which ends at its private input aliases.
+    """
+    seen, stack = set(), [o.grad_fn for o in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def _grads_by_backward(outs, leaves, grad_outs, retain):
+    """The gradients of `leaves` (private aliases) by a plain `backward()`, read from their `.grad`."""
+    for leaf in leaves:
+        leaf.grad = None
+    torch.autograd.backward(outs, grad_outs, retain_graph=retain)
+    grads = tuple(leaf.grad for leaf in leaves)
+    for leaf in leaves:
+        leaf.grad = None
+    return grads
 
 
 def _named(error, op):
