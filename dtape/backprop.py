@@ -147,8 +147,20 @@ def _walk(records, reach, grads, keep, raw, ready=None, free=False):
     nothing that outlives one record (no GC pressure on long tapes). `free`
     (a non-persistent tape's only walk) drops each record's saved tensors
     once its rule ran, so peak memory falls as the walk proceeds (as torch
-    frees saved tensors without retain_graph).
+    frees saved tensors without retain_graph). Each rule runs under the
+    torch.autocast state its op ran under (`rec.amp`), wherever
+    `tape.gradient` is called, and its input gradients come back in the
+    inputs' dtypes, as torch's autocast casts do in its backward.
     """
+    amp_now = _tp.autocast_state()
+    try:
+        _walk_records(records, reach, grads, keep, raw, ready, free, amp_now)
+    finally:
+        _tp.set_autocast_state(amp_now)
+
+
+def _walk_records(records, reach, grads, keep, raw, ready, free, amp_now):
+    amp = amp_now
     for rec in (records if ready is None else ready.iterate(records)):
         out_ids = rec.out_ids
         if len(out_ids) == 1:
@@ -160,6 +172,8 @@ def _walk(records, reach, grads, keep, raw, ready=None, free=False):
         else:
             dys = _gather_multi(rec, grads, keep, raw)
         if dys is not None:
+            if rec.amp != amp:
+                amp = _tp.set_autocast_state(rec.amp)
             _backward_record(rec, dys, grads, reach, raw)
         if free:  # its saved tensors are no longer needed (the record itself goes with the tape's release)
             rec.s0 = rec.s1 = rec.s2 = None
@@ -197,6 +211,8 @@ def _backward_record(rec, dys, grads, reach, raw):
             g = g.real  # a real input of a complex op gets the real part (as torch)
         if g.shape != shape:
             g = _unbroadcast(g, shape, rec, argnum)
+        if rec.amp is not None:  # autocast cast this input for the op: the gradient comes back in its dtype
+            g = _to_input_dtype(g, inputs[argnum], raw)
         prev = grads.get(i)
         if prev is None:
             grads[i] = g
@@ -204,6 +220,13 @@ def _backward_record(rec, dys, grads, reach, raw):
             prev.add_(g)  # the same kernel as prev + g, without a new buffer (as torch accumulates)
         else:
             grads[i] = prev + g
+
+
+def _to_input_dtype(g, x, raw):
+    dt = getattr(x, "dtype", None)
+    if dt is None or dt == g.dtype or not dt.is_floating_point or not g.dtype.is_floating_point:
+        return g
+    return g.to(dt) if raw else ops.cast(g, dt)
 
 
 def _complex_message(op):
@@ -342,7 +365,8 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
             prev = grads.get(t._id)
             grads[t._id] = dy if prev is None else prev + dy
         ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
-        _walk(records, reach, grads, set(source_ids), raw, ready, free)
+        with _tp.walk_scope(free):
+            _walk(records, reach, grads, set(source_ids), raw, ready, free)
     out = [grads.get(i) for i in source_ids]
     return [Tensor(g) if raw and g is not None else g for g in out]
 

@@ -117,6 +117,7 @@ def _splice(inner):
     """
     records = inner.records()
     for op, in_ids, _, inputs, outputs, attrs in records:
+        op.recorded_again()
         _tp.record_reading(op, in_ids, inputs, outputs, attrs)  # a read in the body: a sibling replica's tape skips it
     return records
 

@@ -66,6 +66,7 @@ class _ThreadState(threading.local):
     captures = ()
     pushed = None
     run = None
+    freeing = False  # running the last walk of a non-persistent tape (`walk_frees`)
 
     def __init__(self):  # threading.local runs it once per thread, on first use there
         self.scope = object()
@@ -113,6 +114,24 @@ def resolve_watched(variable):
 def capturing_reads():
     """True while a `capture_variable_reads()` is active on this thread."""
     return bool(_thread_state.captures)
+
+
+def walk_frees():
+    """True while this thread runs a non-persistent tape's last backward walk (`imperative_grad(free=True)`).
+
+    A record op whose state only that walk reads (a kept torch graph) may
+    free it as it is used; a persistent tape, a jacobian's several walks, and
+    records shared by several tapes keep it.
+    """
+    return _thread_state.freeing
+
+
+class walk_scope(ThreadLocalScope):
+    """Thread-local: the backward walk run inside is (True) or is not (False) its tape's last (`walk_frees`)."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "freeing"
 
 
 def register_watched_variable_resolver(fn):
@@ -172,6 +191,10 @@ class RecordOp:
         """
         raise NotImplementedError(f"record op {type(self).__name__} does not define backward")
 
+    def recorded_again(self):
+        """Hears that this op object is being recorded once more (`dtape.function` splicing a body's
+        records onto the outer tapes): state that only one walk could use must now serve every walk."""
+
 
 class _Meta:
     """Shape, dtype and device of a tensor a record does not keep (what unbroadcasting and zeros need)."""
@@ -210,12 +233,14 @@ class _Rec(_Ref):
     rule reads of the inputs then of the outputs (torch tensors, or `_Meta`
     for the rest) in the slots `s0`-`s2` (the common ops save at most three
     entries; more go in a tuple in `s0`), attrs, weak references to further
-    outputs, and `ver`, the sum of the saved torch tensors' version counters
+    outputs, `ver`, the sum of the saved torch tensors' version counters
     when they were saved (an in-place write to one of them raises at the
-    walk, as in torch's autograd). `op` is None once the record is deleted.
+    walk, as in torch's autograd), and `amp`, the torch.autocast state the op
+    ran under (`autocast_state()`; the walk runs its rule under the same).
+    `op` is None once the record is deleted.
     """
 
-    __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs", "ver")
+    __slots__ = ("op", "in_ids", "out_ids", "s0", "s1", "s2", "attrs", "refs", "ver", "amp")
 
     @property
     def saved(self):
@@ -299,6 +324,29 @@ def _save(op, inputs, outputs):
         return (_meta(x), _meta(y), o)
     ins = [_keep(x) for x in inputs] if keep_in else [_meta(x) for x in inputs]
     return tuple(ins + ([o._t for o in outputs] if keep_out else [_meta(o) for o in outputs]))
+
+
+_AMP_DEVICES = ("cpu", "cuda")
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def autocast_state():
+    """This thread's torch.autocast state: None when off, else ((device type, dtype), ...) of each enabled one."""
+    if not _any_autocast():
+        return None
+    return tuple([(d, torch.get_autocast_dtype(d)) for d in _AMP_DEVICES if torch.is_autocast_enabled(d)]) or None
+
+
+def set_autocast_state(amp):
+    """Sets this thread's torch.autocast state to `amp` (an `autocast_state()` value); returns it."""
+    on = dict(amp or ())
+    for dev in _AMP_DEVICES:
+        if dev in on:
+            torch.set_autocast_enabled(dev, True)
+            torch.set_autocast_dtype(dev, on[dev])
+        elif torch.is_autocast_enabled(dev):
+            torch.set_autocast_enabled(dev, False)
+    return amp
 
 
 def check_saved_versions(rec, inputs, outputs):
@@ -845,6 +893,7 @@ def record(op, in_ids, inputs, outputs, attrs):
                         ver += x._version
             except RuntimeError:  # an inference tensor has no version counter
                 ver = _version_sum(saved)
+            amp = autocast_state() if _any_autocast() else None
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
             # record and its outputs' watch land in the same generation of the tape.
@@ -854,8 +903,8 @@ def record(op, in_ids, inputs, outputs, attrs):
                 tape._drain()
             cb = tape._on_death  # the record is built inline: this is every recorded op's path
             rec = _Rec(outputs[0], cb)
-            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.attrs, rec.refs, rec.ver = \
-                out_ids[0], op, in_ids, out_ids, attrs, None, ver
+            rec.tid, rec.op, rec.in_ids, rec.out_ids, rec.attrs, rec.refs, rec.ver, rec.amp = \
+                out_ids[0], op, in_ids, out_ids, attrs, None, ver, amp
             if n_saved == 3:
                 rec.s0, rec.s1, rec.s2 = saved
             elif n_saved == 2:
@@ -1040,4 +1089,4 @@ __all__ = ["Tape", "RecordOp", "check_saved_versions", "active_tapes", "recordin
            "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record", "record_reading",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver", "resolve_watched", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]
+           "register_watched_variable_resolver", "resolve_watched", "walk_frees", "walk_scope", "autocast_state", "set_autocast_state", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

@@ -2,25 +2,33 @@
 
 The module's parameters become trainable dtape Variables and its buffers
 non-trainable ones (created through the variable-creator stack, so under
-`strategy.scope()` they are MirroredVariables). A call runs the module's own
-`forward` on a private shallow copy of the module tree whose parameter slots
-hold the variables' current values as dtape Tensors: every torch function in
-the forward then reaches `dtape.Tensor.__torch_function__` and is recorded on
-the active tapes, as `torch.func.functional_call` substitutes parameters for
-torch's autograd. The shared module is never modified (no swapped
-parameters, no flipped train/eval mode), so replica threads can call the
-same TorchModule at once.
+`strategy.scope()` they are MirroredVariables), over the module's own storage.
+A call runs the module's own `forward` on a private shallow copy of the
+module tree whose parameter slots hold the variables' current values (this
+replica's), as `torch.func.functional_call` substitutes parameters. The
+whole forward is one torch function to the tapes: the autograd fallback runs
+it once, on plain torch tensors, under torch's autograd when a tape records
+it, and records it as one op whose gradient is one `torch.autograd.grad`
+over the graph torch built. The shared module object is never modified (no
+swapped parameters, no flipped train/eval mode), so replica threads can call
+the same TorchModule at once.
 
 Source: torch.func.functional_call (parameter substitution); Keras 3's
 `keras.layers.TorchModuleWrapper` is the analogous Keras API.
 """
+import sys
+
 import torch
 from torch.utils import _pytree as pytree
 
 from dtape import tape as _tp
 from dtape.module import Module
+from dtape.ops._dispatch import SeededRandomFunctions, call_fallback
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable, VariableAggregation
+from dtape.variables import Variable, VariableAggregation, share_storage
+
+# How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
+_BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
 
 __all__ = ["TorchModule"]
 
@@ -33,13 +41,28 @@ class TorchModule(Module):
     `torch_module/features.0.weight`), in `named_parameters()` then
     `named_buffers()` order; tied parameters share one Variable. They are
     created now, through the variable-creator stack: build the TorchModule
-    inside `strategy.scope()` to get MirroredVariables. The wrapped module's
-    own tensors are only copied from (see `state_dict` to copy back).
+    inside `strategy.scope()` to get MirroredVariables.
 
-    Calling it runs `module.forward(*args, **kwargs)` with the variables'
-    current values substituted; every torch op is recorded on the active
-    tapes through `__torch_function__`, so `tape.gradient` with respect to
-    `trainable_variables` equals torch.autograd's gradient of the module.
+    The wrapper is a view of the module: each Variable (under a strategy,
+    its replica-0 component; under MultiWorkerMirroredStrategy, this
+    worker's) and the module's parameter or buffer are one storage, so
+    training the Variables trains the module itself (`module.weight`
+    changes with each optimizer step), and `parameters()` /
+    `named_parameters()` are the module's own, for a torch optimizer
+    (`dtape.optimizers.from_torch`). A tensor on another device or dtype
+    than its Variable (a strategy placing replica 0 elsewhere) is moved onto
+    the Variable's storage (`param.data`). Writes to these Variables are in
+    place: a read taken before an update sees the new value, as with torch's
+    parameters.
+
+    Calling it runs `module.forward(*args, **kwargs)` once, on torch
+    tensors, with the variables' current values substituted, and records it
+    as one op on the active tapes; `tape.gradient` with respect to
+    `trainable_variables` is torch.autograd's gradient of the module, from
+    the graph torch built in the forward (autocast, `torch.no_grad()`,
+    `.detach()` inside the forward mean what they mean in torch). Torch's
+    random functions in it draw from streams seeded from the replica's
+    `dtape.random` generator.
 
     Buffers (e.g. BatchNorm's `running_mean`, `running_var`,
     `num_batches_tracked`) are constants for differentiation, as in
@@ -53,13 +76,18 @@ class TorchModule(Module):
     `running_mean` with equal replica batches this equals the one-device
     update, `running_var` averages per-replica variances), and other buffers
     with `ONLY_FIRST_REPLICA` (replica 0's value, e.g. the step counter).
-    Every replica must update the same buffers in the same order.
+    `sync_buffers="broadcast"` gives floating buffers replica 0's value too
+    (after each update every replica holds replica 0's statistics, as DDP's
+    default `broadcast_buffers=True`). Every replica must update the same
+    buffers in the same order.
+
+    A `torch.compile`d module or submodule trains too: its compiled forward
+    runs on the call's copy of the original module (one compilation).
 
     Not supported (each raises where it can be detected): forward hooks,
     pre-hooks and backward hooks on any submodule (NotImplementedError at
-    call); parametrizations (`torch.nn.utils.parametrize`),
-    `torch.jit.ScriptModule`s and `torch.compile`d modules (TypeError at
-    construction); parameters
+    call); parametrizations (`torch.nn.utils.parametrize`) and
+    `torch.jit.ScriptModule`s (TypeError at construction); parameters
     modified in place inside `forward` (TypeError: dtape tensors are
     immutable); tensors held outside registered parameters/buffers (plain
     Python lists of modules, tensor attributes) are constants to dtape.
@@ -72,6 +100,10 @@ class TorchModule(Module):
         keep each tensor's dtype and device, a strategy places them on its
         replica devices).
       name: module name (default `torch_module`, made unique).
+      sync_buffers: how replicas' updates of floating buffers (BatchNorm's
+        running statistics) combine under a strategy: "mean" (default, the
+        mean of the replicas' updates) or "broadcast" (replica 0's, DDP's
+        `broadcast_buffers`).
 
     Call args:
       *args, **kwargs: the forward's arguments. dtape Tensors, Variables
@@ -85,8 +117,9 @@ class TorchModule(Module):
       The forward's output, torch.Tensor leaves as dtape Tensors.
 
     Raises:
-      TypeError: `module` is not a torch.nn.Module, is scripted, compiled
-        or parametrized; or a forward modifies a parameter in place.
+      TypeError: `module` is not a torch.nn.Module, is scripted or
+        parametrized; or a forward modifies a parameter in place.
+      ValueError: `sync_buffers` is neither "mean" nor "broadcast".
       NotImplementedError: a submodule has hooks.
       ValueError: a forward sets a buffer to None or changes its shape.
 
@@ -102,24 +135,30 @@ class TorchModule(Module):
       [(2, 3), (2,)]
     """
 
-    def __init__(self, module, name=None):
+    def __init__(self, module, name=None, sync_buffers="mean"):
         _check_module(module)
+        if sync_buffers not in _BUFFER_SYNC:
+            raise ValueError(f"TorchModule(sync_buffers={sync_buffers!r}): use 'mean' (the replicas' updates "
+                             "averaged) or 'broadcast' (replica 0's, as DDP's broadcast_buffers)")
         super().__init__(name=name)
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
-        self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False), _buffer_var)
+        aggregation = _BUFFER_SYNC[sync_buffers]
+        self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
+                                   lambda b, name: _buffer_var(b, name, aggregation))
 
     def __call__(self, *args, training=None, **kwargs):
         mode = self.module.training if training is None else bool(training)
         shadow = _shadow(self.module, mode)
-        _install(shadow, self._params, _param_values(self._params), "_parameters")
         scratch = _buffer_values(self._buffers)
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
+        values = _param_values(self._params)  # recorded reads: the op's first inputs
         args, kwargs = pytree.tree_map(_as_input, (args, kwargs))
-        out = shadow(*args, **kwargs)
+        run = _ForwardCall(shadow, self._params, list(values))
+        out = call_fallback(run, (list(values.values()), args, kwargs), {})
         self._write_back(shadow, before, mode)
-        return pytree.tree_map(_as_output, out)
+        return out
 
     def _write_back(self, shadow, before, training):
         """Assigns buffers to their Variables: all after a training call, else those the forward changed.
@@ -142,6 +181,45 @@ class TorchModule(Module):
                                  f"{_describe(new)}; a TorchModule's buffers keep their shape and cannot be removed")
             var.assign(new)
 
+    def parameters(self, recurse=True):
+        """The wrapped module's parameters (`module.parameters()`): the trainable Variables' own storage."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The wrapped module's `named_parameters()` (the torch names of the Variables)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Assigns a torch state dict (`module.state_dict()`, a checkpoint's) to the Variables, all replicas.
+
+        Args:
+          state_dict: dict torch name -> tensor (torch, numpy or dtape).
+          strict: as torch's: every name of the module present and no other.
+
+        Returns:
+          torch's `(missing_keys, unexpected_keys)` named tuple.
+
+        Raises:
+          RuntimeError: with `strict`, missing or unexpected names; a tensor
+            whose shape differs from its parameter's (nothing is assigned then).
+        """
+        variables = {**self._params, **self._buffers}
+        missing = [n for n in variables if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in variables]
+        bad = [f"{n}: got {tuple(state_dict[n].shape)}, the module has {tuple(v.shape)}"
+               for n, v in variables.items() if n in state_dict and tuple(state_dict[n].shape) != tuple(v.shape)]
+        problems = ([f"missing keys {missing}", f"unexpected keys {unexpected}"] if strict else []) + \
+            ([f"size mismatch ({'; '.join(bad)})"] if bad else [])
+        problems = [p for p in problems if not p.endswith("[]")]
+        if problems:
+            raise RuntimeError(f"{self.name}.load_state_dict: {', '.join(problems)}; load a state dict of the "
+                               "same architecture, or pass strict=False to skip missing and unexpected names")
+        with _tp.stop_recording():
+            for name, var in variables.items():
+                if name in state_dict:
+                    var.assign(state_dict[name])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
     def state_dict(self):
         """The variables' current values as a torch state dict: `module.load_state_dict(m.state_dict())`.
 
@@ -163,9 +241,6 @@ def _check_module(module):
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError("TorchModule cannot wrap a torch.jit.ScriptModule (its forward is TorchScript, which "
                         "dtape tensors cannot enter); wrap the original Python module")
-    if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
-        raise TypeError("TorchModule cannot wrap a torch.compile'd module (dynamo would trace dtape tensors); "
-                        "wrap the original module, `compiled._orig_mod`")
     for name, sub in module.named_modules():
         if torch.nn.utils.parametrize.is_parametrized(sub):
             raise TypeError(f"TorchModule: submodule {name or type(module).__name__!r} has parametrizations "
@@ -174,24 +249,36 @@ def _check_module(module):
 
 
 def _variables(prefix, named_tensors, make):
-    """{torch name: Variable}; names of one tensor (tied weights) share one Variable."""
+    """{torch name: Variable}, each a view of its tensor (`_share`); names of one tensor (tied weights) share one."""
     by_tensor, out = {}, {}
     for name, t in named_tensors:
         var = by_tensor.get(id(t))
         if var is None:
             var = by_tensor[id(t)] = make(t, f"{prefix}/{name}")
+            _share(var, t)
         out[name] = var
     return out
+
+
+def _share(var, t):
+    """Makes the module's tensor `t` and `var`'s first component one storage (its value: rank 0's, under
+    MultiWorkerMirroredStrategy); `t` moves onto the component's storage if their device or dtype differ."""
+    component = var.values[0] if hasattr(var, "values") else var
+    with _tp.stop_recording(), torch.no_grad():
+        if t.device == component.device and t.dtype == component.dtype:
+            share_storage(component, t.detach())
+        else:
+            share_storage(component, component.torch())
+            t.data = component.torch()
 
 
 def _param_var(p, name):
     return Variable(p.detach().clone(), trainable=p.requires_grad, name=name)
 
 
-def _buffer_var(b, name):
-    # Replicas' updates to a float buffer are averaged (Keras' moving statistics);
-    # integer buffers (counters) take replica 0's value.
-    aggregation = VariableAggregation.MEAN if b.is_floating_point() else VariableAggregation.ONLY_FIRST_REPLICA
+def _buffer_var(b, name, aggregation):
+    # Integer buffers (counters) take replica 0's value; floating ones as `sync_buffers` says.
+    aggregation = aggregation if b.is_floating_point() else VariableAggregation.ONLY_FIRST_REPLICA
     return Variable(b.detach().clone(), trainable=False, name=name, aggregation=aggregation)
 
 
@@ -215,7 +302,16 @@ def _shadow(module, training):
     state["_buffers"] = dict(module._buffers)
     state["_modules"] = {k: None if m is None else _shadow(m, training) for k, m in module._modules.items()}
     state["training"] = training
+    if _is_compiled(module):  # torch.compile'd: its compiled forward must call the copied original
+        state["_orig_mod"] = state["_modules"]["_orig_mod"]
+        copy._initialize()
     return copy
+
+
+def _is_compiled(module):
+    """True for torch.compile's OptimizedModule (looked up only once dynamo is loaded: importing it costs seconds)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
 
 
 def _owner(root, name):
@@ -250,14 +346,41 @@ def _buffer_values(buffers):
     return values
 
 
+class _ForwardCall:
+    """The whole forward as one torch function of (parameter values, args, kwargs): the fallback runs it
+    once on plain tensors (under torch's autograd when a tape records it) and records it as one op, so
+    its gradient is one `torch.autograd.grad` over the graph torch built, and everything inside the
+    forward (autocast, no_grad, detach, in-place ops on activations) means what it means in torch."""
+
+    def __init__(self, shadow, params, keys):
+        self.shadow, self.params, self.keys = shadow, params, keys
+        self.__name__ = type(shadow).__name__
+
+    def __call__(self, values, args, kwargs):
+        _install(self.shadow, self.params, dict(zip(self.keys, values)), "_parameters")
+        versions = [v._version for v in values]
+        try:
+            with SeededRandomFunctions():
+                out = self.shadow(*args, **kwargs)
+        except RuntimeError as e:
+            if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
+                raise _in_place_error(self.shadow) from e
+            raise
+        if [v._version for v in values] != versions:
+            raise _in_place_error(self.shadow)
+        return out
+
+
+def _in_place_error(module):
+    return TypeError(f"TorchModule: {type(module).__name__}.forward modifies a parameter in place; a "
+                     "TorchModule's parameters are its Variables' values, changed only by assignments and "
+                     "optimizers (dtape tensors are immutable in a forward): compute a new tensor instead")
+
+
 def _as_input(x):
     if isinstance(x, (Tensor, torch.Tensor)) or is_variable(x) or hasattr(x, "__array_interface__"):
         return convert_to_tensor(x)
     return x
-
-
-def _as_output(x):
-    return Tensor(x.detach()) if isinstance(x, torch.Tensor) else x
 
 
 def _describe(x):

@@ -181,6 +181,30 @@ def _sole_owner(t):
             and (not t.is_inference() or torch.is_inference_mode_enabled()))
 
 
+def share_storage(variable, tensor):
+    """Makes torch tensor `tensor` the value of concrete `variable` itself, for good (no copy).
+
+    `tensor` (e.g. a torch module's parameter, detached) gets the variable's
+    current value first, and from then on every write of the variable
+    (assign*, optimizer updates, restores) goes into its storage, so its
+    other owner sees each update. Unlike other variables, a read taken
+    before a write then sees the new value, as torch's own parameters do (a
+    gradient that needs the old value raises, from the version counter).
+
+    Raises:
+      ValueError: `tensor` differs from the variable in shape, dtype or device.
+    """
+    t = variable._t
+    if tensor.shape != t.shape or tensor.dtype != t.dtype or tensor.device != t.device:
+        raise ValueError(f"share_storage: variable {variable.name!r} is {tuple(t.shape)} {t.dtype} on {t.device}, "
+                         f"the tensor {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}; they must agree")
+    with variable._lock:
+        if tensor.data_ptr() != variable._t.data_ptr():
+            tensor.copy_(variable._t)
+        variable._t = tensor
+        variable._shared = True
+
+
 def update_together(variables, inplace):
     """Runs `inplace(tensors)` under all the variables' locks on their tensors, each one written in place
     if nothing but its variable holds it (see `Variable._update_value`), else on a copy that then
@@ -202,11 +226,14 @@ def update_together(variables, inplace):
             taken.append(v)
         for v in ordered:
             v._writing = True  # before the checks: see Variable._writing
-        tensors = [v._t if _sole_owner(v._t) else v._t.clone() for v in variables]
+        tensors = [v._t if v._shared or _sole_owner(v._t) else v._t.clone() for v in variables]
         inplace(tensors)
         for v, t in zip(variables, tensors):
-            v._t = t
-        return tensors
+            if v._shared and t is not v._t:  # a storage shared with its owner stays the variable's value
+                v._t.copy_(t)
+            else:
+                v._t = t
+        return [v._t for v in variables]
     finally:
         for v in taken:
             v._writing = False
@@ -334,6 +361,8 @@ class Variable(metaclass=_VariableMeta):
     # tensor before it looks at this: a read either holds the tensor in time for the check (the
     # update then copies) or waits here for the finished value.
     _writing = False
+    # The value's storage is shared with another owner (`share_storage`): every write goes into it.
+    _shared = False
 
     def _after_write(self):
         with self._lock:
@@ -380,14 +409,17 @@ class Variable(metaclass=_VariableMeta):
             if new.shape != self._t.shape:
                 raise ValueError(f"{what} of variable {self._name!r} produced shape {tuple(new.shape)}, "
                                  f"expected the variable's shape {tuple(self._t.shape)}")
-            self._t = new.to(device=self._t.device, dtype=self._t.dtype)
+            if self._shared:
+                self._t.copy_(new)
+            else:
+                self._t = new.to(device=self._t.device, dtype=self._t.dtype)
             return self._t
 
     def _update_in_place(self, inplace):
         """Runs `inplace(tensor)` if nothing but this variable holds its tensor (caller holds the lock)."""
         self._writing = True
         try:
-            if not _sole_owner(self._t):
+            if not (self._shared or _sole_owner(self._t)):
                 return False
             inplace(self._t)
             return True

@@ -2,16 +2,20 @@
 
 A torch function called on dtape tensors runs the registered op for it
 (TORCH_TABLE) or, with no registered gradient, the fallback: the function on
-the raw tensors, recorded with a backward that asks `torch.autograd` for its
-vector-Jacobian product. That backward is itself run through the fallback
-when a tape records it, so fallback derivatives compose to any order.
-A random function (dropout, attention with dropout) runs on a private seeded
-stream that the backward's re-run replays, so both see the same masks.
+the raw tensors, run under torch's autograd when a tape records it; the
+record keeps torch's graph and its backward asks `torch.autograd.grad` for
+the vector-Jacobian product (the forward never runs twice). A recorded
+backward walk takes that product with `create_graph=True` and records it in
+turn, so fallback derivatives compose to any order.
+A random function (dropout, attention with dropout) runs on a private
+stream seeded from the calling replica's generator, so replicas draw
+reproducibly whatever the thread schedule.
 """
 import threading
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from dtape import random as _random
@@ -25,9 +29,24 @@ def _is_diff(t):
 
 
 class TorchFallback(_tp.RecordOp):
-    """Record op for a torch function without a registered gradient."""
+    """Record op for a torch function without a registered gradient: it keeps torch's own autograd graph.
 
-    __slots__ = ("name", "func", "spec", "leaves", "positions", "seed")
+    When a tape records the call, the function runs once on detached
+    aliases of its floating inputs that require grad (`leaves`), so torch
+    builds its autograd graph during the forward; the record keeps the
+    outputs that carry it (`outs`) and saves no tensor of its own: memory is
+    what torch's graph saves, and autocast, views and torch's in-place checks
+    (the aliases share the inputs' version counters) mean what they mean in
+    torch. The backward asks torch once for the vector-Jacobian product of
+    the inputs the walk needs. A recorded walk (higher order) asks with
+    `create_graph=True` and records that call as one more op over torch's
+    graph (inputs and upstream gradients), so derivatives compose to any
+    order without running the forward again.
+    """
+
+    __slots__ = ("name", "func", "spec", "leaves", "positions", "seed", "graph_in", "outs", "in_ids", "shared")
+    saves_inputs = False   # torch's graph holds what the backward reads
+    saves_outputs = False
 
     def __init__(self, func, spec, leaves, positions, seed=None):
         self.name = getattr(func, "__name__", repr(func))
@@ -36,6 +55,10 @@ class TorchFallback(_tp.RecordOp):
         self.leaves = leaves          # flat args/kwargs with tensors replaced by None
         self.positions = positions    # where the tensor inputs go in `leaves`
         self.seed = seed              # random functions: (seed, devices) of their private stream
+        self.graph_in = None          # per input: the alias that requires grad (None: not differentiable)
+        self.outs = None              # per recorded output: the torch output carrying the graph, or None
+        self.in_ids = None            # the inputs' tensor ids (a higher-order record connects to them)
+        self.shared = False           # recorded on more than one tape: each walk keeps the graph
 
     def call_raw(self, tensors):
         leaves = list(self.leaves)
@@ -47,37 +70,144 @@ class TorchFallback(_tp.RecordOp):
         with _seeded(*self.seed):
             return self.func(*args, **kwargs)
 
-    def vjp_torch(self, n_in, diff_out):
-        """A torch-level function (*inputs, *dys) -> grads of the float inputs."""
-        def vjp(*xs_and_dys):
-            xs, dys = xs_and_dys[:n_in], xs_and_dys[n_in:]
-            create = any(t.requires_grad for t in xs_and_dys)
-            with torch.enable_grad():
-                xs = [x if x.requires_grad or not _is_diff(x) else x.detach().requires_grad_() for x in xs]
-                outs = pytree.tree_leaves(self.call_raw(xs))
-                outs = [o for o, d in zip(outs, diff_out) if d]
-                # an output that does not depend on any input contributes nothing (at third order the
-                # gradient of a linear function, e.g. cumsum's, is such an output: zeros with no graph)
-                pairs = [(o, dy) for o, dy in zip(outs, dys) if o.requires_grad]
-                wrt = [x for x in xs if _is_diff(x)]
-                grads = torch.autograd.grad([o for o, _ in pairs], wrt, [dy for _, dy in pairs], allow_unused=True,
-                                            create_graph=create) if pairs else (None,) * len(wrt)
-            return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(wrt, grads))
-        vjp.__name__ = f"vjp_{self.name}"
-        return vjp
+    def call_graph(self, tensors):
+        """Runs the function on aliases of `tensors` that require grad; returns its output (with grad_fn)."""
+        self.graph_in = [t.detach().requires_grad_() if _is_diff(t) else None for t in tensors]
+        with torch.enable_grad():
+            return self.call_raw([t if g is None else g for t, g in zip(tensors, self.graph_in)])
 
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
-        diff_out = [_is_diff(o._t) for o in outputs]
-        dys = [d for d, ok in zip(dys, diff_out) if ok]
-        if not dys:
-            return (None,) * len(inputs)
-        vjp = self.vjp_torch(len(inputs), diff_out)
-        if raw:
-            grads = vjp(*[x._t for x in inputs], *dys)
+        return graph_vjp(self, dys, raw, needs)
+
+    def recorded_again(self):
+        self.shared = True
+
+
+def graph_vjp(op, dys, raw, needs):
+    """Input gradients from the torch graph an op kept (`op.graph_in`, `op.outs`, `op.in_ids`, `op.shared`).
+
+    One `torch.autograd.grad` call over the outputs that carry a graph and
+    the inputs the walk needs. It frees torch's graph as it goes when this is
+    the only walk that will read it (the last walk of the one tape that
+    recorded the op), else keeps it. On a recorded walk the call builds the
+    gradient's own graph and is recorded as a `_GraphGrad` op.
+    """
+    n = len(op.graph_in)
+    pairs = [(o, dy) for o, dy in zip(op.outs, dys) if o is not None and dy is not None]
+    wrt = [k for k in range(n) if needs[k] and op.graph_in[k] is not None]
+    if not pairs or not wrt:
+        return (None,) * n
+    if not raw:
+        return _recorded_vjp(op, pairs, wrt, n)
+    outs = [o for o, _ in pairs]
+    grad_outs = [dy if dy.dtype == o.dtype else dy.to(o.dtype) for o, dy in pairs]
+    retain = op.shared or not _tp.walk_frees()
+    leaves = [op.graph_in[k] for k in wrt]
+    try:
+        if _has_reentrant_checkpoint(outs):
+            grads = _grads_by_backward(outs, leaves, grad_outs, retain)
         else:
-            grads = call_fallback(vjp, tuple(inputs) + tuple(dys), {})
-        grads = iter(grads)
-        return tuple(next(grads) if _is_diff(x._t) else None for x in inputs)
+            grads = torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True, retain_graph=retain)
+    except RuntimeError as e:
+        raise _named(e, op) from e
+    if not retain:
+        op.outs = op.graph_in = None  # torch freed the graph: nothing else may ask it
+    full = [None] * n
+    for k, g in zip(wrt, grads):
+        full[k] = g
+    return tuple(full)
+
+
+def _has_reentrant_checkpoint(outs):
+    """True if torch's graph behind `outs` holds a reentrant `torch.utils.checkpoint` node.
+
+    Such a node refuses `torch.autograd.grad` (it only runs under a plain
+    `backward()`), so the walk must take that path; the search is over the
+    op's own graph, which ends at its private input aliases.
+    """
+    seen, stack = set(), [o.grad_fn for o in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def _grads_by_backward(outs, leaves, grad_outs, retain):
+    """The gradients of `leaves` (private aliases) by a plain `backward()`, read from their `.grad`."""
+    for leaf in leaves:
+        leaf.grad = None
+    torch.autograd.backward(outs, grad_outs, retain_graph=retain)
+    grads = tuple(leaf.grad for leaf in leaves)
+    for leaf in leaves:
+        leaf.grad = None
+    return grads
+
+
+def _named(error, op):
+    """torch's error from the backward of a kept graph, naming the dtape op (torch names only its own node)."""
+    if "modified by an inplace operation" in str(error):
+        return RuntimeError(f"a tensor saved for the gradient of op {op.name!r} was modified by an in-place "
+                            "operation after the op ran, so its gradient cannot be computed: write into a copy "
+                            f"(t.torch().clone()) or run the op after the in-place write (torch: {error})")
+    return RuntimeError(f"the gradient of op {op.name!r} (through torch.autograd) failed: {error}")
+
+
+class _GraphGrad(_tp.RecordOp):
+    """Record op for a vector-Jacobian product taken from a kept torch graph with `create_graph=True`.
+
+    Its inputs are the original op's inputs (the graph's aliases) and the
+    upstream gradients; its outputs the input gradients, which carry torch's
+    graph of the product: its own backward is the same kind of call.
+    """
+
+    __slots__ = ("name", "graph_in", "outs", "in_ids", "shared")
+    saves_inputs = False
+    saves_outputs = False
+
+    def __init__(self, name, graph_in, outs, in_ids):
+        self.name = f"grad_{name}"
+        self.graph_in, self.outs, self.in_ids, self.shared = graph_in, outs, in_ids, True
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        return graph_vjp(self, dys, raw, needs)
+
+    def recorded_again(self):
+        self.shared = True
+
+
+def _recorded_vjp(op, pairs, wrt, n):
+    """The vector-Jacobian product on dtape.Tensors, recorded (as `_GraphGrad`) for a higher derivative."""
+    dy_leaves = [dy._t.detach().requires_grad_() if _is_diff(dy._t) else dy._t for _, dy in pairs]
+    outs = [o for o, _ in pairs]
+    grad_outs = [d if d.dtype == o.dtype else d.to(o.dtype) for o, d in zip(outs, dy_leaves)]
+    with torch.enable_grad():
+        try:
+            grads = torch.autograd.grad(outs, [op.graph_in[k] for k in wrt], grad_outs, allow_unused=True,
+                                        create_graph=True, retain_graph=True)
+        except RuntimeError as e:
+            raise _named(e, op) from e
+    full = [None] * n
+    results, graph_outs = [], []
+    for k, g in zip(wrt, grads):
+        if g is not None:
+            full[k] = Tensor(g.detach())
+            results.append(full[k])
+            graph_outs.append(g if g.requires_grad else None)
+    if results and any(o is not None for o in graph_outs):
+        # every input of the graph, not only those differentiated now: dy @ W.T, the input gradient of a
+        # linear map, depends on W
+        kept = [k for k in range(n) if op.graph_in[k] is not None]
+        graph_in = [op.graph_in[k] for k in kept] + dy_leaves
+        in_ids = tuple(op.in_ids[k] for k in kept) + tuple(dy._id for _, dy in pairs)
+        ins = tuple(_tp.rebuild(g.detach(), i) for g, i in zip(graph_in, in_ids))
+        grad_op = _GraphGrad(op.name, [g if g.requires_grad else None for g in graph_in], graph_outs, in_ids)
+        _tp.record(grad_op, in_ids, ins, tuple(results), None)
+    return tuple(full)
 
 
 def _unwrap_leaves(flat):
@@ -94,11 +224,10 @@ def _unwrap_leaves(flat):
     return leaves, tensors, positions
 
 
-# Torch functions that draw from torch's global generators. The fallback's
-# backward re-runs the function, so each call runs on a private stream seeded
-# from the calling replica's generator (dtape.random) and replayed by the
-# re-run: the gradient uses the forward's dropout masks, and replicas draw
-# reproducibly whatever the thread schedule.
+# Torch functions that draw from torch's global generators. Each call runs on
+# a private stream seeded from the calling replica's generator (dtape.random),
+# so replicas draw reproducibly whatever the thread schedule (torch's global
+# generator is shared by the replica threads).
 _RANDOM_FNS = frozenset([
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
     F.rrelu, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
@@ -111,11 +240,29 @@ _rng_lock = threading.RLock()
 
 def _new_seed(tensors):
     """(seed, cuda device indices) for a random function's private stream."""
-    device = next((t._t.device for t in tensors), None)
+    return _new_raw_seed([t._t for t in tensors])
+
+
+def _new_raw_seed(tensors):
+    device = next((t.device for t in tensors), None)
     gen = _random.get_generator(device)
     seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device))
-    cuda = sorted({t._t.device.index or 0 for t in tensors if t._t.device.type == "cuda"})
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     return seed, tuple(cuda)
+
+
+class SeededRandomFunctions(TorchFunctionMode):
+    """Thread-local (torch's mode stack): torch's random functions on plain tensors draw from private
+    streams seeded from this thread's `dtape.random` generator, as the fallback runs them on dtape
+    tensors (a wrapped module's forward runs on plain tensors); every other function runs as is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _RANDOM_FNS:
+            return func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with _seeded(*_new_raw_seed(tensors)):
+            return func(*args, **kwargs)
 
 
 class _seeded:
@@ -140,10 +287,12 @@ class _seeded:
 
 
 def call_fallback(func, args, kwargs):
-    """Runs torch `func` on dtape tensors; records it with an autograd-derived backward.
+    """Runs torch `func` on dtape tensors; when a tape records it, through torch's autograd (see TorchFallback).
 
     `inplace=True` (torch.nn.functional, e.g. from `nn.Dropout(inplace=True)`)
     runs out of place: dtape tensors are immutable, and callers use the result.
+    An output that torch's graph does not connect to an input (`.detach()`,
+    `.data`, `x.new_zeros(...)`, integer results) is a constant.
     """
     name = getattr(func, "__name__", "")
     if name.endswith("_") and not name.endswith("__"):
@@ -155,12 +304,19 @@ def call_fallback(func, args, kwargs):
     leaves, tensors, positions = _unwrap_leaves(flat)
     seed = _new_seed(tensors) if func in _RANDOM_FNS else None
     op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
-    out = op.call_raw([t._t for t in tensors])
+    raws = [t._t for t in tensors]
+    n_tapes = _recording_count(tensors) if _tp.active_tapes and tensors else 0
+    if n_tapes and any(_is_diff(t) for t in raws):
+        out = op.call_graph(raws)
+    else:
+        n_tapes, out = 0, op.call_raw(raws)
     out_leaves, out_spec = pytree.tree_flatten(out)
-    wrapped = [Tensor(o) if isinstance(o, torch.Tensor) else o for o in out_leaves]
-    outputs = tuple(w for w in wrapped if type(w) is Tensor)
-    if _tp.active_tapes and outputs and any(_is_diff(o._t) for o in outputs):
-        _tp.record(op, tuple([t._id for t in tensors]), tuple(tensors), outputs, None)
+    wrapped = [_output(o, n_tapes) if isinstance(o, torch.Tensor) else o for o in out_leaves]
+    if n_tapes:
+        outs = [o if o.requires_grad else None for o in out_leaves if isinstance(o, torch.Tensor)]
+        if any(o is not None for o in outs):
+            op.outs, op.in_ids, op.shared = outs, tuple([t._id for t in tensors]), n_tapes > 1
+            _tp.record(op, op.in_ids, tuple(tensors), tuple(w for w in wrapped if type(w) is Tensor), None)
     return pytree.tree_unflatten(wrapped, out_spec)
 
 
@@ -182,6 +338,18 @@ def _call_constant(func, args, kwargs):
         leaves[pos] = t._t
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     return pytree.tree_map_only(torch.Tensor, Tensor, func(*args, **kwargs))
+
+
+def _recording_count(tensors):
+    """How many tapes recording on this thread watch one of `tensors` (each would record the call)."""
+    ids = [t._id for t in tensors]
+    return sum(1 for tape in _tp.recording_tapes() if any(i in tape._watched for i in ids))
+
+
+def _output(o, graphed):
+    """A torch output as a dtape.Tensor: without torch's graph (the record keeps it), so user code on
+    `.torch()` builds none."""
+    return Tensor(o.detach() if graphed and o.requires_grad else o)
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
