@@ -1,9 +1,29 @@
 import sys
+import time
 
 import pytest
 import torch
 
 import _strategies
+from dtape import tape as _tp
+
+# How long a test's leftover threads (a replica abandoned by a timeout test, still leaving its job)
+# may keep a tape in the process-global set before the next test starts.
+_LEFTOVER_TAPES_WAIT_S = 30.0
+
+
+@pytest.fixture(autouse=True)
+def no_tape_left_active():
+    """Waits, bounded, until no tape is active before the next test runs.
+
+    The tape set is global to the process: a tape still open on a thread a
+    test abandoned would make the next test's walks recorded walks (another
+    code path) on a loaded machine, where that thread takes longer to leave.
+    """
+    yield
+    deadline = time.monotonic() + _LEFTOVER_TAPES_WAIT_S
+    while _tp.active_tapes and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 @pytest.fixture
