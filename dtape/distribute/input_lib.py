@@ -6,8 +6,11 @@ batches are such nests). Every replica of every worker gets its slice of
 each global batch along dim 0, sized by `split_sizes`, so the global batches
 a run sees do not depend on how many replicas or workers share them.
 """
+import zlib
+
 import numpy as np
 import torch
+import torch.utils.data
 
 from dtape import nest
 from dtape.distribute.values import PerReplica
@@ -114,21 +117,103 @@ def slice_batch(batch, index, count, device):
     return nest.pack_sequence_as(batch, out)
 
 
+FINGERPRINT_SIZE = 7
+
+
+def batch_fingerprint(batch):
+    """A few float64 numbers that differ, in practice, between two different global batches.
+
+    [leaf count, batch size, crc32 of the leaves' shapes and dtypes, sum,
+    sum of squares, position-weighted sum, 1]: the weights (each element's
+    flat position, offset by its leaf's index) tell a permutation of the
+    same examples apart, which sums alone do not. `batch=None` (a worker
+    whose dataset is empty) gives batch size -1 and last entry 0.
+    Computed in float64 on the CPU, so identical batches give identical numbers.
+    """
+    if batch is None:
+        return torch.tensor([0, -1, 0, 0, 0, 0, 0], dtype=torch.float64)
+    leaves = [_leaf_to_torch(x).detach() for x in nest.flatten(batch)]
+    sizes = [int(t.shape[0]) for t in leaves if t.dim() > 0]
+    signature = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in leaves).encode()
+    total = squares = weighted = 0.0
+    for i, t in enumerate(leaves):
+        flat = t.reshape(-1).to("cpu", torch.float64)
+        position = torch.arange(flat.numel(), dtype=torch.float64) / max(flat.numel(), 1) + i + 1
+        total += float(flat.sum())
+        squares += float(flat.square().sum())
+        weighted += float(flat.mul(position).sum())
+    return torch.tensor([len(leaves), sizes[0] if sizes else 0, zlib.crc32(signature), total, squares, weighted, 1],
+                        dtype=torch.float64)
+
+
+def _distributed_sampler(dataset):
+    """The DistributedSampler a torch DataLoader draws from, or None."""
+    for sampler in (getattr(dataset, "sampler", None), getattr(getattr(dataset, "batch_sampler", None), "sampler",
+                                                               None)):
+        if isinstance(sampler, torch.utils.data.DistributedSampler):
+            return sampler
+    return None
+
+
+def check_same_global_batch(comm, batch, dataset):
+    """Raises ValueError on every worker unless every worker's `batch` has the same fingerprint (one all-gather).
+
+    Args:
+      comm: the collective_ops.Communicator (its timeouts and failure reports apply).
+      batch: this worker's first global batch of an epoch (None: its dataset is empty).
+      dataset: what the batches come from (named in the message; a DataLoader's
+        DistributedSampler is detected).
+    """
+    prints = comm.all_gather(batch_fingerprint(batch))
+    # A tolerance, not equality, in case workers on different hardware sum in a different order.
+    same = torch.isclose(prints, prints[0:1].expand_as(prints), rtol=1e-9, atol=0.0).all(dim=1)
+    if bool(same.all()):
+        return
+    differ = [r for r in range(prints.shape[0]) if not same[r]]
+    sampler = _distributed_sampler(dataset)
+    if sampler is not None:
+        cause = (f"this DataLoader draws from a torch DistributedSampler (num_replicas={sampler.num_replicas}, "
+                 f"rank={sampler.rank}), which gives every worker different examples")
+    else:
+        cause = ("the likely cause is shuffling seeded differently per worker (a per-rank seed or torch.Generator), "
+                 "or a DistributedSampler or other per-rank sharding inside the dataset")
+    raise ValueError(
+        f"experimental_distribute_dataset: the workers do not hold the same global batch (rank 0's first batch of "
+        f"this epoch differs from rank(s) {differ}'s); it expects every worker to iterate the SAME global batches "
+        f"and keeps its own slice of each, so different batches would silently train on duplicated and missing "
+        f"examples. {cause[0].upper() + cause[1:]}. Fix: give every worker the same global batches (drop the "
+        f"DistributedSampler, seed the shuffle identically on every worker, e.g. "
+        f"DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(seed))), or build per-worker "
+        f"input pipelines with strategy.distribute_datasets_from_function.")
+
+
 class WorkerDataset:
     """Iterable of one worker's batches: part `index` of `count` of each global batch of `dataset`, on `device`.
 
     MultiWorkerMirroredStrategy's `experimental_distribute_dataset` (index =
     rank, count = world size) and `distribute_datasets_from_function` (the
     worker's own dataset whole: index 0 of 1). `len()` is the dataset's.
+
+    `comm`: a collective_ops.Communicator, or None. Given, each iteration
+    (an epoch) first checks with `check_same_global_batch` that every worker
+    holds the same first global batch: a collective, so every worker must
+    start each epoch's iteration.
     """
 
-    def __init__(self, dataset, index, count, device):
+    def __init__(self, dataset, index, count, device, comm=None):
         _check_iterable(dataset)
         self._dataset, self._index, self._count, self._device = dataset, index, count, device
+        self._comm = comm
 
     def __iter__(self):
+        first = True
         for batch in self._dataset:
+            if first and self._comm is not None:
+                check_same_global_batch(self._comm, batch, self._dataset)
+            first = False
             yield slice_batch(batch, self._index, self._count, self._device)
+        if first and self._comm is not None:   # an empty epoch here: the others still wait for the check
+            check_same_global_batch(self._comm, None, self._dataset)
 
     def __len__(self):
         return len(self._dataset)

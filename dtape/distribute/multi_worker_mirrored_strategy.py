@@ -435,8 +435,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         of them, a torch DataLoader); every worker must iterate the same
         global batches. Batch i gives worker r examples
         [sum(sizes[:r]), sum(sizes[:r+1])) with sizes = input_lib.split_sizes(n, world).
+
+        Each iteration (epoch) starts with one all-gather of a fingerprint of
+        the first global batch (`input_lib.check_same_global_batch`): workers
+        holding different batches (a DataLoader left with a DistributedSampler,
+        shuffles seeded per rank) raise ValueError on every worker. For
+        per-worker data use `distribute_datasets_from_function` (not checked).
         """
-        return input_lib.WorkerDataset(dataset, self._resolver.rank, self.num_replicas_in_sync, self._device)
+        return input_lib.WorkerDataset(dataset, self._resolver.rank, self.num_replicas_in_sync, self._device,
+                                       comm=self._comm)
 
     def distribute_datasets_from_function(self, dataset_fn):
         """`dataset_fn(InputContext(world, rank, world))`: this worker's own dataset, batches on its device."""
