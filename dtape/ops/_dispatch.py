@@ -28,22 +28,7 @@ def _is_diff(t):
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
-class _KeptGraphOp(_tp.RecordOp):
-    """A record op whose gradient comes from a torch graph it keeps (`graph_in`, `outs`, `in_ids`, `shared`):
-    torch's graph holds what the backward reads, so the record saves nothing itself."""
-
-    __slots__ = ("graph_in", "outs", "in_ids", "shared")
-    saves_inputs = False
-    saves_outputs = False
-
-    def backward(self, dys, outputs, inputs, attrs, raw, needs):
-        return graph_vjp(self, dys, raw, needs)
-
-    def recorded_again(self):
-        self.shared = True
-
-
-class TorchFallback(_KeptGraphOp):
+class TorchFallback(_tp.RecordOp):
     """Record op for a torch function without a registered gradient: it keeps torch's own autograd graph.
 
     When a tape records the call, the function runs once on detached
@@ -59,7 +44,9 @@ class TorchFallback(_KeptGraphOp):
     order without running the forward again.
     """
 
-    __slots__ = ("name", "func", "spec", "leaves", "positions", "seed")
+    __slots__ = ("name", "func", "spec", "leaves", "positions", "seed", "graph_in", "outs", "in_ids", "shared")
+    saves_inputs = False   # torch's graph holds what the backward reads
+    saves_outputs = False
 
     def __init__(self, func, spec, leaves, positions, seed=None):
         self.name = getattr(func, "__name__", repr(func))
@@ -89,6 +76,11 @@ class TorchFallback(_KeptGraphOp):
         with torch.enable_grad():
             return self.call_raw([t if g is None else g for t, g in zip(tensors, self.graph_in)])
 
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        return graph_vjp(self, dys, raw, needs)
+
+    def recorded_again(self):
+        self.shared = True
 
 
 def graph_vjp(op, dys, raw, needs):
@@ -165,7 +157,7 @@ def _named(error, op):
     return RuntimeError(f"the gradient of op {op.name!r} (through torch.autograd) failed: {error}")
 
 
-class _GraphGrad(_KeptGraphOp):
+class _GraphGrad(_tp.RecordOp):
     """Record op for a vector-Jacobian product taken from a kept torch graph with `create_graph=True`.
 
     Its inputs are the original op's inputs (the graph's aliases) and the
@@ -173,11 +165,19 @@ class _GraphGrad(_KeptGraphOp):
     graph of the product: its own backward is the same kind of call.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "graph_in", "outs", "in_ids", "shared")
+    saves_inputs = False
+    saves_outputs = False
 
     def __init__(self, name, graph_in, outs, in_ids):
         self.name = f"grad_{name}"
         self.graph_in, self.outs, self.in_ids, self.shared = graph_in, outs, in_ids, True
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        return graph_vjp(self, dys, raw, needs)
+
+    def recorded_again(self):
+        self.shared = True
 
 
 def _recorded_vjp(op, pairs, wrt, n):
