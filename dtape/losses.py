@@ -6,12 +6,17 @@ axis where Keras does) are multiplied by `sample_weight` and reduced:
   "sum_over_batch_size" (default): sum / number of per-example losses;
   "sum": sum;  "none" (or None): the weighted per-example losses.
 Under a strategy use reduction="none" and `dtape.nn.compute_average_loss`
-(divides by the GLOBAL batch size, see its note on sum versus mean).
+(divides by the GLOBAL batch size, see its note on sum versus mean): as TF,
+a loss object reducing "sum_over_batch_size" (or "auto") called in a
+replica context of more than one replica raises ValueError, since each
+replica would divide by its own batch and the summed gradients would be
+num_replicas times too large.
 Probabilities are clipped to [1e-7, 1 - 1e-7] before the log, as Keras.
 Source: tf.keras.losses.
 """
 import torch
 
+from dtape import _replica_info
 from dtape import nn as _nn
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
@@ -159,6 +164,10 @@ class Loss:
     Source: tf.keras.losses.Loss.
     """
 
+    # A built-in training loop that divides the replicas' mean losses by the number of replicas sets
+    # this on its loss objects (TF's LossesContainer does the same): they may then reduce by batch size.
+    _allow_sum_over_batch_size = False
+
     def __init__(self, reduction="sum_over_batch_size", name=None):
         self.reduction = _check_reduction(reduction)
         self.name = name or type(self).__name__
@@ -167,6 +176,15 @@ class Loss:
         raise NotImplementedError(f"{type(self).__name__} must define call(y_true, y_pred)")
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        """The reduced loss (a scalar Tensor; with reduction "none" the per-example losses).
+
+        Raises:
+          ValueError: reduction "sum_over_batch_size" (the default, or
+            "auto") in a replica context of more than one replica (inside
+            `strategy.run` of a multi-replica strategy), as TF: use
+            reduction="none" and `dtape.nn.compute_average_loss`.
+        """
+        self._check_distributed_reduction()
         losses = _tensor(self.call(y_true, y_pred))
         if sample_weight is not None:
             weight = _array.cast(_tensor(sample_weight), losses.dtype)
@@ -181,6 +199,22 @@ class Loss:
         if self.reduction == "sum":
             return total
         return total / float(max(_numel(losses), 1))
+
+    def _check_distributed_reduction(self):
+        """TF's `_get_reduction` guard, for a replica context of more than one replica."""
+        if self.reduction != "sum_over_batch_size" or self._allow_sum_over_batch_size:
+            return
+        n = _replica_info.num_replicas_in_sync()
+        if n > 1:
+            raise ValueError(
+                f"{self.name}: Please use `dtape.losses.Reduction.SUM` or `dtape.losses.Reduction.NONE` for loss "
+                f"reduction when losses are used with a `dtape.distribute` strategy ({n} replicas in sync) outside "
+                "of the built-in training loops: reduction \"sum_over_batch_size\" divides by this replica's batch "
+                f"only, so the gradients summed over replicas would be {n} times too large. Reduce by the global "
+                "batch size instead:\n    loss_obj = dtape.losses.SparseCategoricalCrossentropy(reduction=\"none\")"
+                "\n    loss = dtape.nn.compute_average_loss(loss_obj(labels, predictions), "
+                "global_batch_size=GLOBAL_BATCH_SIZE)\n(as tf.nn.compute_average_loss in TF's custom training "
+                "tutorial: https://www.tensorflow.org/tutorials/distribute/custom_training)")
 
 
 def _numel(t):
