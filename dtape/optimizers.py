@@ -142,6 +142,11 @@ class Optimizer:
           The iterations variable.
 
         Raises:
+          RuntimeError: called in the cross-replica context (inside
+            `strategy.scope()` or a merge_call, outside `strategy.run`) of a
+            strategy with more than one replica in sync, as TF: the gradients
+            of one replica cannot update every copy consistently. Raised
+            before anything is written (no variable, slot or `iterations`).
           ValueError: a gradient whose shape is not its variable's; (under a
             strategy) a gradient that is the same object on every replica
             (not distributed) cannot be summed.
@@ -149,6 +154,7 @@ class Optimizer:
           Either is raised before any variable is written.
         """
         with profile_range("dtape.apply_gradients"):  # the optimizer update: a named range in torch.profiler traces
+            _check_not_cross_replica("apply_gradients")
             pairs = [(g, v) for g, v in grads_and_vars]
             for g, v in pairs:
                 _check_gradient(g, v)
@@ -261,9 +267,12 @@ class Optimizer:
 
         Raises:
           ValueError: a Tensor loss without a tape.
+          RuntimeError: in the cross-replica context of a strategy with more
+            than one replica (see `apply_gradients`), before `loss` is called.
 
         Source: tf.keras.optimizers.Optimizer.minimize.
         """
+        _check_not_cross_replica("minimize")
         if not callable(loss):
             if tape is None:
                 raise ValueError("`tape` is required when a `Tensor` loss is passed; pass a callable "
@@ -290,6 +299,22 @@ class Optimizer:
         if callable(lr):
             return float(lr(int(self.iterations.numpy())) if _takes_step(lr) else lr())
         return float(lr)
+
+
+def _check_not_cross_replica(method):
+    """TF's guard: no update from the cross-replica context of a strategy with several replicas in sync.
+
+    There one call would hold one replica's gradients (or a non-distributed
+    value) for every copy; TF refuses it, and so, before any write, do we.
+    With one replica in sync (OneDeviceStrategy, the default strategy) the
+    update is unambiguous and allowed.
+    """
+    if distribute.in_cross_replica_context() and distribute.get_strategy().num_replicas_in_sync > 1:
+        raise RuntimeError(
+            f"`{method}()` cannot be called in cross-replica context. Use `dtape.distribute.Strategy.run` to enter "
+            f"replica context: call it inside the function given to `strategy.run` (here "
+            f"{distribute.get_strategy().num_replicas_in_sync} replicas in sync), as TF requires. Nothing was "
+            "updated.")
 
 
 def _check_learning_rate(lr):

@@ -392,22 +392,37 @@ class GradientAccumulator:
     Each replica keeps its own sums (safe with mirrored variables: one
     accumulator can be shared by the replicas of `strategy.run`).
 
+    In the cross-replica context of a strategy with more than one replica
+    in sync, `accumulate` and `grads_and_vars` raise RuntimeError (nothing
+    is added): they would reach replica 0's sums only, as `apply_gradients`
+    would update one copy (TF refuses both); `reset()` there forgets every
+    replica's sums.
+
     Raises (accumulate):
       ValueError: variables that differ from the first micro-batch's.
+      RuntimeError: called in a multi-replica cross-replica context (also
+        `grads_and_vars`).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._state = {}  # replica id -> (variables, [sum or None], steps)
 
-    def _replica(self):
+    def _replica(self, method=None):
+        """This replica's id (0 outside any strategy); `method`: refuse a multi-replica cross-replica context."""
         rctx = context.get_replica_context()
+        if rctx is None and method is not None and context.get_strategy().num_replicas_in_sync > 1:
+            raise RuntimeError(
+                f"`GradientAccumulator.{method}()` cannot be called in cross-replica context: each of the "
+                f"{context.get_strategy().num_replicas_in_sync} replicas keeps its own sums. Use "
+                "`dtape.distribute.Strategy.run` to enter replica context (call it in the function given to "
+                "`strategy.run`). Nothing was changed.")
         return 0 if rctx is None else rctx.replica_id_in_sync_group
 
     def accumulate(self, grads_and_vars):
         """Adds (gradient or None, variable) pairs to this replica's sums (not recorded)."""
+        r = self._replica("accumulate")
         pairs = list(grads_and_vars)
-        r = self._replica()
         with self._lock:
             state = self._state.get(r)
         variables = [v for _, v in pairs]
@@ -428,8 +443,9 @@ class GradientAccumulator:
 
     def grads_and_vars(self):
         """This replica's [(summed gradient as a Tensor, or None, variable)]."""
+        r = self._replica("grads_and_vars")
         with self._lock:
-            state = self._state.get(self._replica())
+            state = self._state.get(r)
         if state is None:
             return []
         return [(None if s is None else Tensor(s), v) for s, v in zip(state[1], state[0])]
@@ -442,9 +458,13 @@ class GradientAccumulator:
         return 0 if state is None else state[2]
 
     def reset(self):
-        """Forgets this replica's sums."""
+        """Forgets this replica's sums (in the cross-replica context: every replica's)."""
+        everyone = context.get_replica_context() is None
         with self._lock:
-            self._state.pop(self._replica(), None)
+            if everyone:
+                self._state.clear()
+            else:
+                self._state.pop(self._replica(), None)
 
 
 __all__ = ["GradientSync", "GradientAccumulator", "compute_average_loss", "reduce_gradients", "plan_buckets",
