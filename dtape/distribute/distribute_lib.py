@@ -12,7 +12,7 @@ from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
                                      live_variables, replica_operand, select_replica, value_container)
-from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.tensor import Tensor, convert_to_tensor, device, normalize_device
 from dtape.variables import current_creator_stack, variable_creator_scope
 
 
@@ -287,6 +287,22 @@ class StrategyExtended:
     def worker_devices(self):
         return self._devices
 
+    @property
+    def should_checkpoint(self):
+        """Whether this worker writes checkpoints: True but on non-chief workers of a multi-worker strategy.
+
+        Source: tf.distribute.StrategyExtended.should_checkpoint.
+        """
+        return True
+
+    @property
+    def should_save_summary(self):
+        """Whether this worker writes summaries: True but on non-chief workers of a multi-worker strategy.
+
+        Source: tf.distribute.StrategyExtended.should_save_summary.
+        """
+        return True
+
     def check_mirrored(self):
         """Verifies that every component of every live MirroredVariable of this strategy is identical.
 
@@ -471,6 +487,38 @@ class Strategy:
     def num_replicas_in_sync(self):
         return len(self._extended.worker_devices)
 
+    @property
+    def cluster_resolver(self):
+        """None: a single-process strategy has no cluster (MultiWorkerMirroredStrategy returns its resolver).
+
+        Source: tf.distribute.Strategy.cluster_resolver.
+        """
+        return None
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """Calls `value_fn(ValueContext)` once per local replica, inside that replica's device scope.
+
+        Args:
+          value_fn: a function of a `ValueContext` (`replica_id_in_sync_group`,
+            `num_replicas_in_sync`) returning that replica's value (a nest of
+            tensors; tensors it creates land on the replica's device).
+
+        Returns:
+          A PerReplica of the values for several local replicas (pass it to
+          `run`); the value itself for one (OneDeviceStrategy, the default
+          strategy, each worker of MultiWorkerMirroredStrategy, where the
+          replica id is the worker's rank).
+
+        Source: tf.distribute.Strategy.experimental_distribute_values_from_function.
+        """
+        resolver = self.cluster_resolver
+        first = 0 if resolver is None else int(resolver.task_id)
+        values = []
+        for i, dev in enumerate(self._extended.worker_devices):
+            with device(dev):
+                values.append(value_fn(ValueContext(first + i, self.num_replicas_in_sync)))
+        return values[0] if len(values) == 1 else PerReplica(tuple(values))
+
     def scope(self):
         """Context manager: the cross-replica context; variables created inside are distributed."""
         return _StrategyScope(self)
@@ -570,6 +618,30 @@ class Strategy:
         return input_lib.DatasetsFromFunction(self, dataset_fn)
 
 
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells `value_fn` about its replica.
+
+    Source: tf.distribute.experimental.ValueContext.
+    """
+
+    __slots__ = ("_replica_id", "_num_replicas")
+
+    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+        self._replica_id, self._num_replicas = int(replica_id_in_sync_group), int(num_replicas_in_sync)
+
+    @property
+    def replica_id_in_sync_group(self):
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._num_replicas
+
+    def __repr__(self):
+        return (f"ValueContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self._num_replicas})")
+
+
 def _count(v, axis):
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     n = 1
@@ -648,4 +720,4 @@ _DEFAULT_REPLICA = ReplicaContext(_DEFAULT_STRATEGY, 0)
 _DEFAULT_MODE = context.Mode(_DEFAULT_STRATEGY, _DEFAULT_REPLICA)
 context.register_default_mode_factory(lambda: _DEFAULT_MODE)
 
-__all__ = ["Strategy", "StrategyExtended", "ReplicaContext"]
+__all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext"]

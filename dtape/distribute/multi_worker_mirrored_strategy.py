@@ -114,8 +114,9 @@ class CommunicationOptions:
     Args:
       timeout_seconds: seconds a collective (or a peer's failure report) may
         take before TimeoutError; None: DTAPE_DISTRIBUTE_TIMEOUT (300).
-      implementation: "gloo", "nccl", or None to choose from the device
-        (NCCL for CUDA, gloo for the CPU).
+      implementation: "gloo", "nccl", a `CommunicationImplementation`
+        (AUTO: from the device; RING: gloo; NCCL), or None to choose from
+        the device (NCCL for CUDA, gloo for the CPU).
 
     Raises:
       ValueError: a timeout that is not a finite positive number (NaN,
@@ -127,8 +128,10 @@ class CommunicationOptions:
         if timeout_seconds is not None:  # here, not at the first collective (infinity: an OverflowError there)
             timeout_seconds = _config.validate_timeout(timeout_seconds, "CommunicationOptions(timeout_seconds=...)")
         impl = None if implementation is None else str(getattr(implementation, "name", implementation)).lower()
+        impl = "gloo" if impl == "ring" else impl  # TF's CommunicationImplementation.RING: the CPU ring, gloo here
         if impl not in (None, "gloo", "nccl", "auto"):
-            raise ValueError(f"implementation must be 'gloo', 'nccl' or None, got {implementation!r}")
+            raise ValueError(f"implementation must be 'gloo', 'nccl', a CommunicationImplementation (AUTO, RING, "
+                             f"NCCL) or None, got {implementation!r}")
         self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
         self.implementation = None if impl == "auto" else impl
 

@@ -1,4 +1,7 @@
-"""ReduceOp: how values are combined across replicas. Source: tf.distribute.ReduceOp."""
+"""ReduceOp: how values are combined across replicas; CommunicationImplementation: over which library.
+
+Source: tf.distribute.ReduceOp, tf.distribute.experimental.CommunicationImplementation.
+"""
 import enum
 
 
@@ -14,3 +17,17 @@ class ReduceOp(enum.Enum):
         if name not in ("SUM", "MEAN"):
             raise ValueError(f"no ReduceOp for aggregation {name}")
         return ReduceOp[name]
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective library `CommunicationOptions(implementation=...)` asks for.
+
+    AUTO: from the device (NCCL on CUDA, gloo on the CPU); RING: TF's
+    ring all-reduce over the network, here torch.distributed's gloo; NCCL:
+    NCCL (CUDA devices).
+    Source: tf.distribute.experimental.CommunicationImplementation.
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
