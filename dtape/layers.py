@@ -21,14 +21,17 @@ size argument (`input_dim=`, `input_channels=`).
 
 Source: tf.keras.layers.
 """
+import contextlib
 import functools
 import inspect
 import math
 import threading
+import weakref
 
 import numpy as np
 import torch
 
+from dtape import _policy
 from dtape import _replica_info
 from dtape import nn as _nn
 from dtape import random as _random
@@ -39,7 +42,7 @@ from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable, VariableAggregation
+from dtape.variables import Variable, VariableAggregation, current_read_hook, read_hook_scope
 
 __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "BatchNormalization", "Dropout",
            "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "Flatten", "Reshape",
@@ -187,7 +190,15 @@ class Layer(Module, metaclass=_LayerMeta):
 
     Args:
       name: module name (default: the snake-cased class name, made unique).
-      dtype: torch floating dtype of the variables (default float32).
+      dtype: the layer's dtype policy: a floating dtype (torch dtype or name,
+        e.g. "float32": variables and computation in it), "mixed_float16" or
+        "mixed_bfloat16" (variables float32, computation in the 16-bit
+        dtype: floating inputs are cast to it and, inside `call`, the
+        layer's variables are read in it; gradients reach them in float32),
+        or a `dtape.mixed_precision.Policy`; None: the global policy
+        (`dtape.mixed_precision.set_global_policy`, "float32" by default).
+        Sets `dtype` (the variables' torch dtype), `compute_dtype` and
+        `dtype_policy`. Source: tf.keras.layers.Layer(dtype=...).
       seed: int seed of this layer's initializers; None draws from torch's
         global generator (`torch.manual_seed`).
       input_shape: the input's shape without the batch dimension (Keras);
@@ -200,15 +211,18 @@ class Layer(Module, metaclass=_LayerMeta):
     Source: tf.keras.layers.Layer.
     """
 
+    _autocast = True  # under a mixed policy, `call` reads the layer's variables in the compute dtype
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         build = cls.__dict__.get("build")
         if build is not None and not getattr(build, "_dtape_wrapped", False):
             cls.build = _wrap_build(build)
 
-    def __init__(self, name=None, dtype=torch.float32, seed=None, input_shape=None, activity_regularizer=None):
+    def __init__(self, name=None, dtype=None, seed=None, input_shape=None, activity_regularizer=None):
         super().__init__(name=name)
-        self.dtype = dtype
+        self.dtype_policy = _policy.get(dtype)
+        self.dtype, self.compute_dtype = self.dtype_policy.variable_dtype, self.dtype_policy.compute_dtype
         self.built = False
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self._input_shape_arg = None if input_shape is None else _shape_tuple(input_shape)
@@ -242,6 +256,8 @@ class Layer(Module, metaclass=_LayerMeta):
         init, shape, dtype, gen = get_initializer(initializer), tuple(shape), self.dtype, self._generator
         var = Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
                        dtype=self.dtype, aggregation=aggregation)
+        if self.dtype_policy.is_mixed and self._autocast:
+            _autocast_variables(var)
         regularizer = _regularizers.get(regularizer)
         if regularizer is not None:
             # A layer built lazily inside strategy.run is built by every replica thread, and every
@@ -257,8 +273,16 @@ class Layer(Module, metaclass=_LayerMeta):
 
     def _convert_input(self, x):
         if not isinstance(x, Tensor) and not is_variable(x):
-            x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
+            x = convert_to_tensor(x, dtype=self.compute_dtype if _is_float_like(x) else None)
+        elif self.dtype_policy.casts_input(x.dtype):  # Keras casts floating inputs to the compute dtype
+            x = _array.cast(x, self.compute_dtype)
         return x
+
+    def _autocast_scope(self):
+        """Inside `call` of a mixed-policy layer: its variables are read in the compute dtype (Keras's AutoCast)."""
+        if not self.dtype_policy.is_mixed:
+            return _NO_SCOPE
+        return read_hook_scope(_autocast_reads(self.compute_dtype, current_read_hook()))
 
     def __call__(self, x, training=False):
         """Applies the layer. x: Tensor, Variable, torch.Tensor, array or nested list."""
@@ -269,7 +293,8 @@ class Layer(Module, metaclass=_LayerMeta):
         try:
             x = self._convert_input(x)
             self._maybe_build(tuple(x.shape))
-            out = self.call(x, training=training) if _takes_training(self.call) else self.call(x)
+            with self._autocast_scope():
+                out = self.call(x, training=training) if _takes_training(self.call) else self.call(x)
         finally:
             _call_state.depth -= 1
         if self.activity_regularizer is not None:
@@ -277,6 +302,39 @@ class Layer(Module, metaclass=_LayerMeta):
         if hasattr(out, "shape"):
             self._output_shape = (None,) + tuple(out.shape[1:]) if len(out.shape) else ()
         return out
+
+
+# ids of the variables mixed-policy layers made: read in the compute dtype inside a mixed layer's `call`.
+# An id leaves the set when its variable dies (before the id can be reused). By id, not a WeakSet: a
+# variable's == is elementwise. Components of a distributed variable are what reads see.
+_autocast_ids = set()
+_autocast_lock = threading.Lock()
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def _autocast_variables(var):
+    for component in getattr(var, "values", None) or (var,):
+        with _autocast_lock:
+            if id(component) in _autocast_ids:  # built inside strategy.run: every replica gets this variable
+                continue
+            _autocast_ids.add(id(component))
+        weakref.finalize(component, _forget_autocast, id(component)).atexit = False
+
+
+def _forget_autocast(key):
+    with _autocast_lock:
+        _autocast_ids.discard(key)
+
+
+def _autocast_reads(dtype, prev):
+    """A read hook casting the registered floating variables to `dtype` (after an enclosing hook)."""
+    def hook(variable, value):
+        if prev is not None:
+            value = prev(variable, value)
+        if value.is_floating_point() and value.dtype != dtype and id(variable) in _autocast_ids:
+            return value.to(dtype)
+        return value
+    return hook
 
 
 def _is_float_like(x):
@@ -332,7 +390,7 @@ class Dense(Layer):
     """
 
     def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", input_dim=None, name=None, dtype=torch.float32, seed=None,
+                 bias_initializer="zeros", input_dim=None, name=None, dtype=None, seed=None,
                  kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None, input_shape=None):
         super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
                          activity_regularizer=activity_regularizer)
@@ -388,7 +446,7 @@ class Conv2D(Layer):
     """
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", input_channels=None, name=None, dtype=torch.float32,
+                 kernel_initializer="glorot_uniform", input_channels=None, name=None, dtype=None,
                  seed=None, kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
                  input_shape=None):
         super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
@@ -450,7 +508,7 @@ class Embedding(Layer):
     _input_dtype = torch.int64
 
     def __init__(self, input_dim, output_dim, embeddings_initializer="random_uniform", name=None,
-                 dtype=torch.float32, seed=None, embeddings_regularizer=None, activity_regularizer=None,
+                 dtype=None, seed=None, embeddings_regularizer=None, activity_regularizer=None,
                  input_shape=None):
         super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
                          activity_regularizer=activity_regularizer)
@@ -482,7 +540,9 @@ class LayerNormalization(Layer):
     Source: tf.keras.layers.LayerNormalization(axis=-1).
     """
 
-    def __init__(self, epsilon=1e-3, input_dim=None, name=None, dtype=torch.float32, seed=None, input_shape=None):
+    _autocast = False  # a mixed policy keeps gamma and beta in float32: 16-bit inputs, float32 statistics
+
+    def __init__(self, epsilon=1e-3, input_dim=None, name=None, dtype=None, seed=None, input_shape=None):
         super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape)
         self.epsilon = float(epsilon)
         if input_dim is not None:
@@ -847,9 +907,11 @@ class BatchNormalization(Layer):
     Source: tf.keras.layers.BatchNormalization (Keras 3, synchronized=).
     """
 
+    _autocast = False  # a mixed policy keeps gamma, beta and the moving statistics in float32, as Keras
+
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True, beta_initializer="zeros",
                  gamma_initializer="ones", moving_mean_initializer="zeros", moving_variance_initializer="ones",
-                 synchronized=False, name=None, dtype=torch.float32, seed=None, input_shape=None,
+                 synchronized=False, name=None, dtype=None, seed=None, input_shape=None,
                  beta_regularizer=None, gamma_regularizer=None):
         super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape)
         self.axis, self.momentum, self.epsilon = int(axis), float(momentum), float(epsilon)
@@ -885,6 +947,9 @@ class BatchNormalization(Layer):
         return tuple(input_shape)
 
     def call(self, x, training=False):
+        in_dtype = x.dtype
+        if in_dtype in (torch.float16, torch.bfloat16):  # statistics of 16-bit inputs in float32 (Keras)
+            x = _array.cast(x, torch.float32)
         rank = x.ndim
         axis = self._feature_axis(rank)
         axes = [a for a in range(rank) if a != axis]
@@ -903,7 +968,8 @@ class BatchNormalization(Layer):
         if self.scale:
             inv = inv * _array.reshape(self.gamma, shape)
         y = (x - _array.reshape(mean, shape)) * inv
-        return y + _array.reshape(self.beta, shape) if self.center else y
+        y = y + _array.reshape(self.beta, shape) if self.center else y
+        return y if x.dtype == in_dtype else _array.cast(y, in_dtype)  # 16-bit in: 16-bit out
 
     def _update_moving(self, mean, var, count, ctx):
         """moving = momentum * moving + (1 - momentum) * stat, each replica weighted by its example count.

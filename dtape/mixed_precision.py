@@ -1,4 +1,15 @@
-"""Mixed precision: dynamic loss scaling (`LossScaleOptimizer`) and `torch.autocast` with dtape.
+"""Mixed precision: dtype policies, dynamic loss scaling (`LossScaleOptimizer`) and `torch.autocast` with dtape.
+
+Policies, as Keras's: `set_global_policy("mixed_float16")` (or
+"mixed_bfloat16", or back to "float32") before the model is made, or a
+layer's `dtype="mixed_float16"`: its variables are float32, its floating
+inputs are cast to float16 (bfloat16) and, inside its `call`, its variables
+are read in that dtype, so it computes and returns float16 while its
+gradients and updates stay float32. LayerNormalization and
+BatchNormalization keep float32 parameters and statistics and return the
+input's dtype. Give the output layer `dtype="float32"` (its 16-bit inputs are
+cast up) for a float32 softmax and loss, and wrap the optimizer in
+`LossScaleOptimizer` under mixed_float16 (float16's range is small).
 
 Autocast: run the forward pass under `torch.autocast` as in PyTorch; the
 tape records the ops autocast lowers (matmul, conv2d, ... in float16 or
@@ -24,11 +35,12 @@ import math
 import torch
 
 from dtape import distribute
+from dtape._policy import Policy, global_policy, set_global_policy
 from dtape import tape as _tp
 from dtape.optimizers import Optimizer
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
-__all__ = ["LossScaleOptimizer"]
+__all__ = ["LossScaleOptimizer", "Policy", "set_global_policy", "global_policy"]
 
 
 class LossScaleOptimizer(Optimizer):
