@@ -252,6 +252,17 @@ def test_float32_output_layer_takes_half_inputs_and_normalization_keeps_float32_
     np.testing.assert_allclose(bn.moving_mean.numpy(), 0.01 * ln_out.float().mean(0).numpy(), atol=1e-4)
 
 
+def test_mixed_batch_normalization_reads_its_moving_statistics_in_float32():
+    bn = dtape.layers.BatchNormalization(input_shape=(1,), dtype="mixed_float16", epsilon=1e-3)
+    x16 = torch.tensor([[0.125]], dtype=torch.float16)
+    bn.moving_mean.assign([0.125 + 1e-5])    # 1e-5 is below float16's resolution at 0.125 (6.1e-5)
+    bn.moving_variance.assign([1.0 - 1e-3])
+    y = bn(x16.float().numpy(), training=False)
+    assert y.dtype == torch.float16
+    # float32 statistics: (0.125 - (0.125 + 1e-5)) / 1; read in float16 the mean would be 0.125 and y 0
+    np.testing.assert_allclose(y.torch().float().numpy(), [[-1e-5]], rtol=1e-2)
+
+
 def _train(policy, steps, scaled):
     torch.manual_seed(0)
     set_global_policy(policy)

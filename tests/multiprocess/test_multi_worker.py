@@ -50,6 +50,16 @@ def test_replica_ids_and_task_ids_are_the_ranks(ranks):
 
 
 @pytest.mark.multiprocess
+def test_tfs_attributes_and_guards_on_every_worker(ranks):
+    for r, seen in enumerate(ranks):
+        assert seen["values_from_function"] == [r, 2]
+        assert seen["should_checkpoint"] == [r == 0, r == 0]
+        assert "cannot be called in cross-replica context" in seen["cross_replica_apply"]
+        assert seen["unchanged_after_cross_replica_apply"]
+        assert "2 replicas in sync" in seen["batch_mean_loss"] and "compute_average_loss" in seen["batch_mean_loss"]
+
+
+@pytest.mark.multiprocess
 def test_collectives_reduce_and_gather_across_workers(ranks):
     for seen in ranks:     # rank r contributes r + 1
         assert seen["all_reduce_sum"] == 3.0 and seen["all_reduce_mean"] == 1.5

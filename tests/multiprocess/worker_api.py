@@ -101,5 +101,26 @@ with strategy.scope():
 data = dtape.checkpoint.restore(path, layer=layer, opt=opt, counter=counter)
 seen["restored_equal"] = bool(np.array_equal(layer.kernel.numpy(), trained)) and data["step"] == 3
 seen["counter_after_assign_restore"] = float(counter.read_value())
+# TF's attributes and guards: no update from the cross-replica context of 2 workers, no per-worker batch mean.
+seen["values_from_function"] = strategy.experimental_distribute_values_from_function(
+    lambda ctx: [ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync])
+seen["should_checkpoint"] = [strategy.extended.should_checkpoint, strategy.extended.should_save_summary]
+state = [layer.kernel.numpy().tolist(), int(opt.iterations.numpy())]
+with strategy.scope():
+    try:
+        opt.apply_gradients([(dtape.constant(np.ones((3, 2), np.float32)), layer.kernel)])
+    except RuntimeError as e:
+        seen["cross_replica_apply"] = str(e)
+seen["unchanged_after_cross_replica_apply"] = state == [layer.kernel.numpy().tolist(), int(opt.iterations.numpy())]
+
+
+def batch_mean_loss():
+    try:
+        dtape.losses.MeanSquaredError()(ys, layer(xs))
+    except ValueError as e:
+        return str(e)
+
+
+seen["batch_mean_loss"] = strategy.run(batch_mean_loss)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
