@@ -29,6 +29,7 @@ import threading
 import numpy as np
 import torch
 
+from dtape import _call_context
 from dtape import _replica_info
 from dtape import nn as _nn
 from dtape import random as _random
@@ -260,16 +261,42 @@ class Layer(Module, metaclass=_LayerMeta):
             x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
         return x
 
-    def __call__(self, x, training=False):
-        """Applies the layer. x: Tensor, Variable, torch.Tensor, array or nested list."""
+    def __call__(self, *args, training=None, mask=None, **kwargs):
+        """Applies the layer: `call(x, *more, training=, mask=, **kwargs)`.
+
+        x: Tensor, Variable, torch.Tensor, array or nested list (converted to
+        a Tensor; it builds the layer). More positional inputs (e.g.
+        `call(self, x, context)`) and keyword arguments go to `call` as they
+        are (torch.Tensors and numpy arrays become Tensors).
+        training: True/False for this call; None (default) takes the mode of
+        the enclosing layer call on this thread, else the default of `call`'s
+        `training` parameter (Keras's call context). It is passed to `call`
+        when `call` names it, and reaches the layers called inside either way.
+        mask: passed to `call` when given; a `call` without a `mask`
+        parameter raises TypeError.
+        Source: tf.keras.layers.Layer.__call__.
+        """
+        if not args:
+            raise TypeError(f"{self.name}: call the layer with its input, e.g. layer(x), got no positional argument")
+        spec = _call_spec(self.call)
+        training = _call_context.resolve_training(training, spec.training_default)
+        if spec.takes_training and training is not None:
+            kwargs["training"] = training
+        if mask is not None:
+            if not spec.takes_mask:
+                raise TypeError(f"{self.name}: mask= was given but {type(self).__name__}.call has no `mask` "
+                                "parameter; add `mask=None` to call() or do not pass a mask")
+            kwargs["mask"] = mask
         top = _call_state.depth == 0
         if top:
             self._clear_losses()
         _call_state.depth += 1
         try:
-            x = self._convert_input(x)
+            x = self._convert_input(args[0])
+            more = tuple(self._convert_input(a) if isinstance(a, (torch.Tensor, np.ndarray)) else a for a in args[1:])
             self._maybe_build(tuple(x.shape))
-            out = self.call(x, training=training) if _takes_training(self.call) else self.call(x)
+            with _call_context.training_scope(training):
+                out = self.call(x, *more, **kwargs)
         finally:
             _call_state.depth -= 1
         if self.activity_regularizer is not None:
@@ -284,20 +311,38 @@ def _is_float_like(x):
     return t.is_floating_point()
 
 
-def _takes_training(fn):
+class _CallSpec:
+    """What a `call` signature takes: `training` (and its default), `mask`."""
+
+    __slots__ = ("takes_training", "training_default", "takes_mask")
+
+    def __init__(self, params):
+        training = params.get("training")
+        self.takes_training = training is not None
+        # No default (or None): None is resolved, `call` gets its own default and inner layers theirs (Keras).
+        self.training_default = None if training is None or training.default is inspect.Parameter.empty \
+            else training.default
+        self.takes_mask = "mask" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _call_spec(fn):
     fn = getattr(fn, "__func__", fn)
     try:
-        return _function_takes_training(fn)
+        return _function_call_spec(fn)
     except TypeError:  # an unhashable callable: not cached
-        return _function_takes_training.__wrapped__(fn)
+        return _function_call_spec.__wrapped__(fn)
 
 
 @functools.lru_cache(maxsize=4096)  # per function, not per call: inspect.signature is slow
-def _function_takes_training(fn):
+def _function_call_spec(fn):
     try:
-        return "training" in inspect.signature(fn).parameters
+        return _CallSpec(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return False
+        return _CallSpec({})
+
+
+def _takes_training(fn):
+    return _call_spec(fn).takes_training
 
 
 def _last_dim(input_shape, layer):
@@ -517,7 +562,8 @@ class Dropout(Layer):
         the strategy's RNG state: for a bit-exact resume use seed=None.
 
     Shapes: x any shape -> the same shape and dtype. Identity unless called
-    with `training=True`.
+    with `training=True`, or with `training` left None inside a layer call
+    made with `training=True` (Keras's call context; see `Layer.__call__`).
     Source: tf.keras.layers.Dropout (per-replica streams: tf.random.Generator.split).
     """
 
@@ -534,9 +580,9 @@ class Dropout(Layer):
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
 
-    def __call__(self, x, training=False):
+    def __call__(self, x, training=None):
         x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
-        if not training or self.rate == 0.0:
+        if not _call_context.resolve_training(training, False) or self.rate == 0.0:
             return x
         if self.seed is None:
             return _nn.dropout(x, self.rate)
