@@ -231,16 +231,24 @@ class Layer(Module, metaclass=_LayerMeta):
     def call(self, x):
         raise NotImplementedError(f"{type(self).__name__} must define call(x)")
 
-    def add_weight(self, name, shape, initializer="glorot_uniform", trainable=True, regularizer=None,
+    def add_weight(self, name=None, shape=None, initializer="glorot_uniform", trainable=True, regularizer=None,
                    aggregation=VariableAggregation.NONE):
         """Creates a variable `<layer>/<name>` of `shape`, its initial value drawn once where it is created.
+
+        Keras 2 (`add_weight("kernel", shape=...)`) and Keras 3
+        (`add_weight(shape=..., initializer=...)`) calls both work: without
+        a name a weight is `<layer>/variable` (as Keras 3; names are labels,
+        checkpoints match weights by position); shape None is a scalar;
+        initializer None is "glorot_uniform".
 
         The value is given to `Variable` as a callable: inside `strategy.run`
         the strategy calls it once, in its merge_call on the caller's thread,
         so replica threads never draw (and never race on) initial values.
         `regularizer(variable)` is added to `losses`.
         """
-        init, shape, dtype, gen = get_initializer(initializer), tuple(shape), self.dtype, self._generator
+        name = "variable" if name is None else name  # Keras 3's name for unnamed weights (not unique there either)
+        init = get_initializer("glorot_uniform" if initializer is None else initializer)
+        shape, dtype, gen = () if shape is None else tuple(shape), self.dtype, self._generator
         var = Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
                        dtype=self.dtype, aggregation=aggregation)
         regularizer = _regularizers.get(regularizer)

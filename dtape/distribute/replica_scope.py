@@ -159,7 +159,7 @@ class CallerState:
         for device_type, dtype, cache in self.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache))
         stack.enter_context(_tp.replica_run_scope(self.run))
-        # Set on every job, None included: a long-lived replica thread must not keep a previous step's mode.
+        # The caller's mode, restored on leaving: a long-lived replica thread keeps no previous step's mode.
         stack.enter_context(_call_context.training_scope(self.training))
 
 
