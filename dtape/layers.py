@@ -184,7 +184,9 @@ class Layer(Module, metaclass=_LayerMeta):
 
     Subclasses define `build(input_shape)` (create variables with
     `self.add_weight`; it runs once and sets `built`) and `call(x)` or
-    `call(x, training=False)`.
+    `call(x, training=False)` (more inputs and keyword arguments allowed).
+    Layers called inside `call` get this call's `training` unless given
+    their own (Keras's call context; see `__call__`).
 
     Args:
       name: module name (default: the snake-cased class name, made unique).
