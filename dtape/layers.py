@@ -282,6 +282,8 @@ class Layer(Module, metaclass=_LayerMeta):
         the enclosing layer call on this thread, else the default of `call`'s
         `training` parameter (Keras's call context). It is passed to `call`
         when `call` names it, and reaches the layers called inside either way.
+        Given by position where `call` has it (`layer(x, True)`), it counts
+        as given.
         mask: passed to `call` when given; a `call` without a `mask`
         parameter raises TypeError.
         Source: tf.keras.layers.Layer.__call__.
@@ -289,8 +291,12 @@ class Layer(Module, metaclass=_LayerMeta):
         if not args:
             raise TypeError(f"{self.name}: call the layer with its input, e.g. layer(x), got no positional argument")
         spec = _call_spec(self.call)
+        positional = spec.training_position is not None and len(args) > spec.training_position
+        if positional:  # layer(x, True) with call(self, x, training=False): the argument given by position
+            training = args[spec.training_position] if training is None else training
+            args = args[:spec.training_position] + args[spec.training_position + 1:]
         training = _call_context.resolve_training(training, spec.training_default)
-        if spec.takes_training and training is not None:
+        if spec.takes_training and (training is not None or positional):
             kwargs["training"] = training
         if mask is not None:
             if not spec.takes_mask:
@@ -324,11 +330,14 @@ def _is_float_like(x):
 class _CallSpec:
     """What a `call` signature takes: `training` (and its default), `mask`."""
 
-    __slots__ = ("takes_training", "training_default", "takes_mask")
+    __slots__ = ("takes_training", "training_default", "training_position", "takes_mask")
 
-    def __init__(self, params):
+    def __init__(self, params, bound):
         training = params.get("training")
         self.takes_training = training is not None
+        positional = [name for name, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # Index of `training` among the call's inputs (a bound method's self excluded).
+        self.training_position = positional.index("training") - bound if "training" in positional else None
         # No default (or None): None is resolved, `call` gets its own default and inner layers theirs (Keras).
         self.training_default = None if training is None or training.default is inspect.Parameter.empty \
             else training.default
@@ -336,19 +345,20 @@ class _CallSpec:
 
 
 def _call_spec(fn):
+    bound = int(hasattr(fn, "__func__"))
     fn = getattr(fn, "__func__", fn)
     try:
-        return _function_call_spec(fn)
+        return _function_call_spec(fn, bound)
     except TypeError:  # an unhashable callable: not cached
-        return _function_call_spec.__wrapped__(fn)
+        return _function_call_spec.__wrapped__(fn, bound)
 
 
 @functools.lru_cache(maxsize=4096)  # per function, not per call: inspect.signature is slow
-def _function_call_spec(fn):
+def _function_call_spec(fn, bound):
     try:
-        return _CallSpec(inspect.signature(fn).parameters)
+        return _CallSpec(inspect.signature(fn).parameters, bound)
     except (TypeError, ValueError):
-        return _CallSpec({})
+        return _CallSpec({}, bound)
 
 
 def _takes_training(fn):

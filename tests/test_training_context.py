@@ -230,3 +230,16 @@ def test_extra_positional_inputs_and_mask():
         layers.Dense(2)(np.ones((2, 3)), mask=dtape.ones([2, 3]))
     with pytest.raises(TypeError, match="with its input"):
         layers.Dense(2)()
+
+
+def test_training_given_by_position_as_before():
+    """`layer(x, True)` with `call(self, x, training=False)` is an explicit argument, as in Keras."""
+    class Outer(layers.Layer):
+        def call(self, x, training=False):
+            return layers.Dropout(0.5)(x)
+
+    x = np.ones((4, 64))
+    assert _dropped(Outer()(x, True)) > 0 and _dropped(Outer()(x, False)) == 0
+    norm = layers.BatchNormalization(momentum=0.5, dtype=torch.float64)
+    norm(np.full((4, 3), 2.0), True)
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), [1.0, 1.0, 1.0])
