@@ -31,6 +31,7 @@ import torch
 
 from dtape import _call_context
 from dtape import _replica_info
+from dtape import nest
 from dtape import nn as _nn
 from dtape import random as _random
 from dtape import regularizers as _regularizers
@@ -143,16 +144,26 @@ def _shape_tuple(shape):
         raise TypeError(f"a shape must be a tuple of ints or None, got {shape!r}") from None
 
 
+def _shape_struct(shape):
+    """`_shape_tuple` of one shape, or of each shape in a list/tuple/dict of them (a layer with nested inputs)."""
+    if isinstance(shape, dict):
+        return {k: _shape_struct(v) for k, v in shape.items()}
+    if isinstance(shape, (list, tuple)) and any(isinstance(d, (list, tuple, dict)) for d in shape):
+        shapes = [_shape_struct(d) for d in shape]
+        return shapes if isinstance(shape, list) else tuple(shapes)
+    return _shape_tuple(shape)
+
+
 def _wrap_build(build):
     """A subclass's `build`: runs once (later calls do nothing), then marks the layer built."""
     @functools.wraps(build)
     def wrapper(self, input_shape):
         if self.built:
             return
-        build(self, _shape_tuple(input_shape))
+        build(self, _shape_struct(input_shape))
         self.built = True
         if getattr(self, "_build_shape", None) is None:
-            self._build_shape = _shape_tuple(input_shape)
+            self._build_shape = _shape_struct(input_shape)
     wrapper._dtape_wrapped = True
     return wrapper
 
@@ -266,6 +277,10 @@ class Layer(Module, metaclass=_LayerMeta):
         if not self.built:
             self.build(input_shape)
 
+    def _convert_leaf(self, x):
+        """A torch.Tensor or numpy array among the inputs as a Tensor (as `_convert_input`); other values as they are."""
+        return self._convert_input(x) if isinstance(x, (torch.Tensor, np.ndarray)) else x
+
     def _convert_input(self, x):
         if not isinstance(x, Tensor) and not is_variable(x):
             x = convert_to_tensor(x, dtype=self.dtype if _is_float_like(x) else None)
@@ -308,9 +323,14 @@ class Layer(Module, metaclass=_LayerMeta):
             self._clear_losses()
         _call_state.depth += 1
         try:
-            x = self._convert_input(args[0])
-            more = tuple(self._convert_input(a) if isinstance(a, (torch.Tensor, np.ndarray)) else a for a in args[1:])
-            self._maybe_build(tuple(x.shape))
+            x, more = args[0], args[1:]
+            if _holds_tensors(x):  # call(self, inputs) with `context, x = inputs` (Keras's nested inputs)
+                x = nest.map_structure(self._convert_leaf, x)
+                self._maybe_build(nest.map_structure(lambda t: tuple(t.shape), x))
+            else:
+                x = self._convert_input(x)
+                self._maybe_build(tuple(x.shape))
+            more = tuple(self._convert_leaf(a) for a in more)
             with _call_context.training_scope(training):
                 out = self.call(x, *more, **kwargs)
         finally:
@@ -320,6 +340,15 @@ class Layer(Module, metaclass=_LayerMeta):
         if hasattr(out, "shape"):
             self._output_shape = (None,) + tuple(out.shape[1:]) if len(out.shape) else ()
         return out
+
+
+def _is_tensor_like(x):
+    return isinstance(x, (Tensor, torch.Tensor, np.ndarray)) or is_variable(x)
+
+
+def _holds_tensors(x):
+    """A list/tuple/dict with a tensor or array among its leaves (not a nested list of numbers)."""
+    return isinstance(x, (list, tuple, dict)) and any(_is_tensor_like(leaf) for leaf in nest.flatten(x))
 
 
 def _is_float_like(x):

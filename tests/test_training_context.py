@@ -243,3 +243,24 @@ def test_training_given_by_position_as_before():
     norm = layers.BatchNormalization(momentum=0.5, dtype=torch.float64)
     norm(np.full((4, 3), 2.0), True)
     np.testing.assert_array_equal(norm.moving_mean.numpy(), [1.0, 1.0, 1.0])
+
+
+def test_nested_inputs_build_with_nested_shapes():
+    """TF's Transformer tutorial: `call(self, inputs)` with `context, x = inputs`."""
+    seen = {}
+
+    class Pair(layers.Layer):
+        def build(self, input_shape):
+            seen["shape"] = input_shape
+            context_shape, x_shape = input_shape
+            self.w = self.add_weight("w", (context_shape[-1], x_shape[-1]), "ones")
+
+        def call(self, inputs):
+            context, x = inputs
+            return dtape.matmul(context, self.w) + x
+
+    y = Pair()((np.ones((2, 3), np.float32), torch.ones(2, 4)))
+    assert seen["shape"] == ((2, 3), (2, 4))
+    np.testing.assert_array_equal(y.numpy(), np.full((2, 4), 4.0))
+    nested_numbers = layers.Dense(1, kernel_initializer="ones")([[1.0, 2.0]])  # still one tensor, as before
+    np.testing.assert_array_equal(nested_numbers.numpy(), [[3.0]])
