@@ -90,36 +90,141 @@ def _fans(shape):
     return shape[-2] * receptive, shape[-1] * receptive
 
 
-def _glorot_uniform(shape, dtype, gen):
-    fan_in, fan_out = _fans(shape)
-    limit = math.sqrt(6.0 / (fan_in + fan_out))
-    return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+class Initializer:
+    """Base of the Keras initializer classes: `init(shape, dtype=None, generator=None) -> torch.Tensor`.
+
+    Layers call it with their dtype and generator (their `seed=`, or torch's
+    global generator). dtype None is float32. An initializer made with
+    `seed=` draws from its own generator seeded with it at every call, so
+    each call gives the same values (as Keras's seeded initializers).
+    Pass one as `kernel_initializer=` (or call it). Source: tf.keras.initializers.
+    """
+
+    seed = None
+
+    def __call__(self, shape, dtype=None, generator=None):
+        if self.seed is not None:
+            generator = torch.Generator().manual_seed(self.seed)
+        return self._draw(tuple(shape), torch.float32 if dtype is None else dtype, generator)
+
+    def _draw(self, shape, dtype, gen):
+        raise NotImplementedError(f"{type(self).__name__} must define _draw(shape, dtype, generator)")
 
 
-def _he_normal(shape, dtype, gen):
-    return torch.randn(shape, dtype=dtype, generator=gen) * math.sqrt(2.0 / _fans(shape)[0])
+def _seed(seed):
+    return None if seed is None else int(seed)
 
 
-def _he_uniform(shape, dtype, gen):
-    limit = math.sqrt(6.0 / _fans(shape)[0])
-    return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+class Zeros(Initializer):
+    """All zeros. Source: tf.keras.initializers.Zeros."""
+
+    def _draw(self, shape, dtype, gen):
+        return torch.zeros(shape, dtype=dtype)
+
+
+class Ones(Initializer):
+    """All ones. Source: tf.keras.initializers.Ones."""
+
+    def _draw(self, shape, dtype, gen):
+        return torch.ones(shape, dtype=dtype)
+
+
+class Constant(Initializer):
+    """All `value`. Source: tf.keras.initializers.Constant."""
+
+    def __init__(self, value=0.0):
+        self.value = float(value)
+
+    def _draw(self, shape, dtype, gen):
+        return torch.full(shape, self.value, dtype=dtype)
+
+
+class RandomNormal(Initializer):
+    """Normal(mean, stddev). Source: tf.keras.initializers.RandomNormal."""
+
+    def __init__(self, mean=0.0, stddev=0.05, seed=None):
+        self.mean, self.stddev, self.seed = float(mean), float(stddev), _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        t = torch.randn(shape, dtype=dtype, generator=gen) * self.stddev
+        return t + self.mean if self.mean else t
+
+
+class RandomUniform(Initializer):
+    """Uniform on [minval, maxval). Source: tf.keras.initializers.RandomUniform."""
+
+    def __init__(self, minval=-0.05, maxval=0.05, seed=None):
+        self.minval, self.maxval, self.seed = float(minval), float(maxval), _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        half, mid = (self.maxval - self.minval) / 2, (self.maxval + self.minval) / 2
+        t = (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * half
+        return t + mid if mid else t
+
+
+class TruncatedNormal(Initializer):
+    """Normal(mean, stddev), values beyond 2 stddev from the mean redrawn. Source: tf.keras.initializers.TruncatedNormal."""
+
+    def __init__(self, mean=0.0, stddev=0.05, seed=None):
+        self.mean, self.stddev, self.seed = float(mean), float(stddev), _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        lo, hi = self.mean - 2 * self.stddev, self.mean + 2 * self.stddev
+        return torch.nn.init.trunc_normal_(torch.empty(shape, dtype=dtype), self.mean, self.stddev, lo, hi,
+                                           generator=gen)
+
+
+class GlorotUniform(Initializer):
+    """Uniform on +-sqrt(6 / (fan_in + fan_out)). Source: tf.keras.initializers.GlorotUniform."""
+
+    def __init__(self, seed=None):
+        self.seed = _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        fan_in, fan_out = _fans(shape)
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+
+
+class HeNormal(Initializer):
+    """Normal(0, sqrt(2 / fan_in)) (not truncated, unlike Keras's). Source: tf.keras.initializers.HeNormal."""
+
+    def __init__(self, seed=None):
+        self.seed = _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        return torch.randn(shape, dtype=dtype, generator=gen) * math.sqrt(2.0 / _fans(shape)[0])
+
+
+class HeUniform(Initializer):
+    """Uniform on +-sqrt(6 / fan_in). Source: tf.keras.initializers.HeUniform."""
+
+    def __init__(self, seed=None):
+        self.seed = _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        limit = math.sqrt(6.0 / _fans(shape)[0])
+        return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
 
 
 _INITIALIZERS = {
-    "glorot_uniform": _glorot_uniform,
-    "he_normal": _he_normal,
-    "he_uniform": _he_uniform,
-    "random_normal": lambda shape, dtype, gen: torch.randn(shape, dtype=dtype, generator=gen) * 0.05,
-    "random_uniform": lambda shape, dtype, gen: (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * 0.05,
-    "zeros": lambda shape, dtype, gen: torch.zeros(shape, dtype=dtype),
-    "ones": lambda shape, dtype, gen: torch.ones(shape, dtype=dtype),
+    "glorot_uniform": GlorotUniform(),
+    "he_normal": HeNormal(),
+    "he_uniform": HeUniform(),
+    "random_normal": RandomNormal(),
+    "random_uniform": RandomUniform(),
+    "truncated_normal": TruncatedNormal(),
+    "zeros": Zeros(),
+    "ones": Ones(),
 }
 
 
 def get_initializer(initializer):
     """An initializer `f(shape, dtype, generator) -> torch.Tensor` from a name or a callable.
 
-    A callable may also take just `(shape, dtype)`.
+    A name gives the `Initializer` instance (`"glorot_uniform"` ->
+    `GlorotUniform()`, `"truncated_normal"` -> `TruncatedNormal()`, ...). A
+    callable (an `Initializer`, or a function) may also take just `(shape, dtype)`.
 
     Raises:
       ValueError: an unknown name (the message lists the known ones).

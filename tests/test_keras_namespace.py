@@ -55,6 +55,8 @@ def test_identity_of_the_usual_names():
     assert keras.metrics.Mean is dtape.metrics.Mean
     assert keras.regularizers.l2 is dtape.regularizers.L2
     assert keras.initializers.get is dtape.layers.get_initializer
+    for name in keras.initializers.__all__[1:]:
+        assert getattr(keras.initializers, name) is getattr(dtape.layers, name), name
     assert keras.activations.relu is dtape.nn.relu and keras.activations.sigmoid is dtape.sigmoid
     assert keras.activations.get("relu") is dtape.nn.relu
     assert keras.activations.linear is dtape.layers.get_activation(None)
@@ -207,3 +209,27 @@ def test_a_ported_training_loop_with_from_imports_matches_torch():
     for v, r in zip(model.trainable_variables, ref):
         np.testing.assert_allclose(v.numpy(), r.detach().numpy(), rtol=1e-12, atol=1e-15)
     assert int(optimizer.iterations) == 2 and train_loss.result().numpy() > 0
+
+
+def test_initializer_classes_are_what_the_names_give():
+    """`kernel_initializer=keras.initializers.RandomNormal(stddev=0.02)` (DCGAN-style ports) and the names."""
+    init = keras.initializers
+    for name, obj in [("random_normal", init.RandomNormal()), ("glorot_uniform", init.GlorotUniform()),
+                      ("he_normal", init.HeNormal()), ("random_uniform", init.RandomUniform()),
+                      ("truncated_normal", init.TruncatedNormal())]:
+        by_name = keras.layers.Dense(7, kernel_initializer=name, input_dim=5, seed=4)
+        by_object = keras.layers.Dense(7, kernel_initializer=obj, input_dim=5, seed=4)
+        np.testing.assert_array_equal(by_name.kernel.numpy(), by_object.kernel.numpy())
+    torch.manual_seed(0)
+    expected = torch.randn(5, 7) * 0.02 + 1.0
+    torch.manual_seed(0)
+    dense = keras.layers.Dense(7, kernel_initializer=init.RandomNormal(mean=1.0, stddev=0.02), input_dim=5)
+    np.testing.assert_array_equal(dense.kernel.numpy(), expected.numpy())
+    seeded = init.RandomNormal(stddev=0.5, seed=11)
+    assert torch.equal(seeded((100,)), seeded((100,)))  # Keras: a seeded initializer repeats its values
+    t = init.TruncatedNormal(mean=1.0, stddev=0.5, seed=0)((10000,), torch.float64)
+    assert t.dtype == torch.float64 and float(t.min()) >= 0.0 and float(t.max()) <= 2.0
+    assert abs(float(t.mean()) - 1.0) < 0.02
+    np.testing.assert_array_equal(init.Constant(0.25)((2, 3)).numpy(), np.full((2, 3), 0.25))
+    u = init.RandomUniform(minval=2.0, maxval=3.0, seed=1)((1000,))
+    assert 2.0 <= float(u.min()) and float(u.max()) < 3.0

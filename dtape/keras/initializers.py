@@ -1,15 +1,14 @@
-"""`dtape.keras.initializers`: how layers take initial values, under the Keras path.
+"""`dtape.keras.initializers`: the initializers layers use, under the Keras path (the same objects).
 
-`get` is `dtape.layers.get_initializer`: a name ("glorot_uniform",
-"he_normal", "he_uniform", "random_normal", "random_uniform", "zeros",
-"ones") or a callable `f(shape, dtype)` / `f(shape, dtype, generator)`
-returning a torch.Tensor gives the function layers call. Pass these to
-`kernel_initializer=` and friends. Keras's initializer classes
-(`GlorotUniform()`, `RandomNormal(stddev=...)`) are not defined by dtape:
-use the name, or a callable for other parameters, e.g.
-`lambda shape, dtype: 0.02 * torch.randn(shape, dtype=dtype)`.
-Source: tf.keras.initializers.get.
+`get` is `dtape.layers.get_initializer` (a name such as "glorot_uniform" or
+"truncated_normal", an `Initializer`, or a callable `f(shape, dtype)` ->
+the function layers call); the classes are `dtape.layers`' (`GlorotUniform`,
+`RandomNormal(mean, stddev, seed)`, `TruncatedNormal`, `Constant(value)`, ...).
+Source: tf.keras.initializers.
 """
+from dtape.layers import (Constant, GlorotUniform, HeNormal, HeUniform, Initializer, Ones, RandomNormal,
+                          RandomUniform, TruncatedNormal, Zeros)
 from dtape.layers import get_initializer as get
 
-__all__ = ["get"]
+__all__ = ["get", "Initializer", "Constant", "GlorotUniform", "HeNormal", "HeUniform", "Ones", "RandomNormal",
+           "RandomUniform", "TruncatedNormal", "Zeros"]
