@@ -394,8 +394,10 @@ class Layer(Module, metaclass=_LayerMeta):
     def __call__(self, *args, training=None, mask=None, **kwargs):
         """Applies the layer: `call(x, *more, training=, mask=, **kwargs)`.
 
-        x: Tensor, Variable, torch.Tensor, array or nested list (converted to
-        a Tensor; it builds the layer). More positional inputs (e.g.
+        x: Tensor, Variable, torch.Tensor, array or nested list of numbers
+        (converted to a Tensor; its shape builds the layer), or a tuple/list/
+        dict holding tensors (each converted; `build` gets their shapes in
+        the same structure). More positional inputs (e.g.
         `call(self, x, context)`) and keyword arguments go to `call` as they
         are (torch.Tensors and numpy arrays become Tensors).
         training: True/False for this call; None (default) takes the mode of
