@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from dtape import _call_context
 from dtape import nest
 from dtape import random as _random
 from dtape import tape as _tp
@@ -220,7 +221,8 @@ class _Recompute(Function):
             result = self.python_function(*args, **kwargs)
         handles = _report(captured)
         rng_end = generator.get_state()
-        forward = (args, kwargs, read, generator.device, rng_state, rng_end, threading.get_ident())
+        forward = (args, kwargs, read, generator.device, rng_state, rng_end, threading.get_ident(),
+                   _call_context.current_training())
         return _record_call(lambda targets: _RecomputeOp(self, forward),
                             _tensor_args(args, kwargs) + handles, result)
 
@@ -277,7 +279,7 @@ class _RecomputeOp(_tp.RecordOp):
         In a raw walk only `tape` records; otherwise the outer tapes record
         the re-run too, which connects the gradients for higher order.
         """
-        args, kwargs, read, device, rng_state, rng_end, thread = self.forward
+        args, kwargs, read, device, rng_state, rng_end, thread, training = self.forward
         if threading.get_ident() != thread:
             raise RuntimeError(
                 f"recompute_grad({self.name}): the block ran on another thread (e.g. a replica of strategy.run) "
@@ -288,8 +290,10 @@ class _RecomputeOp(_tp.RecordOp):
         generator.set_state(rng_state)
         for x in inputs:
             _tp.watch(tape, x)
+        # The forward's layer-call mode too: a Dropout inside must drop again when the gradient is taken
+        # outside `model(x, training=True)`.
         with (_tp.record_only(tape) if raw else contextlib.nullcontext()), read_hook_scope(_replay_reads(read)), \
-                _random.generator_scope(generator):
+                _random.generator_scope(generator), _call_context.training_scope(training):
             result = self.function.python_function(*args, **kwargs)
         if not torch.equal(generator.get_state(), rng_end):
             raise RuntimeError(
@@ -311,6 +315,7 @@ def recompute_grad(fn):
       whose inputs are the Tensor arguments and the trainable variables the
       body reads; it saves only the arguments and the forward-time variable
       values. The backward re-runs `fn` with those values and with the
+      forward's layer-call `training` mode (Keras's call context) and the
       forward's state of this thread's generator (`dtape.random.get_generator()`
       of the current device; dropout and `dtape.random` then draw the same
       numbers), on a private generator clone, so other threads are

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from dtape import _policy
+from dtape import _call_context
 from dtape import _replica_info
+from dtape import nest
 from dtape import nn as _nn
 from dtape import random as _random
 from dtape import regularizers as _regularizers
@@ -91,36 +93,141 @@ def _fans(shape):
     return shape[-2] * receptive, shape[-1] * receptive
 
 
-def _glorot_uniform(shape, dtype, gen):
-    fan_in, fan_out = _fans(shape)
-    limit = math.sqrt(6.0 / (fan_in + fan_out))
-    return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+class Initializer:
+    """Base of the Keras initializer classes: `init(shape, dtype=None, generator=None) -> torch.Tensor`.
+
+    Layers call it with their dtype and generator (their `seed=`, or torch's
+    global generator). dtype None is float32. An initializer made with
+    `seed=` draws from its own generator seeded with it at every call, so
+    each call gives the same values (as Keras's seeded initializers).
+    Pass one as `kernel_initializer=` (or call it). Source: tf.keras.initializers.
+    """
+
+    seed = None
+
+    def __call__(self, shape, dtype=None, generator=None):
+        if self.seed is not None:
+            generator = torch.Generator().manual_seed(self.seed)
+        return self._draw(tuple(shape), torch.float32 if dtype is None else dtype, generator)
+
+    def _draw(self, shape, dtype, gen):
+        raise NotImplementedError(f"{type(self).__name__} must define _draw(shape, dtype, generator)")
 
 
-def _he_normal(shape, dtype, gen):
-    return torch.randn(shape, dtype=dtype, generator=gen) * math.sqrt(2.0 / _fans(shape)[0])
+def _seed(seed):
+    return None if seed is None else int(seed)
 
 
-def _he_uniform(shape, dtype, gen):
-    limit = math.sqrt(6.0 / _fans(shape)[0])
-    return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+class Zeros(Initializer):
+    """All zeros. Source: tf.keras.initializers.Zeros."""
+
+    def _draw(self, shape, dtype, gen):
+        return torch.zeros(shape, dtype=dtype)
+
+
+class Ones(Initializer):
+    """All ones. Source: tf.keras.initializers.Ones."""
+
+    def _draw(self, shape, dtype, gen):
+        return torch.ones(shape, dtype=dtype)
+
+
+class Constant(Initializer):
+    """All `value`. Source: tf.keras.initializers.Constant."""
+
+    def __init__(self, value=0.0):
+        self.value = float(value)
+
+    def _draw(self, shape, dtype, gen):
+        return torch.full(shape, self.value, dtype=dtype)
+
+
+class RandomNormal(Initializer):
+    """Normal(mean, stddev). Source: tf.keras.initializers.RandomNormal."""
+
+    def __init__(self, mean=0.0, stddev=0.05, seed=None):
+        self.mean, self.stddev, self.seed = float(mean), float(stddev), _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        t = torch.randn(shape, dtype=dtype, generator=gen) * self.stddev
+        return t + self.mean if self.mean else t
+
+
+class RandomUniform(Initializer):
+    """Uniform on [minval, maxval). Source: tf.keras.initializers.RandomUniform."""
+
+    def __init__(self, minval=-0.05, maxval=0.05, seed=None):
+        self.minval, self.maxval, self.seed = float(minval), float(maxval), _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        half, mid = (self.maxval - self.minval) / 2, (self.maxval + self.minval) / 2
+        t = (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * half
+        return t + mid if mid else t
+
+
+class TruncatedNormal(Initializer):
+    """Normal(mean, stddev), values beyond 2 stddev from the mean redrawn. Source: tf.keras.initializers.TruncatedNormal."""
+
+    def __init__(self, mean=0.0, stddev=0.05, seed=None):
+        self.mean, self.stddev, self.seed = float(mean), float(stddev), _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        lo, hi = self.mean - 2 * self.stddev, self.mean + 2 * self.stddev
+        return torch.nn.init.trunc_normal_(torch.empty(shape, dtype=dtype), self.mean, self.stddev, lo, hi,
+                                           generator=gen)
+
+
+class GlorotUniform(Initializer):
+    """Uniform on +-sqrt(6 / (fan_in + fan_out)). Source: tf.keras.initializers.GlorotUniform."""
+
+    def __init__(self, seed=None):
+        self.seed = _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        fan_in, fan_out = _fans(shape)
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
+
+
+class HeNormal(Initializer):
+    """Normal(0, sqrt(2 / fan_in)) (not truncated, unlike Keras's). Source: tf.keras.initializers.HeNormal."""
+
+    def __init__(self, seed=None):
+        self.seed = _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        return torch.randn(shape, dtype=dtype, generator=gen) * math.sqrt(2.0 / _fans(shape)[0])
+
+
+class HeUniform(Initializer):
+    """Uniform on +-sqrt(6 / fan_in). Source: tf.keras.initializers.HeUniform."""
+
+    def __init__(self, seed=None):
+        self.seed = _seed(seed)
+
+    def _draw(self, shape, dtype, gen):
+        limit = math.sqrt(6.0 / _fans(shape)[0])
+        return (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * limit
 
 
 _INITIALIZERS = {
-    "glorot_uniform": _glorot_uniform,
-    "he_normal": _he_normal,
-    "he_uniform": _he_uniform,
-    "random_normal": lambda shape, dtype, gen: torch.randn(shape, dtype=dtype, generator=gen) * 0.05,
-    "random_uniform": lambda shape, dtype, gen: (torch.rand(shape, dtype=dtype, generator=gen) * 2 - 1) * 0.05,
-    "zeros": lambda shape, dtype, gen: torch.zeros(shape, dtype=dtype),
-    "ones": lambda shape, dtype, gen: torch.ones(shape, dtype=dtype),
+    "glorot_uniform": GlorotUniform(),
+    "he_normal": HeNormal(),
+    "he_uniform": HeUniform(),
+    "random_normal": RandomNormal(),
+    "random_uniform": RandomUniform(),
+    "truncated_normal": TruncatedNormal(),
+    "zeros": Zeros(),
+    "ones": Ones(),
 }
 
 
 def get_initializer(initializer):
     """An initializer `f(shape, dtype, generator) -> torch.Tensor` from a name or a callable.
 
-    A callable may also take just `(shape, dtype)`.
+    A name gives the `Initializer` instance (`"glorot_uniform"` ->
+    `GlorotUniform()`, `"truncated_normal"` -> `TruncatedNormal()`, ...). A
+    callable (an `Initializer`, or a function) may also take just `(shape, dtype)`.
 
     Raises:
       ValueError: an unknown name (the message lists the known ones).
@@ -145,16 +252,26 @@ def _shape_tuple(shape):
         raise TypeError(f"a shape must be a tuple of ints or None, got {shape!r}") from None
 
 
+def _shape_struct(shape):
+    """`_shape_tuple` of one shape, or of each shape in a list/tuple/dict of them (a layer with nested inputs)."""
+    if isinstance(shape, dict):
+        return {k: _shape_struct(v) for k, v in shape.items()}
+    if isinstance(shape, (list, tuple)) and any(isinstance(d, (list, tuple, dict)) for d in shape):
+        shapes = [_shape_struct(d) for d in shape]
+        return shapes if isinstance(shape, list) else tuple(shapes)
+    return _shape_tuple(shape)
+
+
 def _wrap_build(build):
     """A subclass's `build`: runs once (later calls do nothing), then marks the layer built."""
     @functools.wraps(build)
     def wrapper(self, input_shape):
         if self.built:
             return
-        build(self, _shape_tuple(input_shape))
+        build(self, _shape_struct(input_shape))
         self.built = True
         if getattr(self, "_build_shape", None) is None:
-            self._build_shape = _shape_tuple(input_shape)
+            self._build_shape = _shape_struct(input_shape)
     wrapper._dtape_wrapped = True
     return wrapper
 
@@ -186,7 +303,9 @@ class Layer(Module, metaclass=_LayerMeta):
 
     Subclasses define `build(input_shape)` (create variables with
     `self.add_weight`; it runs once and sets `built`) and `call(x)` or
-    `call(x, training=False)`.
+    `call(x, training=False)` (more inputs and keyword arguments allowed).
+    Layers called inside `call` get this call's `training` unless given
+    their own (Keras's call context; see `__call__`).
 
     Args:
       name: module name (default: the snake-cased class name, made unique).
@@ -244,16 +363,24 @@ class Layer(Module, metaclass=_LayerMeta):
     def call(self, x):
         raise NotImplementedError(f"{type(self).__name__} must define call(x)")
 
-    def add_weight(self, name, shape, initializer="glorot_uniform", trainable=True, regularizer=None,
+    def add_weight(self, name=None, shape=None, initializer="glorot_uniform", trainable=True, regularizer=None,
                    aggregation=VariableAggregation.NONE):
         """Creates a variable `<layer>/<name>` of `shape`, its initial value drawn once where it is created.
+
+        Keras 2 (`add_weight("kernel", shape=...)`) and Keras 3
+        (`add_weight(shape=..., initializer=...)`) calls both work: without
+        a name a weight is `<layer>/variable` (as Keras 3; names are labels,
+        checkpoints match weights by position); shape None is a scalar;
+        initializer None is "glorot_uniform".
 
         The value is given to `Variable` as a callable: inside `strategy.run`
         the strategy calls it once, in its merge_call on the caller's thread,
         so replica threads never draw (and never race on) initial values.
         `regularizer(variable)` is added to `losses`.
         """
-        init, shape, dtype, gen = get_initializer(initializer), tuple(shape), self.dtype, self._generator
+        name = "variable" if name is None else name  # Keras 3's name for unnamed weights (not unique there either)
+        init = get_initializer("glorot_uniform" if initializer is None else initializer)
+        shape, dtype, gen = () if shape is None else tuple(shape), self.dtype, self._generator
         var = Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
                        dtype=self.dtype, aggregation=aggregation)
         if self.dtype_policy.is_mixed and self._autocast:
@@ -271,6 +398,10 @@ class Layer(Module, metaclass=_LayerMeta):
         if not self.built:
             self.build(input_shape)
 
+    def _convert_leaf(self, x):
+        """A torch.Tensor or numpy array among the inputs as a Tensor (as `_convert_input`); other values as they are."""
+        return self._convert_input(x) if isinstance(x, (torch.Tensor, np.ndarray)) else x
+
     def _convert_input(self, x):
         if not isinstance(x, Tensor) and not is_variable(x):
             x = convert_to_tensor(x, dtype=self.compute_dtype if _is_float_like(x) else None)
@@ -284,17 +415,55 @@ class Layer(Module, metaclass=_LayerMeta):
             return _NO_SCOPE
         return read_hook_scope(_autocast_reads(self.compute_dtype, current_read_hook()))
 
-    def __call__(self, x, training=False):
-        """Applies the layer. x: Tensor, Variable, torch.Tensor, array or nested list."""
+    def __call__(self, *args, training=None, mask=None, **kwargs):
+        """Applies the layer: `call(x, *more, training=, mask=, **kwargs)`.
+
+        x: Tensor, Variable, torch.Tensor, array or nested list of numbers
+        (converted to a Tensor; its shape builds the layer), or a tuple/list/
+        dict holding tensors (each converted; `build` gets their shapes in
+        the same structure). More positional inputs (e.g.
+        `call(self, x, context)`) and keyword arguments go to `call` as they
+        are (torch.Tensors and numpy arrays become Tensors).
+        training: True/False for this call; None (default) takes the mode of
+        the enclosing layer call on this thread, else the default of `call`'s
+        `training` parameter (Keras's call context). It is passed to `call`
+        when `call` names it, and reaches the layers called inside either way.
+        Given by position where `call` has it (`layer(x, True)`), it counts
+        as given.
+        mask: passed to `call` when given; a `call` without a `mask`
+        parameter raises TypeError.
+        Source: tf.keras.layers.Layer.__call__.
+        """
+        if not args:
+            raise TypeError(f"{self.name}: call the layer with its input, e.g. layer(x), got no positional argument")
+        spec = _call_spec(self.call)
+        positional = spec.training_position is not None and len(args) > spec.training_position
+        if positional:  # layer(x, True) with call(self, x, training=False): the argument given by position
+            training = args[spec.training_position] if training is None else training
+            args = args[:spec.training_position] + args[spec.training_position + 1:]
+        training = _call_context.resolve_training(training, spec.training_default)
+        if spec.takes_training and (training is not None or positional):
+            kwargs["training"] = training
+        if mask is not None:
+            if not spec.takes_mask:
+                raise TypeError(f"{self.name}: mask= was given but {type(self).__name__}.call has no `mask` "
+                                "parameter; add `mask=None` to call() or do not pass a mask")
+            kwargs["mask"] = mask
         top = _call_state.depth == 0
         if top:
             self._clear_losses()
         _call_state.depth += 1
         try:
-            x = self._convert_input(x)
-            self._maybe_build(tuple(x.shape))
-            with self._autocast_scope():
-                out = self.call(x, training=training) if _takes_training(self.call) else self.call(x)
+            x, more = args[0], args[1:]
+            if _holds_tensors(x):  # call(self, inputs) with `context, x = inputs` (Keras's nested inputs)
+                x = nest.map_structure(self._convert_leaf, x)
+                self._maybe_build(nest.map_structure(lambda t: tuple(t.shape), x))
+            else:
+                x = self._convert_input(x)
+                self._maybe_build(tuple(x.shape))
+            more = tuple(self._convert_leaf(a) for a in more)
+            with _call_context.training_scope(training), self._autocast_scope():
+                out = self.call(x, *more, **kwargs)
         finally:
             _call_state.depth -= 1
         if self.activity_regularizer is not None:
@@ -337,25 +506,56 @@ def _autocast_reads(dtype, prev):
     return hook
 
 
+def _is_tensor_like(x):
+    return isinstance(x, (Tensor, torch.Tensor, np.ndarray)) or is_variable(x)
+
+
+def _holds_tensors(x):
+    """A list/tuple/dict with a tensor or array among its leaves (not a nested list of numbers)."""
+    return isinstance(x, (list, tuple, dict)) and any(_is_tensor_like(leaf) for leaf in nest.flatten(x))
+
+
 def _is_float_like(x):
     t = torch.as_tensor(x) if not isinstance(x, torch.Tensor) else x
     return t.is_floating_point()
 
 
-def _takes_training(fn):
+class _CallSpec:
+    """What a `call` signature takes: `training` (and its default), `mask`."""
+
+    __slots__ = ("takes_training", "training_default", "training_position", "takes_mask")
+
+    def __init__(self, params, bound):
+        training = params.get("training")
+        self.takes_training = training is not None
+        positional = [name for name, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # Index of `training` among the call's inputs (a bound method's self excluded).
+        self.training_position = positional.index("training") - bound if "training" in positional else None
+        # No default (or None): None is resolved, `call` gets its own default and inner layers theirs (Keras).
+        self.training_default = None if training is None or training.default is inspect.Parameter.empty \
+            else training.default
+        self.takes_mask = "mask" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _call_spec(fn):
+    bound = int(hasattr(fn, "__func__"))
     fn = getattr(fn, "__func__", fn)
     try:
-        return _function_takes_training(fn)
+        return _function_call_spec(fn, bound)
     except TypeError:  # an unhashable callable: not cached
-        return _function_takes_training.__wrapped__(fn)
+        return _function_call_spec.__wrapped__(fn, bound)
 
 
 @functools.lru_cache(maxsize=4096)  # per function, not per call: inspect.signature is slow
-def _function_takes_training(fn):
+def _function_call_spec(fn, bound):
     try:
-        return "training" in inspect.signature(fn).parameters
+        return _CallSpec(inspect.signature(fn).parameters, bound)
     except (TypeError, ValueError):
-        return False
+        return _CallSpec({}, bound)
+
+
+def _takes_training(fn):
+    return _call_spec(fn).takes_training
 
 
 def _last_dim(input_shape, layer):
@@ -577,7 +777,8 @@ class Dropout(Layer):
         the strategy's RNG state: for a bit-exact resume use seed=None.
 
     Shapes: x any shape -> the same shape and dtype. Identity unless called
-    with `training=True`.
+    with `training=True`, or with `training` left None inside a layer call
+    made with `training=True` (Keras's call context; see `Layer.__call__`).
     Source: tf.keras.layers.Dropout (per-replica streams: tf.random.Generator.split).
     """
 
@@ -594,9 +795,9 @@ class Dropout(Layer):
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
 
-    def __call__(self, x, training=False):
+    def __call__(self, x, training=None):
         x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
-        if not training or self.rate == 0.0:
+        if not _call_context.resolve_training(training, False) or self.rate == 0.0:
             return x
         if self.seed is None:
             return _nn.dropout(x, self.rate)

@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import math
+import sys
 import warnings
 import weakref
 
@@ -37,6 +38,10 @@ from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation, update_together
+
+# `from dtape.optimizers.schedules import ExponentialDecay`, TF's spelling: this module is a file, not a
+# package, so the import system can only find the submodule through its sys.modules entry.
+sys.modules.setdefault(__name__ + ".schedules", schedules)
 
 
 class Optimizer:

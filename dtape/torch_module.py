@@ -21,6 +21,7 @@ import sys
 import torch
 from torch.utils import _pytree as pytree
 
+from dtape import _call_context
 from dtape import tape as _tp
 from dtape.module import Module
 from dtape.ops._dispatch import SeededRandomFunctions, call_fallback
@@ -110,8 +111,10 @@ class TorchModule(Module):
         (read), torch.Tensors and numpy arrays anywhere in them become dtape
         Tensors; other values pass through.
       training: True runs the forward as after `module.train()`, False as
-        after `module.eval()`, for this call only; None (default) uses the
-        wrapped module's own current mode (`module.training`).
+        after `module.eval()`, for this call only; None (default) takes the
+        mode of the enclosing layer call (e.g. `model(x, training=True)`,
+        Keras's call context), and outside any uses the wrapped module's own
+        current mode (`module.training`).
 
     Returns:
       The forward's output, torch.Tensor leaves as dtape Tensors.
@@ -148,7 +151,8 @@ class TorchModule(Module):
                                    lambda b, name: _buffer_var(b, name, aggregation))
 
     def __call__(self, *args, training=None, **kwargs):
-        mode = self.module.training if training is None else bool(training)
+        training = _call_context.resolve_training(training, None)
+        mode = self.module.training if training is None else training
         shadow = _shadow(self.module, mode)
         scratch = _buffer_values(self._buffers)
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}

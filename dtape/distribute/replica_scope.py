@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import torch
 
+from dtape import _call_context
 from dtape import tape as _tp
 from dtape.random import generator_scope
 from dtape.tensor import device as device_scope
@@ -140,13 +141,14 @@ def _seeded(gen, seed):
 class CallerState:
     """The caller thread's thread-local torch state, to be re-entered on each replica thread."""
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "run")
+    __slots__ = ("grad_enabled", "inference", "autocast", "run", "training")
 
-    def __init__(self, grad_enabled, inference, autocast, run=None):
+    def __init__(self, grad_enabled, inference, autocast, run=None, training=None):
         self.grad_enabled = grad_enabled
         self.inference = inference
         self.autocast = autocast  # ((device_type, dtype, cache_enabled), ...) for enabled types
         self.run = run if run is not None else object()  # this run call's token (replica_run_scope)
+        self.training = training  # the layer-call mode (call context) in progress where run was called
 
     def enter(self, stack):
         """Enters this state on the current thread, on `stack` (a contextlib.ExitStack)."""
@@ -157,10 +159,13 @@ class CallerState:
         for device_type, dtype, cache in self.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache))
         stack.enter_context(_tp.replica_run_scope(self.run))
+        # The caller's mode, restored on leaving: a long-lived replica thread keeps no previous step's mode.
+        stack.enter_context(_call_context.training_scope(self.training))
 
 
 def capture_caller_state():
-    """Captures the calling thread's grad mode, inference mode and autocast settings; a new run token.
+    """Captures the calling thread's grad mode, inference mode, autocast settings and layer-call
+    `training` mode (so `strategy.run` called inside `model(x, training=True)` trains); a new run token.
 
     Call it once per `strategy.run` call: its replicas share the token.
 
@@ -182,7 +187,8 @@ def capture_caller_state():
     cache = torch.is_autocast_cache_enabled()
     autocast = tuple((t, torch.get_autocast_dtype(t), cache)
                      for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t))
-    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, object())
+    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, object(),
+                       _call_context.current_training())
 
 
 @contextlib.contextmanager

@@ -1,0 +1,25 @@
+"""`dtape.keras`: the `tf.keras`-shaped namespace over dtape's own objects.
+
+`import dtape.keras as keras` (or `from dtape import keras`) ports a TF 2
+script's `tf.keras.*` lines: `keras.layers.Dense`, `keras.Sequential`,
+`keras.optimizers.Adam`, `keras.optimizers.schedules.ExponentialDecay`,
+`keras.losses`, `keras.metrics`, `keras.mixed_precision`,
+`keras.regularizers`, `keras.initializers`, `keras.activations`, each also
+importable with `from dtape.keras.<module> import <name>`.
+
+Names, not copies: every object here is the one defined elsewhere in dtape
+(`dtape.keras.layers.Dense is dtape.layers.Dense`), so a layer, optimizer or
+loss made through either name is the same class, trained, checkpointed and
+distributed the same way. Nothing in dtape imports this package (it is the
+top layer of pyproject.toml's import contract).
+
+Not here yet: `Model`, `Input` and `callbacks` come with the Model API
+(`compile`/`fit`); until then subclass `keras.layers.Layer` for a model and
+write the training loop with `dtape.GradientTape`.
+Source: tf.keras (TF 2) / Keras 3 module layout.
+"""
+from dtape.keras import activations, initializers, layers, losses, metrics, mixed_precision, optimizers, regularizers
+from dtape.layers import Sequential
+
+__all__ = ["activations", "initializers", "layers", "losses", "metrics", "mixed_precision", "optimizers",
+           "regularizers", "Sequential"]
