@@ -41,3 +41,5 @@ from dtape.function import function, recompute_grad  # noqa: F401,E402
 __all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]
 from dtape import debugging
 __all__ += ["debugging"]
+from dtape import autodiff  # noqa: E402
+__all__ += ["autodiff"]
