@@ -190,6 +190,21 @@ def kernel_value(composite, value):
     return out
 
 
+def tangent_sum(*terms):
+    """The sum of the tangent terms that are not None (None when all are): a forward rule's inputs
+    without a tangent contribute nothing."""
+    total = None
+    for t in terms:
+        if t is not None:
+            total = t if total is None else total + t
+    return total
+
+
+def tangents_or_zeros(tangents, inputs):
+    """Each input's tangent, zeros of its shape where it has none (rules that place tangents side by side)."""
+    return [torch.zeros_like(x) if t is None else t for t, x in zip(tangents, inputs)]
+
+
 def as_input(x):
     """A Tensor or Python scalar for an op input (variables are read here)."""
     if type(x) is Tensor or type(x) in _SCALARS:
