@@ -41,7 +41,7 @@ from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 
 def _is_float(t):
-    return t.dtype.is_floating_point
+    return t.dtype.is_floating_point or t.dtype.is_complex
 
 
 class _PrimalRef(weakref.ref):
@@ -272,7 +272,7 @@ class ForwardAccumulator:
                             f"{type(primal).__name__}; wrap values with dtape.constant first")
         if not _is_float(primal):
             warnings.warn(f"ForwardAccumulator: primal of dtype {primal.dtype} cannot have a tangent; "
-                          "watch a floating tensor instead", stacklevel=2)
+                          "watch a floating (or complex) tensor instead", stacklevel=2)
             return
         tangent = _checked_tangent(primal, tangent)
         for tid, torch_tensor in _ids(primal):

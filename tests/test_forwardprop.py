@@ -156,3 +156,237 @@ def test_every_differentiable_registry_op_is_checked():
     differentiable = sorted(o.name for o in REGISTRY if o.grad_fn is not None)
     assert OPS_CHECKED == differentiable
     assert len(OPS_CHECKED) >= 69
+
+
+# -- Python scalars on either side of a binary op --------------------------------
+def _scalar_cases():
+    for opdef in REGISTRY:
+        if opdef.n_in != 2 or opdef.list_input or opdef.samples is None or opdef.grad_fn is None:
+            continue
+        for i, (args, attrs) in enumerate(opdef.samples(torch.Generator().manual_seed(0))):
+            for k in (0, 1):
+                if isinstance(args[1 - k], torch.Tensor) and isinstance(args[k], torch.Tensor) and args[k].ndim == 0:
+                    yield pytest.param(opdef, args, attrs, k, id=f"{opdef.name}-{i}-scalar{k}")
+
+
+@pytest.mark.parametrize("opdef,args,attrs,k", list(_scalar_cases()))
+def test_binary_op_with_a_python_scalar_has_the_tensor_sides_tangent(opdef, args, attrs, k):
+    other = 1 - k
+    x, v = args[other], _randn_like([args[other]], 4)[0]
+    scalar = float(args[k])
+
+    def fn(t):
+        pair = [None, None]
+        pair[k], pair[other] = torch.tensor(scalar, dtype=D), t
+        return opdef.forward(*pair, **attrs)
+    _, want = torch.func.jvp(fn, (x,), (v,))
+    xt = dtape.constant(x)
+    with ForwardAccumulator(xt, dtape.constant(v)) as acc:
+        pair = [None, None]
+        pair[k], pair[other] = scalar, xt
+        y = opdef.fn(*pair, **attrs)
+    torch.testing.assert_close(acc.jvp(y).torch(), want, **TOL)
+
+
+# -- TF's documented behaviour -----------------------------------------------------
+def test_forward_over_back_hessian_vector_product_of_tfs_docstring():
+    v = dtape.Variable([1.0, 2.0])
+    with ForwardAccumulator(v, dtape.constant([1.0, 0.0])) as acc:
+        with dtape.GradientTape() as tape:
+            y = dtape.reduce_sum(v ** 3.0)
+        backward = tape.gradient(y, v)
+    assert backward.numpy().tolist() == [3.0, 12.0]
+    assert acc.jvp(backward).numpy().tolist() == [6.0, 0.0]
+
+
+def test_nested_accumulators_give_second_order_from_the_outer_one_only():
+    primal = dtape.constant(1.1, dtype=D)
+    with ForwardAccumulator(primal, dtape.constant(1.0, dtype=D)) as outer:
+        with ForwardAccumulator(primal, dtape.constant(1.0, dtype=D)) as inner:
+            primal_out = primal ** dtape.constant(3.5, dtype=D)
+    inner_jvp = inner.jvp(primal_out)
+    assert float(inner_jvp) == pytest.approx(3.5 * 1.1 ** 2.5, rel=1e-12)
+    assert float(outer.jvp(inner_jvp)) == pytest.approx(3.5 * 2.5 * 1.1 ** 1.5, rel=1e-12)
+    # strict nesting: the inner accumulator did not see the outer one's tangent computation
+    assert float(outer.jvp(primal_out)) == pytest.approx(3.5 * 1.1 ** 2.5, rel=1e-12)
+    assert inner.jvp(outer.jvp(primal_out)) is None
+
+
+def _mlp(x, w1, w2):
+    return dtape.reduce_sum(dtape.tanh(dtape.matmul(dtape.tanh(dtape.matmul(x, w1)), w2)) ** 2.0)
+
+
+def _mlp_torch(x, w1, w2):
+    return torch.sum(torch.tanh(torch.tanh(x @ w1) @ w2) ** 2)
+
+
+def _mlp_data():
+    gen = torch.Generator().manual_seed(7)
+    x, w1, w2 = (torch.randn(s, generator=gen, dtype=D) for s in ((4, 3), (3, 5), (5, 2)))
+    v1, v2 = (torch.randn(s, generator=gen, dtype=D) for s in ((3, 5), (5, 2)))
+    return x, w1, w2, v1, v2
+
+
+def test_hessian_vector_product_of_a_network_both_nestings_and_variables_match_torch():
+    x, w1, w2, v1, v2 = _mlp_data()
+    _, want = torch.autograd.functional.hvp(lambda a, b: _mlp_torch(x, a, b), (w1, w2), (v1, v2))
+    w1v, w2v = dtape.Variable(w1), dtape.Variable(w2)
+    # forward over back: the intermediates die before the walk, which reads them back from the tape
+    with ForwardAccumulator([w1v, w2v], [dtape.constant(v1), dtape.constant(v2)]) as acc:
+        with dtape.GradientTape() as tape:
+            loss = _mlp(dtape.constant(x), w1v, w2v)
+        grads = tape.gradient(loss, [w1v, w2v])
+    for g, w in zip(acc.jvp(grads), want):
+        torch.testing.assert_close(g.torch(), w, **TOL)
+    # back over forward
+    with dtape.GradientTape() as tape:
+        with ForwardAccumulator([w1v, w2v], [dtape.constant(v1), dtape.constant(v2)]) as acc:
+            loss = _mlp(dtape.constant(x), w1v, w2v)
+        jvp = acc.jvp(loss)
+    for g, w in zip(tape.gradient(jvp, [w1v, w2v]), want):
+        torch.testing.assert_close(g.torch(), w, **TOL)
+    _, want_jvp = torch.func.jvp(lambda a, b: _mlp_torch(x, a, b), (w1, w2), (v1, v2))
+    torch.testing.assert_close(jvp.torch(), want_jvp, **TOL)
+
+
+def test_kernel_columns_by_forward_mode_equal_the_gradient():
+    """TF's docstring: a Jacobian with one row, column by column in forward mode, equals the gradient."""
+    x = dtape.constant([[2.0, 3.0], [1.0, 4.0]], dtype=D)
+    targets = dtape.constant([[1.0], [-1.0]], dtype=D)
+    kernel = dtape.Variable(torch.tensor([[0.3], [-0.2]], dtype=D))
+    bias = dtape.Variable(torch.tensor([0.1], dtype=D))
+
+    def loss_fn():
+        return dtape.reduce_sum((dtape.matmul(x, kernel) + bias - targets) ** 2.0)
+    columns = []
+    for e in ([[1.0], [0.0]], [[0.0], [1.0]]):
+        with ForwardAccumulator(kernel, dtape.constant(e, dtype=D)) as acc:
+            columns.append(float(acc.jvp(loss_fn())))
+    with ForwardAccumulator(bias, dtape.constant([1.0], dtype=D)) as acc:
+        bias_fprop = float(acc.jvp(loss_fn()))
+    with dtape.GradientTape() as tape:
+        loss = loss_fn()
+    kernel_grad, bias_grad = tape.gradient(loss, (kernel, bias))
+    assert kernel_grad.numpy().ravel().tolist() == pytest.approx(columns, rel=1e-12)
+    assert float(bias_grad[0]) == pytest.approx(bias_fprop, rel=1e-12)
+
+
+def test_jvp_of_unconnected_targets_and_after_the_block():
+    x, z = dtape.constant([1.0, 2.0]), dtape.constant([5.0, 6.0])
+    with ForwardAccumulator(x, dtape.constant([1.0, 1.0])) as acc:
+        y = x * 3.0
+        w = z * 2.0  # does not depend on x
+        n = dtape.argmax(y)  # integer: no tangent
+    after = x * 4.0  # the accumulator is no longer active
+    assert acc.jvp(y).numpy().tolist() == [3.0, 3.0]
+    assert acc.jvp(w) is None and acc.jvp(n) is None and acc.jvp(after) is None
+    assert acc.jvp(w, unconnected_gradients=dtape.UnconnectedGradients.ZERO).numpy().tolist() == [0.0, 0.0]
+    assert acc.jvp({"a": [y, w]}, unconnected_gradients="zero")["a"][1].numpy().tolist() == [0.0, 0.0]
+    assert acc.jvp(x).numpy().tolist() == [1.0, 1.0]  # a primal's own tangent
+
+
+def test_watch_adds_to_a_tangent_and_bad_arguments_say_what_is_wrong():
+    x = dtape.constant([1.0, 2.0])
+    acc = ForwardAccumulator(x, dtape.constant([1.0, 0.0]))
+    acc.watch(x, [0.0, 2.0])
+    with acc:
+        y = x * x
+    assert acc.jvp(y).numpy().tolist() == [2.0, 8.0]
+    with pytest.raises(ValueError, match="more than once"):
+        ForwardAccumulator([x, x], [dtape.constant([1.0, 0.0])] * 2)
+    with pytest.raises(ValueError, match="shape"):
+        ForwardAccumulator(x, dtape.constant([1.0, 0.0, 3.0]))
+    with pytest.raises(ValueError, match="1 primals but 2 tangents"):
+        ForwardAccumulator([x], [dtape.constant([1.0, 0.0])] * 2)
+    with pytest.raises(TypeError, match="dtape.Tensor or Variable"):
+        ForwardAccumulator(torch.ones(2), torch.ones(2))
+    with pytest.raises(ValueError, match="already recording"):
+        with acc:
+            with acc:
+                pass
+
+
+def test_no_grad_and_stop_recording_accumulate_nothing():
+    x = dtape.constant([1.0, 2.0])
+    with ForwardAccumulator(x, dtape.constant([1.0, 1.0])) as acc:
+        with torch.no_grad():
+            a = x * 2.0
+        with dtape.stop_recording():
+            b = x * 2.0
+        c = x * 2.0
+    assert acc.jvp(a) is None and acc.jvp(b) is None
+    assert acc.jvp(c).numpy().tolist() == [2.0, 2.0]
+
+
+def test_tangents_of_dead_tensors_are_dropped():
+    x = dtape.constant(torch.ones(1000))
+    with ForwardAccumulator(x, dtape.constant(torch.ones(1000))) as acc:
+        for _ in range(50):
+            y = dtape.exp(x) * 2.0
+    del y
+    # bounded (100 tangents were computed): x's, and those of the last values the loop left (dropped at the next op)
+    assert len(acc._tape.tangents) <= 4
+
+
+def test_torch_functions_without_a_dtape_op_both_nestings():
+    """torch.atan and torch.special.erf have no dtape op: the fallback's kept autograd graph gives their tangents."""
+    gen = torch.Generator().manual_seed(3)
+    x, v = torch.randn(5, generator=gen, dtype=D), torch.randn(5, generator=gen, dtype=D)
+
+    def f(t):
+        return torch.sum(torch.atan(t) * torch.special.erf(t))
+    _, want = torch.func.jvp(f, (x,), (v,))
+    _, want_hvp = torch.autograd.functional.hvp(f, x, v)
+    xt = dtape.constant(x)
+    with ForwardAccumulator(xt, dtape.constant(v)) as acc:
+        with dtape.GradientTape() as tape:
+            tape.watch(xt)
+            y = f(xt)
+        g = tape.gradient(y, xt)
+    torch.testing.assert_close(acc.jvp(y).torch(), want, **TOL)
+    torch.testing.assert_close(acc.jvp(g).torch(), want_hvp, **TOL)
+    with dtape.GradientTape() as tape:
+        tape.watch(xt)
+        with ForwardAccumulator(xt, dtape.constant(v)) as acc:
+            y = f(xt)
+        j = acc.jvp(y)
+    torch.testing.assert_close(tape.gradient(j, xt).torch(), want_hvp, **TOL)
+
+
+def test_dtape_function_custom_gradient_and_recompute_grad_inside_an_accumulator():
+    x, w1, w2, v1, v2 = _mlp_data()
+    _, want = torch.autograd.functional.hvp(lambda a, b: _mlp_torch(x, a, b), (w1, w2), (v1, v2))
+    _, want_jvp = torch.func.jvp(lambda a, b: _mlp_torch(x, a, b), (w1, w2), (v1, v2))
+    for wrap in (dtape.function, dtape.recompute_grad):
+        fn = wrap(_mlp)
+        w1t, w2t = dtape.constant(w1), dtape.constant(w2)
+        with ForwardAccumulator([w1t, w2t], [dtape.constant(v1), dtape.constant(v2)]) as acc:
+            with dtape.GradientTape() as tape:
+                tape.watch([w1t, w2t])
+                loss = fn(dtape.constant(x), w1t, w2t)
+            grads = tape.gradient(loss, [w1t, w2t])
+        torch.testing.assert_close(acc.jvp(loss).torch(), want_jvp, **TOL)
+        for g, w in zip(acc.jvp(grads), want):
+            torch.testing.assert_close(g.torch(), w, **TOL)
+
+    @dtape.custom_gradient
+    def log1pexp(t):
+        e = dtape.exp(t)
+
+        def grad(upstream):
+            return upstream * (1 - 1 / (1 + e))
+        return dtape.log(1 + e), grad
+    t = dtape.constant([0.5, 100.0], dtype=D)
+    with ForwardAccumulator(t, dtape.constant([1.0, 1.0], dtype=D)) as acc:
+        y = log1pexp(t)
+    # the tangent comes from the custom gradient (stable at 100, where the plain formula's would be too)
+    torch.testing.assert_close(acc.jvp(y).torch(), torch.sigmoid(t.torch()), **TOL)
+
+
+def test_complex_values_through_a_derived_rule_are_refused():
+    x = dtape.constant(torch.tensor([1.0 + 2.0j, 0.5 - 1.0j], dtype=torch.complex128))
+    with ForwardAccumulator(x, dtape.constant(torch.ones(2, dtype=torch.complex128))) as acc:
+        y = x * x  # an explicit rule: holomorphic, fine
+        with pytest.raises(NotImplementedError, match="complex"):
+            dtape.reduce_prod(y)
+    torch.testing.assert_close(acc.jvp(y).torch(), 2 * x.torch())
