@@ -338,6 +338,9 @@ def test_torch_functions_without_a_dtape_op_both_nestings():
     _, want = torch.func.jvp(f, (x,), (v,))
     _, want_hvp = torch.autograd.functional.hvp(f, x, v)
     xt = dtape.constant(x)
+    with ForwardAccumulator(xt, dtape.constant(v)) as acc:  # no tape: the accumulator alone keeps the graph
+        y = f(xt)
+    torch.testing.assert_close(acc.jvp(y).torch(), want, **TOL)
     with ForwardAccumulator(xt, dtape.constant(v)) as acc:
         with dtape.GradientTape() as tape:
             tape.watch(xt)
@@ -390,3 +393,20 @@ def test_complex_values_through_a_derived_rule_are_refused():
         with pytest.raises(NotImplementedError, match="complex"):
             dtape.reduce_prod(y)
     torch.testing.assert_close(acc.jvp(y).torch(), 2 * x.torch())
+
+
+def test_a_function_recorded_before_the_accumulator_is_walked_as_eager_code_is():
+    """Accumulator around the walk only (strict nesting): the forward's intermediates have no tangent, in
+    eager code and through a dtape.function alike (its records replayed for the walk are no ops to it)."""
+    x, w1, w2, v1, v2 = _mlp_data()
+    results = []
+    for fn in (_mlp, dtape.function(_mlp)):
+        w1t, w2t = dtape.constant(w1), dtape.constant(w2)
+        with dtape.GradientTape(persistent=True) as tape:
+            tape.watch([w1t, w2t])
+            loss = fn(dtape.constant(x), w1t, w2t)
+        with ForwardAccumulator([w1t, w2t], [dtape.constant(v1), dtape.constant(v2)]) as acc:
+            grads = tape.gradient(loss, [w1t, w2t])
+        results.append([acc.jvp(g, unconnected_gradients="zero").torch() for g in grads])
+    for eager, function in zip(*results):
+        torch.testing.assert_close(function, eager, **TOL)
