@@ -10,13 +10,13 @@ Per registry op and sample (the samples tests/test_op_gradients.py uses):
   (`tape.gradient(acc.jvp(...))`): both give H v for the Hessian H of
   <cotangent, forward>, against `torch.autograd.functional.hvp`.
 """
-import warnings
+import pathlib
+import re
 
 import pytest
 import torch
 
 import dtape
-from dtape import autodiff
 from dtape.ops import REGISTRY
 from dtape.ops._samples import Special
 
@@ -410,3 +410,14 @@ def test_a_function_recorded_before_the_accumulator_is_walked_as_eager_code_is()
         results.append([acc.jvp(g, unconnected_gradients="zero").torch() for g in grads])
     for eager, function in zip(*results):
         torch.testing.assert_close(function, eager, **TOL)
+
+
+def test_api_docs_list_exactly_the_ops_with_explicit_rules():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    m = re.search(r"for (\d+) registered ops:\s*(.*?); plus variable reads", text, re.S)
+    listed = sorted(n.strip() for n in m.group(2).split(","))
+    explicit = sorted(o.name for o in REGISTRY if o.jvp_fn is not None)
+    assert listed == explicit and int(m.group(1)) == len(explicit)
+    m = re.search(r"with a gradient\s*\((\d+): (.*?)\)", text, re.S)
+    derived = sorted(o.name for o in REGISTRY if o.jvp_fn is None and o.grad_fn is not None)
+    assert sorted(n.strip() for n in m.group(2).split(",")) == derived and int(m.group(1)) == len(derived)
