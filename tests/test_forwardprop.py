@@ -421,3 +421,59 @@ def test_api_docs_list_exactly_the_ops_with_explicit_rules():
     m = re.search(r"with a gradient\s*\((\d+): (.*?)\)", text, re.S)
     derived = sorted(o.name for o in REGISTRY if o.jvp_fn is None and o.grad_fn is not None)
     assert sorted(n.strip() for n in m.group(2).split(",")) == derived and int(m.group(1)) == len(derived)
+
+
+def _finite_difference_hvp(loss_of, variables, vectors, eps=1e-5):
+    """Central differences of the tape gradient along `vectors` (float64 variables, restored after)."""
+    def grads(sign):
+        for var, v in zip(variables, vectors):
+            var.assign_add(sign * eps * v)
+        with dtape.GradientTape() as tape:
+            loss = loss_of()
+        out = [g.torch().clone() for g in tape.gradient(loss, variables)]
+        for var, v in zip(variables, vectors):
+            var.assign_add(-sign * eps * v)
+        return out
+    return [(a - b) / (2 * eps) for a, b in zip(grads(1.0), grads(-1.0))]
+
+
+def test_tfs_resnet_hvp_idiom_on_a_layers_model():
+    """TF's eager/benchmarks/resnet50/hvp_test.py: the trainable variables as primals, a model called with
+    training=True (batch statistics) inside, `grad_tape.gradient(acc.jvp(loss), variables)`."""
+    model = dtape.layers.Sequential([dtape.layers.Conv2D(3, 3, dtype=D),
+                                     dtape.layers.BatchNormalization(dtype=D),
+                                     dtape.layers.Flatten(), dtape.layers.Dense(4, activation="tanh", dtype=D),
+                                     dtape.layers.Dense(2, dtype=D)])
+    gen = torch.Generator().manual_seed(5)
+    images = dtape.constant(torch.randn(3, 6, 6, 2, generator=gen, dtype=D))
+    labels = dtape.one_hot(dtape.constant([0, 1, 1]), 2, dtype=D)
+    model(images, training=True)
+    variables = model.trainable_variables
+    vector = [torch.randn(tuple(v.shape), generator=gen, dtype=D) for v in variables]
+
+    def loss_of():
+        logits = model(images, training=True)
+        return dtape.reduce_mean(dtape.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+    with dtape.GradientTape() as grad_tape:
+        grad_tape.watch(variables)
+        with ForwardAccumulator(primals=tuple(variables), tangents=tuple(dtape.constant(v) for v in vector)) as acc:
+            loss = loss_of()
+    back_over_forward = grad_tape.gradient(acc.jvp(loss), variables)
+    with ForwardAccumulator(variables, [dtape.constant(v) for v in vector]) as acc:
+        with dtape.GradientTape() as tape:
+            loss = loss_of()
+        forward_over_back = acc.jvp(tape.gradient(loss, variables))
+    want = _finite_difference_hvp(loss_of, variables, vector)
+    for a, b, w in zip(back_over_forward, forward_over_back, want):
+        torch.testing.assert_close(a.torch(), w, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(b.torch(), a.torch(), **TOL)
+
+
+def test_empty_tensors_get_empty_tangents():
+    """TF's forwardprop_test pushes a zero-size tensor through Add."""
+    x = dtape.zeros([0])
+    with ForwardAccumulator(x, dtape.ones_like(x)) as acc:
+        y = x + x
+        z = dtape.reduce_prod(dtape.exp(x) * x, axis=0, keepdims=True)  # a derived rule on an empty input
+    assert tuple(acc.jvp(y).shape) == (0,)
+    assert acc.jvp(z).numpy().tolist() == [0.0]
