@@ -477,3 +477,12 @@ def test_empty_tensors_get_empty_tangents():
         z = dtape.reduce_prod(dtape.exp(x) * x, axis=0, keepdims=True)  # a derived rule on an empty input
     assert tuple(acc.jvp(y).shape) == (0,)
     assert acc.jvp(z).numpy().tolist() == [0.0]
+
+
+def test_a_broadcast_input_alone_gives_a_tangent_of_the_outputs_shape():
+    x, y = dtape.constant([[1.0], [2.0], [3.0]]), dtape.constant(torch.ones(3, 4))
+    with ForwardAccumulator(x, dtape.constant([[1.0], [2.0], [3.0]])) as acc:
+        out = x + y  # only x has a tangent: add's rule returns it as is
+        prod = dtape.cast(x, dtape.float64) * 2.0
+    assert acc.jvp(out).numpy().tolist() == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
+    assert acc.jvp(prod).dtype == dtape.float64
