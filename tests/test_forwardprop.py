@@ -12,6 +12,7 @@ Per registry op and sample (the samples tests/test_op_gradients.py uses):
 """
 import pathlib
 import re
+import threading
 
 import pytest
 import torch
@@ -486,3 +487,14 @@ def test_a_broadcast_input_alone_gives_a_tangent_of_the_outputs_shape():
         prod = dtape.cast(x, dtape.float64) * 2.0
     assert acc.jvp(out).numpy().tolist() == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
     assert acc.jvp(prod).dtype == dtape.float64
+
+
+def test_ops_on_another_thread_are_followed_as_tapes_record_them():
+    x = dtape.constant([1.0, 2.0])
+    out = {}
+    with ForwardAccumulator(x, dtape.constant([1.0, 1.0])) as acc:
+        worker = threading.Thread(target=lambda: out.setdefault("y", dtape.exp(x)))
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+    torch.testing.assert_close(acc.jvp(out["y"]).torch(), torch.exp(x.torch()))
