@@ -208,8 +208,14 @@ class ForwardAccumulator:
     the calling thread, as they stop tapes; a `dtape.function` called inside
     runs eagerly so its ops are followed one by one.
 
-    Which ops have explicit forward rules and which are derived from their
-    gradient rules: docs/api.md ("Forward mode").
+    Tangents come from an op's explicit forward rule where its block gives
+    one (elementwise arithmetic, exp/log/sqrt/square/trig, tanh, sigmoid,
+    relu, softmax, bias_add, matmul, add_n, reduce_sum/mean, and the shape
+    ops: reshape, transpose, expand_dims, squeeze, concat, stack,
+    broadcast_to, cast, identity, getitem; variable reads), else derived from
+    its gradient rule (every other op, custom gradients, torch functions
+    without a dtape op). The exact lists: docs/api.md ("Forward mode").
+    Complex values pass through explicit rules only.
 
     Raises:
       ValueError: a primal listed twice (sum its tangents instead); a tangent
