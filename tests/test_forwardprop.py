@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dtape
+from _strategies import mirrored
 from dtape.ops import REGISTRY
 from dtape.ops._samples import Special
 
@@ -498,3 +499,24 @@ def test_ops_on_another_thread_are_followed_as_tapes_record_them():
         worker.join(timeout=60)
         assert not worker.is_alive()
     torch.testing.assert_close(acc.jvp(out["y"]).torch(), torch.exp(x.torch()))
+
+
+@pytest.mark.usefixtures("closes_strategies")
+def test_a_mirrored_variable_as_primal_in_both_contexts_and_record_operation():
+    strategy = mirrored(2)
+    with strategy.scope():
+        v = dtape.Variable([1.0, 2.0])
+    with ForwardAccumulator(v, dtape.constant([1.0, 0.5])) as acc:  # cross-replica: every component
+        y = dtape.reduce_sum(v * v)
+    assert float(acc.jvp(y)) == 4.0
+
+    def step():
+        with ForwardAccumulator(v, dtape.constant([1.0, 0.5])) as acc:  # replica: this replica's component
+            y = dtape.reduce_sum(v * v)
+        return acc.jvp(y)
+    assert [float(t) for t in strategy.experimental_local_results(strategy.run(step))] == [4.0, 4.0]
+    x = dtape.constant([1.0, 2.0])
+    with ForwardAccumulator(x, dtape.constant([1.0, 1.0])) as acc:  # a seed-API op: derived from its function
+        y = dtape.constant(x.torch() ** 2)
+        dtape.tape.record_operation("square", [y], [x], lambda dy: dy * 2.0 * x)
+    assert acc.jvp(y).numpy().tolist() == [2.0, 4.0]
