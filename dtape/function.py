@@ -71,7 +71,10 @@ class Function:
         return type(self)(self.python_function.__get__(instance, owner))
 
     def __call__(self, *args, **kwargs):
-        if not _tp.could_possibly_record():  # nothing can record on this thread: plain eager call
+        if not _tp.could_possibly_record() or _tp.accumulating():
+            # nothing can record on this thread, or a forward accumulator does: a plain eager call (an
+            # accumulator then follows the body's ops one by one, and the tangents of the intermediates
+            # that a forward-over-back walk through the body needs exist)
             return self.python_function(*args, **kwargs)
         tensors = _tensor_args(args, kwargs)
         inner = _tp.push_new_tape(persistent=True, watch_accessed_variables=True)
@@ -117,9 +120,11 @@ def _splice(inner):
     it watches (what differentiating the backward again needs).
     """
     records = inner.records()
-    for op, in_ids, _, inputs, outputs, attrs in records:
-        op.recorded_again()
-        _tp.record_reading(op, in_ids, inputs, outputs, attrs)  # a read in the body: a sibling replica's tape skips it
+    # forward accumulators never saw the body's ops (it ran with them paused): a replay is not an op to them
+    with _tp.pause_accumulators():
+        for op, in_ids, _, inputs, outputs, attrs in records:
+            op.recorded_again()
+            _tp.record_reading(op, in_ids, inputs, outputs, attrs)  # a read in the body: a sibling replica's tape skips it
     return records
 
 

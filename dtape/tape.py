@@ -191,6 +191,21 @@ class RecordOp:
         """
         raise NotImplementedError(f"record op {type(self).__name__} does not define backward")
 
+    def jvp(self, tangents, outputs, inputs, attrs):
+        """Output tangents (forward mode), or NotImplemented: the accumulator then derives them from `backward`.
+
+        Args:
+          tangents: one per input: a dtape.Tensor of the input's shape, or
+            None for an input without a tangent (at least one has one).
+          outputs, inputs, attrs: the op's own outputs and inputs
+            (dtape.Tensors, variables or Python scalars) and attrs, as given to `record`.
+
+        Returns one tangent (dtape.Tensor or None) per output. A rule is
+        written with torch functions and operators on dtape.Tensors, so a tape
+        watching the tangents records it (gradients of JVPs).
+        """
+        return NotImplemented
+
     def recorded_again(self):
         """Hears that this op object is being recorded once more (`dtape.function` splicing a body's
         records onto the outer tapes): state that only one walk could use must now serve every walk."""
@@ -447,6 +462,9 @@ class Tape:
                  "_producer", "_pending", "_on_death",
                  "_watched", "_watched_vars", "_accessed", "_explicit", "_owner", "_run", "_stands_for",
                  "__weakref__")
+    # A forward accumulator (dtape.autodiff) is a tape in the same set that keeps no records: `record`
+    # hands it each op on a watched input (`accumulate`) once the tapes recorded the op.
+    accumulates = False
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
@@ -869,6 +887,7 @@ def record(op, in_ids, inputs, outputs, attrs):
     if state.stopped or not _grad_enabled() and _grad_mode_stops():
         return
     out_ids = None
+    accumulators = ()
     for tape in _tape_set:
         watched = tape._watched
         for i in in_ids:
@@ -877,6 +896,9 @@ def record(op, in_ids, inputs, outputs, attrs):
         else:
             continue
         if state.paused and tape in state.paused:
+            continue
+        if tape.accumulates:
+            accumulators += (tape,)
             continue
         if tape._stands_for and tape._run is not None and tape._run is state.run and tape._owner is not state.scope:
             # a dtape.function's private tape made in one replica: the sibling replicas' ops (on a tensor
@@ -928,6 +950,10 @@ def record(op, in_ids, inputs, outputs, attrs):
                     producer[o] = rec
                 tape._watched.update(out_ids)
             tape._nrec += 1
+    # after the tapes: the tangents are computed from the outputs, whose records a tape recording that
+    # computation (the gradient of a JVP) must already hold, in creation order (TF's order)
+    for acc in accumulators:
+        acc.accumulate(op, in_ids, inputs, outputs, attrs)
 
 
 class CallableBackward(RecordOp):
@@ -1018,6 +1044,40 @@ class pause_tape(ThreadLocalScope):
         return prev + (tape,) + tuple(t for t in _tape_set if tape in t._stands_for)
 
 
+class pause_from(ThreadLocalScope):
+    """Thread-local: pauses `tape` and every tape or accumulator made active after it, on this thread.
+
+    What an accumulator's own tangent computation runs under: tapes and
+    accumulators entered before it see that computation (gradients of JVPs,
+    higher-order JVPs), those entered inside it do not (TF's strict nesting).
+    """
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "paused"
+
+    def _new(self, prev):
+        tapes = _tape_set
+        k = tapes.index(self._value) if self._value in tapes else len(tapes)
+        return prev + tapes[k:]
+
+
+class pause_accumulators(ThreadLocalScope):
+    """Thread-local: pauses every active forward accumulator on this thread (tapes keep recording)."""
+
+    __slots__ = ()
+    _state = _thread_state
+    _attr = "paused"
+
+    def _new(self, prev):
+        return prev + tuple(t for t in _tape_set if t.accumulates)
+
+
+def accumulating():
+    """True if a forward accumulator records on this thread now."""
+    return any(t.accumulates for t in _recording_tapes())
+
+
 class _pause_all_but(ThreadLocalScope):
     """Thread-local: pauses every active tape but `tape` on this thread."""
 
@@ -1088,5 +1148,5 @@ class capture_variable_reads(ThreadLocalScope):
 __all__ = ["Tape", "RecordOp", "check_saved_versions", "active_tapes", "recording_tapes", "push_new_tape", "push_tape", "pop_tape",
            "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record", "record_reading",
            "record_operation", "delete_trace",
-           "could_possibly_record", "stop_recording", "pause_tape", "record_only", "capture_variable_reads",
+           "could_possibly_record", "stop_recording", "pause_tape", "pause_from", "pause_accumulators", "accumulating", "record_only", "capture_variable_reads",
            "register_watched_variable_resolver", "resolve_watched", "walk_frees", "walk_scope", "autocast_state", "set_autocast_state", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

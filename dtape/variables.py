@@ -46,6 +46,9 @@ class _ReadVariableOp(_tp.RecordOp):
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         return dys
 
+    def jvp(self, tangents, outputs, inputs, attrs):
+        return tangents  # the value is the variable's: its tangent too (TF's ReadVariableOp special case)
+
 
 _READ_OP = _ReadVariableOp()
 

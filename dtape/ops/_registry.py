@@ -35,10 +35,14 @@ class OpDef(_tp.RecordOp):
 
     `grad_fn(dy, ans, *inputs, **attrs)` returns one gradient per tensor
     input (a bare value when there is one input); for multi-output ops `dy`
-    and `ans` are tuples.
+    and `ans` are tuples. `jvp_fn(tangents, ans, *inputs, **attrs)`, when the
+    op's block gives one (`@op.jvp`), returns the output tangent (a tuple for
+    multi-output ops); `tangents` is one per input, None for an input
+    without one (a bare value when there is one input). Without it, forward
+    mode derives the tangents from `grad_fn` (dtape.autodiff).
     """
 
-    __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "samples",
+    __slots__ = ("name", "forward", "n_in", "list_input", "grad_fn", "jvp_fn", "samples",
                  "second_order", "multi_output", "attr_names", "in_names", "fn", "takes_needs", "saves",
                  "saves_inputs", "saves_outputs", "complex_grad", "stash", "with_number")
 
@@ -54,6 +58,7 @@ class OpDef(_tp.RecordOp):
         self.n_in = n_in
         self.list_input = list_input
         self.grad_fn = None
+        self.jvp_fn = None
         self.takes_needs = False
         self.samples = samples
         self.second_order = second_order
@@ -78,6 +83,26 @@ class OpDef(_tp.RecordOp):
         self.grad_fn = fn
         self.takes_needs = "needs" in inspect.signature(fn).parameters
         return fn
+
+    def def_jvp(self, fn):
+        """Decorator: registers `fn` as this op's forward-mode rule (see the class docstring).
+
+        Written with torch functions and operators on dtape.Tensors, as
+        gradient rules are, so a tape watching the tangents records it.
+        """
+        self.jvp_fn = fn
+        return fn
+
+    def jvp(self, tangents, outputs, inputs, attrs):
+        if self.jvp_fn is None:
+            return NotImplemented
+        ans = tuple(outputs) if self.multi_output else outputs[0]
+        if self.list_input:
+            inputs, tangents = (list(inputs),), list(tangents)
+        elif self.n_in == 1:
+            tangents = tangents[0]
+        out = self.jvp_fn(tangents, ans, *inputs, **attrs) if attrs else self.jvp_fn(tangents, ans, *inputs)
+        return tuple(out) if self.multi_output else (out,)
 
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         """Input gradients; `inputs`/`outputs` are what the record saved (torch tensors on the raw
@@ -122,6 +147,9 @@ class _WithNumber(_tp.RecordOp):
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         return self.opdef.backward(dys, outputs, inputs, attrs, raw, needs)
 
+    def jvp(self, tangents, outputs, inputs, attrs):
+        return self.opdef.jvp(tangents, outputs, inputs, attrs)
+
 
 class _KernelValue(_tp.RecordOp):
     """Record op of `kernel_value`: the gradient passes straight to the composite formula."""
@@ -133,6 +161,9 @@ class _KernelValue(_tp.RecordOp):
 
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         return dys
+
+    def jvp(self, tangents, outputs, inputs, attrs):
+        return tangents
 
 
 _KERNEL_VALUE = _KernelValue()
@@ -157,6 +188,21 @@ def kernel_value(composite, value):
     if _tp.active_tapes:
         _tp.record(_KERNEL_VALUE, (composite._id,), (composite,), (out,), None)
     return out
+
+
+def tangent_sum(*terms):
+    """The sum of the tangent terms that are not None (None when all are): a forward rule's inputs
+    without a tangent contribute nothing."""
+    total = None
+    for t in terms:
+        if t is not None:
+            total = t if total is None else total + t
+    return total
+
+
+def tangents_or_zeros(tangents, inputs):
+    """Each input's tangent, zeros of its shape where it has none (rules that place tangents side by side)."""
+    return [torch.zeros_like(x) if t is None else t for t, x in zip(tangents, inputs)]
 
 
 def as_input(x):
@@ -320,7 +366,8 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         gets them as its `stash` argument (None outside a record: a rule must
         not rely on them). Single-output ops of three or more inputs.
 
-    The returned function has `.opdef`, `.grad` (decorator for the rule) and
+    The returned function has `.opdef`, `.grad` (decorator for the rule), `.jvp`
+    (decorator for an optional forward-mode rule, see `OpDef`) and
     `.any` (runs on raw torch tensors without wrapping, or as the op on dtape tensors).
     """
     def deco(forward):
@@ -337,6 +384,7 @@ def defop(n_in=1, list_input=False, torch_fns=(), samples=None, second_order=Tru
         call.__module__ = forward.__module__
         call.opdef = opdef
         call.grad = opdef.grad
+        call.jvp = opdef.def_jvp
         call.any = _make_any(call, (lambda *a, **k: forward(*a, **k)[0]) if stash else forward)
         opdef.fn = call
         REGISTRY.append(opdef)

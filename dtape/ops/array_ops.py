@@ -10,7 +10,7 @@ import torch
 from dtape.ops import _samples as S
 from dtape.ops._axes import AxisError, axis_values, canonical_axis, permutation
 from dtape.ops._dispatch import call_fallback
-from dtape.ops._registry import TORCH_TABLE, defop
+from dtape.ops._registry import TORCH_TABLE, defop, tangents_or_zeros
 from dtape.tensor import (DEFAULT_FLOAT_DTYPE, Tensor, to_torch, as_dtype, default_device, is_variable,
                           is_differentiable_dtype)
 
@@ -31,6 +31,11 @@ def reshape(tensor, shape):
 @reshape.grad
 def _(dy, ans, tensor, shape):
     return torch.reshape(dy, tuple(tensor.shape))
+
+
+@reshape.jvp
+def _(dx, ans, tensor, shape):
+    return reshape(dx, shape)
 
 
 def _invert(perm):
@@ -61,6 +66,11 @@ def _(dy, ans, a, perm=None):
     return transpose.any(dy, _invert(perm))
 
 
+@transpose.jvp
+def _(dx, ans, a, perm=None):
+    return transpose(dx, perm)
+
+
 def _torch_transpose(x, dim0, dim1):
     perm = list(_brange(x.ndim))
     perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
@@ -79,6 +89,11 @@ def expand_dims(input, axis):  # noqa: A002 - TF's argument name
 @expand_dims.grad
 def _(dy, ans, input, axis):  # noqa: A002
     return torch.reshape(dy, tuple(input.shape))
+
+
+@expand_dims.jvp
+def _(dx, ans, input, axis):  # noqa: A002
+    return reshape(dx, tuple(ans.shape))
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 2, 1, 3, 1),), {}), ((S.randn(rng, 2, 1, 3, 1),), {"axis": 1})])
@@ -103,6 +118,11 @@ def _(dy, ans, input, axis=None):  # noqa: A002
     return torch.reshape(dy, tuple(input.shape))
 
 
+@squeeze.jvp
+def _(dx, ans, input, axis=None):  # noqa: A002
+    return reshape(dx, tuple(ans.shape))
+
+
 def _concat_samples(rng):
     return [(([S.randn(rng, 2, 3), S.randn(rng, 1, 3)],), {"axis": 0}),
             (([S.randn(rng, 2, 3), S.randn(rng, 2, 2)],), {"axis": -1})]
@@ -125,6 +145,11 @@ def _(dy, ans, values, axis):
     return tuple(torch.split(dy, sizes, dim=axis))
 
 
+@concat.jvp
+def _(tangents, ans, values, axis):
+    return concat(tangents_or_zeros(tangents, values), axis)
+
+
 def _stack_samples(rng):
     return [(([S.randn(rng, 2, 3), S.randn(rng, 2, 3)],), {"axis": 1})]
 
@@ -144,6 +169,11 @@ def _(dy, ans, values, axis=0):
     return tuple(torch.unbind(dy, dim=_stack_axis(values, axis)))
 
 
+@stack.jvp
+def _(tangents, ans, values, axis=0):
+    return stack(tangents_or_zeros(tangents, values), axis)
+
+
 @defop(samples=lambda rng: [((S.randn(rng, 3, 1),), {"shape": (2, 3, 4)})], complex_grad=True)
 def broadcast_to(input, shape):  # noqa: A002
     """Broadcasts `input` to `shape` (numpy rules). Source: tf.broadcast_to."""
@@ -153,6 +183,11 @@ def broadcast_to(input, shape):  # noqa: A002
 @broadcast_to.grad
 def _(dy, ans, input, shape):  # noqa: A002
     return dy  # the backward walk sums it down to input's shape
+
+
+@broadcast_to.jvp
+def _(dx, ans, input, shape):  # noqa: A002
+    return broadcast_to(dx, shape)
 
 
 TORCH_TABLE[torch.broadcast_to] = lambda x, size: broadcast_to(x, size)
@@ -207,6 +242,13 @@ def _(dy, ans, x, dtype):
     return cast.any(dy, x.dtype)
 
 
+@cast.jvp
+def _(dx, ans, x, dtype):
+    if not (is_differentiable_dtype(x.dtype) and is_differentiable_dtype(ans.dtype)):
+        return None
+    return cast(dx, ans.dtype)
+
+
 @defop(samples=S.unary, saves="none", complex_grad=True)
 def identity(input):  # noqa: A002
     """Returns a new tensor with the same value (a distinct id). Source: tf.identity."""
@@ -216,6 +258,11 @@ def identity(input):  # noqa: A002
 @identity.grad
 def _(dy, ans, input):  # noqa: A002
     return dy
+
+
+@identity.jvp
+def _(dx, ans, input):  # noqa: A002
+    return dx
 
 
 @defop()
@@ -296,6 +343,11 @@ def _getitem(tensor, key):
 @_getitem.grad
 def _(dy, ans, tensor, key):
     return _getitem_grad.any(dy, shape=tuple(tensor.shape), key=key)
+
+
+@_getitem.jvp
+def _(dx, ans, tensor, key):
+    return _getitem(dx, key=key)
 
 
 @defop(name="getitem_grad",

@@ -14,7 +14,7 @@ from dtape.ops import _samples as S
 from dtape.ops import array_ops
 from dtape.ops._axes import AxisError, canonical_axis, reduction_axes  # noqa: F401 - AxisError: public here
 from dtape.ops._dispatch import call_fallback
-from dtape.ops._registry import TORCH_TABLE, defop, kernel_value
+from dtape.ops._registry import TORCH_TABLE, defop, kernel_value, tangent_sum
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "negative", "abs",
@@ -46,6 +46,11 @@ def _(dy, ans, x, y):
     return dy, dy
 
 
+@add.jvp
+def _(t, ans, x, y):
+    return tangent_sum(t[0], t[1])
+
+
 @defop(n_in=2, torch_fns=tuple((fn, _with_alpha(lambda x, y: subtract(x, y)))
                                for fn in (torch.sub, torch.subtract, torch.Tensor.sub)),
        samples=S.binary, saves="none", complex_grad=True)
@@ -57,6 +62,11 @@ def subtract(x, y):
 @subtract.grad
 def _(dy, ans, x, y, needs=(True, True)):
     return dy, (-dy if needs[1] else None)
+
+
+@subtract.jvp
+def _(t, ans, x, y):
+    return tangent_sum(t[0], None if t[1] is None else -t[1])
 
 
 @defop(n_in=2, torch_fns=(torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__),
@@ -71,6 +81,11 @@ def _(dy, ans, x, y, needs=(True, True)):  # `x * 2.0`, `x * mask`: no product f
     if dy.dtype.is_complex:  # dy times the conjugate derivative (torch's and TF's convention)
         x, y = conj(x), conj(y)
     return (dy * y if needs[0] else None), (dy * x if needs[1] else None)
+
+
+@multiply.jvp
+def _(t, ans, x, y):
+    return tangent_sum(None if t[0] is None else t[0] * y, None if t[1] is None else x * t[1])
 
 
 def _torch_div(x, y, *, rounding_mode=None):
@@ -95,6 +110,11 @@ def _(dy, ans, x, y, needs=(True, True)):
         x, y = conj(x), conj(y)
     gx = dy / y
     return (gx if needs[0] else None), (-gx * x / y if needs[1] else None)
+
+
+@divide.jvp
+def _(t, ans, x, y):
+    return tangent_sum(None if t[0] is None else t[0] / y, None if t[1] is None else -ans * t[1] / y)
 
 
 @defop(n_in=2)
@@ -124,6 +144,11 @@ def negative(x):
 @negative.grad
 def _(dy, ans, x):
     return -dy
+
+
+@negative.jvp
+def _(dx, ans, x):
+    return -dx
 
 
 @defop(torch_fns=(torch.abs, torch.Tensor.abs),
@@ -196,6 +221,11 @@ def _(dy, ans, x):
     return dy * 2 * x
 
 
+@square.jvp
+def _(dx, ans, x):
+    return dx * 2 * x
+
+
 @defop(torch_fns=(torch.sqrt, torch.Tensor.sqrt), samples=S.unary_positive, saves="output", complex_grad="conj")
 def sqrt(x):
     """Square root (x >= 0). Source: tf.math.sqrt."""
@@ -205,6 +235,11 @@ def sqrt(x):
 @sqrt.grad
 def _(dy, ans, x):
     return dy * 0.5 / ans
+
+
+@sqrt.jvp
+def _(dx, ans, x):
+    return dx * 0.5 / ans
 
 
 @defop(torch_fns=(torch.rsqrt,), samples=S.unary_positive, complex_grad="conj")
@@ -229,6 +264,11 @@ def _(dy, ans, x):
     return dy * ans
 
 
+@exp.jvp
+def _(dx, ans, x):
+    return dx * ans
+
+
 @defop(torch_fns=(torch.log, torch.Tensor.log), samples=S.unary_positive, saves="inputs",
        complex_grad="conj")
 def log(x):
@@ -239,6 +279,11 @@ def log(x):
 @log.grad
 def _(dy, ans, x):
     return dy / x
+
+
+@log.jvp
+def _(dx, ans, x):
+    return dx / x
 
 
 @defop(torch_fns=(torch.log1p,), samples=S.unary_positive, saves="inputs", complex_grad="conj")
@@ -252,6 +297,11 @@ def _(dy, ans, x):
     return dy / (1 + x)
 
 
+@log1p.jvp
+def _(dx, ans, x):
+    return dx / (1 + x)
+
+
 @defop(torch_fns=(torch.sin,), samples=S.unary, saves="inputs", complex_grad="conj")
 def sin(x):
     """Sine (radians). Source: tf.math.sin."""
@@ -263,6 +313,11 @@ def _(dy, ans, x):
     return dy * torch.cos(x)
 
 
+@sin.jvp
+def _(dx, ans, x):
+    return dx * torch.cos(x)
+
+
 @defop(torch_fns=(torch.cos,), samples=S.unary, saves="inputs", complex_grad="conj")
 def cos(x):
     """Cosine (radians). Source: tf.math.cos."""
@@ -272,6 +327,11 @@ def cos(x):
 @cos.grad
 def _(dy, ans, x):
     return -dy * torch.sin(x)
+
+
+@cos.jvp
+def _(dx, ans, x):
+    return -dx * torch.sin(x)
 
 
 @defop(torch_fns=(torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh), samples=S.unary, saves="output",
@@ -289,6 +349,11 @@ def _(dy, ans, x):
     return kernel_value(dy * conj(1 - ans * ans), torch.ops.aten.tanh_backward(dy.torch(), ans.torch()))
 
 
+@tanh.jvp
+def _(dx, ans, x):
+    return dx * (1 - ans * ans)
+
+
 @defop(torch_fns=(torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.sigmoid), samples=S.unary, saves="output",
        complex_grad=True)
 def sigmoid(x):
@@ -301,6 +366,11 @@ def _(dy, ans, x):
     if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.sigmoid_backward(dy, ans)
     return kernel_value(dy * conj(ans * (1 - ans)), torch.ops.aten.sigmoid_backward(dy.torch(), ans.torch()))
+
+
+@sigmoid.jvp
+def _(dx, ans, x):
+    return dx * (ans * (1 - ans))
 
 
 @defop(n_in=2, torch_fns=(torch.maximum,), samples=S.binary_distinct, saves="inputs")
@@ -425,6 +495,12 @@ def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
         else:
             gb = torch.matmul(t(a), dy) if not transpose_b else torch.matmul(t(dy), a)
     return ga, gb
+
+
+@matmul.jvp
+def _(t, ans, a, b, transpose_a=False, transpose_b=False):
+    return tangent_sum(None if t[0] is None else matmul(t[0], b, transpose_a, transpose_b),
+                       None if t[1] is None else matmul(a, t[1], transpose_a, transpose_b))
 
 
 def _shared_weight_grad(dy, a, transpose_b):
@@ -651,6 +727,11 @@ def _(dy, ans, inputs):
     return tuple(dy for _ in inputs)
 
 
+@add_n.jvp
+def _(tangents, ans, inputs):
+    return tangent_sum(*tangents)
+
+
 # -- reductions ---------------------------------------------------------------
 def _keep_shape(shape, axis):
     axes = reduction_axes(len(shape), axis)
@@ -676,6 +757,11 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape)
 
 
+@reduce_sum.jvp
+def _(dx, ans, x, axis=None, keepdims=False):
+    return reduce_sum(dx, axis, keepdims)
+
+
 @defop(samples=S.reduction, saves="none", complex_grad=True)
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (floating dtypes). Source: tf.math.reduce_mean."""
@@ -689,6 +775,11 @@ def _(dy, ans, x, axis=None, keepdims=False):
     for a in reduction_axes(x.ndim, axis):
         count *= x.shape[a]
     return torch.broadcast_to(expand_back(dy, x, axis, keepdims), x.shape) / count
+
+
+@reduce_mean.jvp
+def _(dx, ans, x, axis=None, keepdims=False):
+    return reduce_mean(dx, axis, keepdims)
 
 
 def _minmax_grad(dy, ans, x, axis, keepdims):

@@ -42,6 +42,11 @@ def _(dy, ans, features):
     return torch.where(ans > 0, dy, 0.0)
 
 
+@relu.jvp
+def _(dx, ans, features):
+    return torch.where(ans > 0, dx, 0.0)
+
+
 @defop(torch_fns=((F.relu6, lambda input, inplace=False: relu6(input)),), samples=_unary_nn, saves="inputs")
 def relu6(features):
     """min(max(features, 0), 6) elementwise; any shape -> same. Source: tf.nn.relu6."""
@@ -154,6 +159,12 @@ def _(dy, ans, logits, axis=-1):
         return torch._softmax_backward_data(dy, ans, axis, ans.dtype)
     return kernel_value(ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True)),
                         torch._softmax_backward_data(dy.torch(), ans.torch(), axis, ans.dtype))
+
+
+@softmax.jvp
+def _(dx, ans, logits, axis=-1):
+    axis = canonical_axis(axis, ans.ndim, "softmax")
+    return ans * (dx - torch.sum(dx * ans, dim=axis, keepdim=True))
 
 
 @defop(samples=_softmax_samples, saves="output")
@@ -567,6 +578,13 @@ def _(dy, ans, value, bias, data_format="NHWC"):
     if data_format.startswith("NC"):
         return dy, torch.sum(dy, dim=(0,) + tuple(range(2, len(value.shape))))
     return dy, dy
+
+
+@bias_add.jvp
+def _(t, ans, value, bias, data_format="NHWC"):
+    if t[1] is None:
+        return t[0]
+    return bias_add(torch.zeros_like(ans) if t[0] is None else t[0], t[1], data_format)
 
 
 def _moments_samples(rng):
