@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dtape import _replica_info
+from dtape import _restore_hooks
 from dtape import nn as _nn
 from dtape import random as _random
 from dtape import regularizers as _regularizers
@@ -150,6 +151,7 @@ def _wrap_build(build):
             return
         build(self, _shape_tuple(input_shape))
         self.built = True
+        _restore_hooks.variables_created()   # values a checkpoint restored before the build fill them now
         if getattr(self, "_build_shape", None) is None:
             self._build_shape = _shape_tuple(input_shape)
     wrapper._dtape_wrapped = True
