@@ -993,17 +993,20 @@ class _Waiting:
         obj = self._obj()
         if obj is None:
             return True
-        pairs = _named_variables(self.name, obj)
-        if len(pairs) > self.done:
-            self._assign(pairs)
+        if len(_named_variables(self.name, obj)) > self.done:
+            ctx = distribute.get_replica_context()
+            if ctx is not None and ctx.num_replicas_in_sync > 1:
+                # A layer built inside strategy.run is built by every replica thread, each of which gets here:
+                # one merge_call assigns every component while all replicas wait, before any uses them.
+                ctx.merge_call(lambda _strategy: self._assign(obj))
+            else:
+                self._assign(obj)
         return self.done >= len(self.entries)
 
-    def _assign(self, pairs):
-        ctx = distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            raise RuntimeError(f"checkpoint {self.path}: {self.name!r} created its variables inside strategy.run "
-                               f"while restored values waited for them; build it before restoring (call it once "
-                               f"outside strategy.run, or give its layers input_shape=)")
+    def _assign(self, obj):
+        pairs = _named_variables(self.name, obj)
+        if len(pairs) <= self.done:
+            return
         for var, value in _planned_prefix(self.path, self.name, pairs, self.entries, self.tensors, self.done):
             _assign_all(var, value)
         for key, _ in self.entries[self.done:len(pairs)]:
