@@ -783,6 +783,8 @@ class Checkpoint:
     """Groups variables, modules and optimizers to save and restore together, as tf.train.Checkpoint.
 
     Args:
+      root: optional; an object saved under the name `root` (TF's
+        `Checkpoint(model)`), also `ckpt.root`.
       **objects: name -> variable, module, optimizer (anything with a
         `variables()` method or `.variables` attribute) or an object saved by
         its `state_dict()` (a torch optimizer or lr scheduler, a `from_torch`
@@ -811,13 +813,16 @@ class Checkpoint:
       >>> ckpt.restore(path).assert_consumed()
     """
 
-    def __init__(self, **objects):
+    def __init__(self, root=None, **objects):
         object.__setattr__(self, "_objects", {})
         object.__setattr__(self, "_save_counter", None)
-        statuses = []   # of restores: the warning when this Checkpoint is dropped reads them
-        object.__setattr__(self, "_statuses", statuses)
-        weakref.finalize(self, _warn_unrestored, statuses).atexit = False
-        for name, obj in objects.items():
+        # The warning about values not restored comes once this Checkpoint and the statuses of its restores are
+        # all dropped (`ckpt.restore(path).expect_partial()` drops a temporary Checkpoint first).
+        tracker, outcomes = _Tracker(), []
+        object.__setattr__(self, "_tracker", tracker)
+        object.__setattr__(self, "_outcomes", outcomes)
+        weakref.finalize(tracker, _warn_unrestored, outcomes).atexit = False
+        for name, obj in (({"root": root} if root is not None else {}) | objects).items():
             setattr(self, name, obj)
 
     def __setattr__(self, name, value):
@@ -922,13 +927,13 @@ class Checkpoint:
         return self._restore(save_path, self._objects)
 
     def _restore(self, save_path, objects):
-        status = _restore_objects(save_path, objects)
-        self._statuses.append(status)
-        return status
+        outcome = _restore_objects(save_path, objects)
+        self._outcomes.append(outcome)
+        return CheckpointLoadStatus(outcome, self._tracker)
 
 
 def _restore_objects(path, objects):
-    """Assigns what exists now, registers what waits; returns the CheckpointLoadStatus."""
+    """Assigns what exists now, registers what waits; returns the _Outcome."""
     tensors, stored, data, states = _load_all(path)
     path = os.fspath(path)
     plan, loads, waiting, missing, matched = [], [], [], [], False
@@ -955,8 +960,8 @@ def _restore_objects(path, objects):
         _assign_all(var, value)
     for w in waiting:
         _restore_hooks.wait(w)
-    unused = sorted(n for n in set(stored) | set(data) if n not in objects)
-    return CheckpointLoadStatus(path, unused, missing, waiting, matched=matched)
+    unused = sorted(n for n in set(stored) | set(data) if n not in objects and n != _COUNTER)
+    return _Outcome(path, unused, missing, waiting, matched=matched)
 
 
 def _planned_prefix(path, name, pairs, entries, tensors, start):
@@ -1014,11 +1019,35 @@ class _Waiting:
         self.done = len(pairs)
 
 
-def _warn_unrestored(statuses):
-    problems = [p for status in statuses if not status.partial_expected for p in status.unresolved()]
+class _Tracker:
+    """Referenced by a Checkpoint and its statuses: when it dies, all of them are gone."""
+
+
+def _warn_unrestored(outcomes):
+    problems = [p for outcome in outcomes if not outcome.partial_expected for p in outcome.unresolved()]
     if problems:
         warnings.warn(f"a Checkpoint was dropped with values not restored ({'; '.join(problems)}); call "
                       f"expect_partial() on the restore status if this is intended", stacklevel=2)
+
+
+class _Outcome:
+    """What one restore matched and left; read by its status and by the warning when it is all dropped."""
+
+    def __init__(self, path, unused, missing, waiting, matched):
+        self.path, self.unused, self.missing, self.waiting, self.matched = path, unused, missing, waiting, matched
+        self.partial_expected = False
+
+    def unresolved(self):
+        """Descriptions of what is not restored now: file entries no object took, variables absent from the
+        file, values still waiting for their variables (list of str; empty when all matched)."""
+        out = [f"checkpoint entries matched by no object: {self.unused}"] if self.unused else []
+        if self.missing:
+            out.append(f"variables not in the checkpoint: {self.missing}")
+        pending = [key for w in self.waiting for key in w.pending]
+        if pending:
+            out.append(f"values waiting for variables not created yet (an optimizer's first step or a layer's "
+                       f"first call creates them): {pending}")
+        return out
 
 
 class CheckpointLoadStatus:
@@ -1027,47 +1056,38 @@ class CheckpointLoadStatus:
     Source: TF's CheckpointLoadStatus.
     """
 
-    def __init__(self, path, unused, missing, waiting, matched):
-        self._path, self._unused, self._missing, self._waiting = path, unused, missing, waiting
-        self._matched = matched
-        self.partial_expected = False
+    def __init__(self, outcome, tracker):
+        self._outcome, self._tracker = outcome, tracker
 
     def unresolved(self):
         """Descriptions of what is not restored now: file entries no object took, variables absent from the
         file, values still waiting for their variables (list of str; empty when all matched)."""
-        out = [f"checkpoint entries matched by no object: {self._unused}"] if self._unused else []
-        if self._missing:
-            out.append(f"variables not in the checkpoint: {self._missing}")
-        pending = [key for w in self._waiting for key in w.pending]
-        if pending:
-            out.append(f"values waiting for variables not created yet (an optimizer's first step or a layer's "
-                       f"first call creates them): {pending}")
-        return out
+        return self._outcome.unresolved()
 
     def assert_consumed(self):
         """Raises AssertionError unless every file entry and every object's variable was matched and no
         value still waits for its variable; returns self."""
         problems = self.unresolved()
         if problems:
-            raise AssertionError(f"checkpoint {self._path}: " + "; ".join(problems))
+            raise AssertionError(f"checkpoint {self._outcome.path}: " + "; ".join(problems))
         return self
 
     def assert_existing_objects_matched(self):
         """Raises AssertionError if a variable that exists now got no value from the file; returns self
         (file entries no object took, and values waiting for variables, are allowed)."""
-        if self._missing:
-            raise AssertionError(f"checkpoint {self._path}: variables not in the checkpoint: {self._missing}")
+        if self._outcome.missing:
+            raise AssertionError(f"checkpoint {self._outcome.path}: variables not in the checkpoint: {self._outcome.missing}")
         return self
 
     def assert_nontrivial_match(self):
         """Raises AssertionError if nothing but `save_counter` was matched; returns self."""
-        if not self._matched:
-            raise AssertionError(f"checkpoint {self._path}: nothing in it matched the Checkpoint's objects")
+        if not self._outcome.matched:
+            raise AssertionError(f"checkpoint {self._outcome.path}: nothing in it matched the Checkpoint's objects")
         return self
 
     def expect_partial(self):
         """Silences the warning about values not restored when the Checkpoint is dropped; returns self."""
-        self.partial_expected = True
+        self._outcome.partial_expected = True
         return self
 
     def run_restore_ops(self, session=None):
