@@ -786,15 +786,16 @@ class Checkpoint:
       root: optional; an object saved under the name `root` (TF's
         `Checkpoint(model)`), also `ckpt.root`.
       **objects: name -> variable, module, optimizer (anything with a
-        `variables()` method or `.variables` attribute) or an object saved by
+        `variables()` method or `.variables` attribute), an object saved by
         its `state_dict()` (a torch optimizer or lr scheduler, a `from_torch`
-        optimizer). Each is also an attribute (`ckpt.model`); assigning a
-        new attribute adds an object. Names may not contain '/', start with
-        '_' or be `save_counter`.
+        optimizer), None (nothing saved) or a list, tuple or dict of these
+        (entries `name.0`, `name.key`, ...). Each is also an attribute
+        (`ckpt.model`); assigning a new attribute adds an object. Names may
+        not contain '/', start with '_' or be `save_counter`.
 
     Raises:
-      TypeError: plain data (an int, a tensor): it could not be restored in
-        place; keep a counter in a `dtape.Variable`.
+      TypeError: plain data (an int, a tensor, a dataset iterator): it could
+        not be restored in place; keep a counter in a `dtape.Variable`.
       ValueError: a bad name.
 
     The file is that of `save(path, **objects)` plus `save_counter`, so
@@ -830,11 +831,7 @@ class Checkpoint:
             raise ValueError(f"Checkpoint object name {name!r} is reserved (names starting with '_' and "
                              f"'save_counter', the Checkpoint's own counter)")
         _check_name(name)
-        if not (_has_state_dict(value) or _named_variables(name, value) is not None):
-            hint = "; keep a counter in a dtape.Variable" if not isinstance(value, (list, tuple, dict)) else ""
-            raise TypeError(f"Checkpoint: {name!r} is a {type(value).__name__}, not a variable, module, optimizer "
-                            f"or object with state_dict()/load_state_dict(){hint} (plain data cannot be restored "
-                            f"in place; dtape.checkpoint.save stores it)")
+        _entries(name, value)     # raises for a value that cannot be restored in place
         self._objects[name] = value
 
     def __getattr__(self, name):
@@ -868,7 +865,7 @@ class Checkpoint:
 
     def write_then(self, file_prefix, after=None):
         """`write`, then `after()` where the file was written (rank 0), before the others go on."""
-        return save_objects(file_prefix, {**self._objects, _COUNTER: self.save_counter}, make_folder=True,
+        return save_objects(file_prefix, {**self._flat(), _COUNTER: self.save_counter}, make_folder=True,
                             after=after)
 
     def save(self, file_prefix):
@@ -917,14 +914,17 @@ class Checkpoint:
         """
         if save_path is None:
             return InitializationOnlyStatus()
-        return self._restore(save_path, {**self._objects, _COUNTER: self.save_counter})
+        return self._restore(save_path, {**self._flat(), _COUNTER: self.save_counter})
 
     def read(self, save_path):
         """`restore` without `save_counter` (a file from `write`; the counter keeps its value).
 
         Source: tf.train.Checkpoint.read.
         """
-        return self._restore(save_path, self._objects)
+        return self._restore(save_path, self._flat())
+
+    def _flat(self):
+        return {key: obj for name, value in self._objects.items() for key, obj in _entries(name, value).items()}
 
     def _restore(self, save_path, objects):
         outcome = _restore_objects(save_path, objects)
@@ -1017,6 +1017,25 @@ class _Waiting:
         for key, _ in self.entries[self.done:len(pairs)]:
             del self.tensors[key]
         self.done = len(pairs)
+
+
+def _entries(name, value):
+    """{entry name: object} for one Checkpoint attribute: nothing for None, one entry per element of a list,
+    tuple or dict of objects (`nets.0`, `nets.gen`, as TF tracks nested structures), else the object itself."""
+    if value is None:
+        return {}
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        out = {}
+        for key, item in items:
+            _check_name(f"{key}")
+            out.update(_entries(f"{name}.{key}", item))
+        return out
+    if not (_has_state_dict(value) or _named_variables(name, value) is not None):
+        raise TypeError(f"Checkpoint: {name!r} is a {type(value).__name__}, not a variable, module, optimizer or "
+                        f"object with state_dict()/load_state_dict() (plain data cannot be restored in place: keep "
+                        f"a counter in a dtape.Variable; dtape.checkpoint.save stores plain data)")
+    return {name: value}
 
 
 class _Tracker:
