@@ -38,6 +38,14 @@ tensors (detached), arrays as numpy arrays (native byte order), tuples as
 tuples; numpy scalars (`np.float64(0.5)`) come back as Python scalars.
 Anything else is a TypeError at save time naming the key.
 
+`Checkpoint(**objects)` is TF's object: `save(prefix)` numbers files with
+its `save_counter`, `restore` returns a load status, and values of variables
+that do not exist yet wait in `dtape._restore_hooks` until a layer's build or
+an optimizer's step creates them (a custom Module that creates variables in
+its own `__call__` does not notify: call it once before restoring).
+`CheckpointManager` lives in `dtape.checkpoint_management` (as in TF) and is
+also `dtape.checkpoint.CheckpointManager`.
+
 Source: tf.train.Checkpoint (save / restore), by key instead of object graph;
 tf.train.CheckpointManager and tf.train.latest_checkpoint.
 """
@@ -805,7 +813,9 @@ class Checkpoint:
     do not exist yet (an optimizer's slots and `iterations` before its first
     step, a layer's before its first call) wait and are assigned when they
     are created, before they are used (TF's deferred restoration): restore,
-    then train one step, gives the uninterrupted run's next step.
+    then train one step, gives the uninterrupted run's next step. (Only
+    layer builds and optimizer steps say they created variables: a custom
+    Module creating variables in its own `__call__` is called once first.)
     Source: tf.train.Checkpoint (by key and position, not object graph).
 
     Example:
