@@ -987,7 +987,7 @@ def _planned_prefix(path, name, pairs, entries, tensors, start):
 class _Waiting:
     """The stored values of one object whose variables do not all exist yet, assigned as they appear.
 
-    Called by `dtape._restore_hooks.variables_created()`; returns True once
+    Called by `dtape._restore_hooks.variables_created(owner)`; returns True once
     every value is assigned or the object is gone.
     """
 
@@ -1004,11 +1004,16 @@ class _Waiting:
         """Keys still waiting for their variable."""
         return [key for key, _ in self.entries[self.done:]] if self._obj() is not None else []
 
-    def __call__(self):
+    def __call__(self, owner):
         obj = self._obj()
         if obj is None:
             return True
         if len(_named_variables(self.name, obj)) > self.done:
+            if owner is not obj and not any(owner is m for m in getattr(obj, "submodules", ())):
+                raise RuntimeError(
+                    f"checkpoint {self.path}: {self.name!r} created variables without a layer build announcing "
+                    f"them (a Module creating variables in its own __call__?), so they may have been used before "
+                    f"their restored values arrived; call it once before restoring")
             ctx = distribute.get_replica_context()
             if ctx is not None and ctx.num_replicas_in_sync > 1:
                 # A layer built inside strategy.run is built by every replica thread, each of which gets here:

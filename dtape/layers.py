@@ -151,7 +151,7 @@ def _wrap_build(build):
             return
         build(self, _shape_tuple(input_shape))
         self.built = True
-        _restore_hooks.variables_created()   # values a checkpoint restored before the build fill them now
+        _restore_hooks.variables_created(self)   # values a checkpoint restored before the build fill them now
         if getattr(self, "_build_shape", None) is None:
             self._build_shape = _shape_tuple(input_shape)
     wrapper._dtape_wrapped = True

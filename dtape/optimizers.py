@@ -113,7 +113,7 @@ class Optimizer:
         for var in var_list:
             self._slots_for(distribute.value_container(var))
         iterations = self.iterations
-        _restore_hooks.variables_created()   # a checkpoint restored before the slots existed fills them now
+        _restore_hooks.variables_created(self)   # a checkpoint restored before the slots existed fills them
         return iterations
 
     def variables(self):
@@ -213,7 +213,7 @@ class Optimizer:
     def _apply(self, strategy, pairs):
         for _, var in pairs:  # slots are made here, once, in the cross-replica context
             self._slots_for(distribute.value_container(var))
-        _restore_hooks.variables_created()   # a checkpoint restored before the slots existed fills them now
+        _restore_hooks.variables_created(self)   # a checkpoint restored before the slots existed fills them
         step = int(self.iterations.numpy()) + 1
         # Ctrl-C waits for the whole update: every component and `iterations`, or nothing.
         with _tp.stop_recording(), uninterrupted():

@@ -289,3 +289,38 @@ def test_none_and_nested_structures_of_objects_as_tf_tracks_them(tmp_path):
     ckpt.restore(path).assert_consumed()
     assert ckpt.nets is target and ckpt.optimizer is None
     assert target[0].numpy().tolist() == [1.0] and target[1]["d"].numpy().tolist() == [2.0]
+
+
+class _SelfBuilt(dtape.Module):
+    """Creates its variable in its own __call__ (no layer build announces it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = None
+
+    def __call__(self, x):
+        if self.w is None:
+            self.w = dtape.Variable(torch.ones(3, 1), name="w")
+        return dtape.matmul(x, self.w)
+
+
+def test_variables_created_unannounced_are_refused_not_restored_after_use(tmp_path):
+    """Its forward already used the initial weight, so assigning the restored one at the optimizer's step would
+    apply a gradient of other weights. Broken on purpose: without the owner check the step went through."""
+    model, opt = _SelfBuilt(), optimizers.Adam(0.05)
+    _step(model, opt)
+    path = Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    model2, opt2 = _SelfBuilt(), optimizers.Adam(0.05)
+    Checkpoint(model=model2, optimizer=opt2).restore(path).expect_partial()
+    with dtape.GradientTape() as tape:
+        loss = _loss(model2, dtape.constant(X), dtape.constant(Y), 8.0)
+    grads = tape.gradient(loss, model2.trainable_variables)
+    with pytest.raises(RuntimeError, match=r"'model' created variables without a layer build announcing them"):
+        opt2.apply_gradients(zip(grads, model2.trainable_variables))
+    assert model2.w.numpy().tolist() == [[1.0]] * 3
+    model3, opt3 = _SelfBuilt(), optimizers.Adam(0.05)
+    model3(X)                                                 # called once first: restored at once
+    status = Checkpoint(model=model3, optimizer=opt3).restore(path)
+    assert np.array_equal(model3.w.numpy(), model.w.numpy())
+    _step(model3, opt3)
+    status.assert_consumed()
