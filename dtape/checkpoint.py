@@ -960,10 +960,12 @@ def _restore_objects(path, objects):
             if name != _COUNTER:
                 missing += [f"{key} ({_var_name(var, key)!r})" for key, var in pairs]
             continue
-        plan += _planned_prefix(path, name, pairs, stored[name], tensors, 0)
+        entries = stored[name]
+        tail = _tail(path, name, pairs, entries)
+        plan += _planned(path, name, pairs, entries, tensors, tail, range(len(pairs)))
         matched = matched or name != _COUNTER
-        if len(pairs) < len(stored[name]):
-            waiting.append(_Waiting(path, name, obj, stored[name], tensors, len(pairs)))
+        if len(pairs) < len(entries):
+            waiting.append(_Waiting(path, name, obj, entries, tensors, len(pairs) - tail, tail))
     for obj, state in loads:
         obj.load_state_dict(state)
     for var, value in plan:
@@ -974,42 +976,70 @@ def _restore_objects(path, objects):
     return _Outcome(path, unused, missing, waiting, matched=matched)
 
 
-def _planned_prefix(path, name, pairs, entries, tensors, start):
-    """[(variable, value)] for `pairs[start:]`, the first `len(pairs)` of the stored `entries` (checked)."""
+def _matched(entries, n, tail):
+    """The stored entries that `n` variables match: the first `n - tail` and the last `tail`."""
+    return entries[:n - tail] + entries[len(entries) - tail:]
+
+
+def _tail(path, name, pairs, entries):
+    """How many of an object's last variables match the last stored entries, when it has fewer than stored.
+
+    Variables appear at the end (a lazily built model, an optimizer's slots)
+    or before a fixed tail (a LossScaleOptimizer's slots come before its loss
+    scale and counter): the smallest tail whose names match is taken, 0 first.
+    Raises ValueError (the names of the plain prefix) when none does.
+    """
     if len(pairs) > len(entries):
         raise ValueError(f"restore: {name!r} has {len(pairs)} variables but checkpoint {path} holds {len(entries)} "
                          f"for it (a different model or optimizer)")
+    names = _canonical_names([_var_name(var, key) for key, var in pairs])
+    for tail in range(len(pairs) + 1 if len(pairs) < len(entries) else 1):
+        if _canonical_names([n for _, n in _matched(entries, len(pairs), tail)]) == names:
+            return tail
     _check_names(path, name, pairs, entries[:len(pairs)], hint="")
-    return [(var, _checked_value(path, key, var, stored_name, tensors[key]))
-            for (key, var), (_, stored_name) in list(zip(pairs, entries))[start:]]
+    return 0
+
+
+def _planned(path, name, pairs, entries, tensors, tail, positions):
+    """[(variable, value)] for the `positions` of `pairs`, matched as `_matched` says (names, shapes checked)."""
+    matched = _matched(entries, len(pairs), tail)
+    _check_names(path, name, pairs, matched, hint="")
+    return [(pairs[i][1], _checked_value(path, pairs[i][0], pairs[i][1], matched[i][1], tensors[matched[i][0]]))
+            for i in positions]
 
 
 class _Waiting:
     """The stored values of one object whose variables do not all exist yet, assigned as they appear.
 
     Called by `dtape._restore_hooks.variables_created(owner)`; returns True once
-    every value is assigned or the object is gone.
+    every value is assigned or the object is gone. The entries `done` up to
+    `len(entries) - tail` wait (see `_tail`).
     """
 
-    def __init__(self, path, name, obj, entries, tensors, done):
-        self.path, self.name, self.entries, self.done = path, name, entries, done
-        self.tensors = {key: tensors[key] for key, _ in entries[done:]}
+    def __init__(self, path, name, obj, entries, tensors, done, tail):
+        self.path, self.name, self.entries, self.done, self.tail = path, name, entries, done, tail
+        self.tensors = {key: tensors[key] for key, _ in self._waiting()}
         try:
             self._obj = weakref.ref(obj)
         except TypeError:
             self._obj = lambda: obj
 
+    def _waiting(self):
+        return self.entries[self.done:len(self.entries) - self.tail]
+
     @property
     def pending(self):
         """Keys still waiting for their variable."""
-        return [key for key, _ in self.entries[self.done:]] if self._obj() is not None else []
+        return [key for key, _ in self._waiting()] if self._obj() is not None else []
 
     def __call__(self, owner):
         obj = self._obj()
         if obj is None:
             return True
-        if len(_named_variables(self.name, obj)) > self.done:
-            if owner is not obj and not any(owner is m for m in getattr(obj, "submodules", ())):
+        pairs = _named_variables(self.name, obj)
+        if len(pairs) - self.tail > self.done:
+            announced = {id(v) for v in _variables_of(owner) or ()}
+            if any(id(var) not in announced for _, var in pairs[self.done:len(pairs) - self.tail]):
                 raise RuntimeError(
                     f"checkpoint {self.path}: {self.name!r} created variables without a layer build announcing "
                     f"them (a Module creating variables in its own __call__?), so they may have been used before "
@@ -1021,17 +1051,22 @@ class _Waiting:
                 ctx.merge_call(lambda _strategy: self._assign(obj))
             else:
                 self._assign(obj)
-        return self.done >= len(self.entries)
+        return not self._waiting()
 
     def _assign(self, obj):
         pairs = _named_variables(self.name, obj)
-        if len(pairs) <= self.done:
+        head = len(pairs) - self.tail
+        if head <= self.done:
             return
-        for var, value in _planned_prefix(self.path, self.name, pairs, self.entries, self.tensors, self.done):
+        if head > len(self.entries) - self.tail:
+            raise ValueError(f"restore: {self.name!r} now has {len(pairs)} variables but checkpoint {self.path} "
+                             f"holds {len(self.entries)} for it (a different model or optimizer)")
+        for var, value in _planned(self.path, self.name, pairs, self.entries, self.tensors, self.tail,
+                                   range(self.done, head)):
             _assign_all(var, value)
-        for key, _ in self.entries[self.done:len(pairs)]:
+        for key, _ in self.entries[self.done:head]:
             del self.tensors[key]
-        self.done = len(pairs)
+        self.done = head
 
 
 def _entries(name, value):
