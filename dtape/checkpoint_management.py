@@ -98,7 +98,8 @@ class CheckpointManager:
         """Saves the next numbered checkpoint, then deletes the oldest beyond `max_to_keep`.
 
         Args:
-          checkpoint_number: the file's number (an int >= 0, e.g. the step).
+          checkpoint_number: the file's number (an int >= 0, or a 0-d integer
+            variable or tensor such as `optimizer.iterations`, e.g. the step).
             None: the Checkpoint's `save_counter` after adding 1 to it (TF;
             the counter is restored with the checkpoint, so a resumed run
             goes on numbering); in the keyword form the latest number + 1.
@@ -155,10 +156,8 @@ class CheckpointManager:
     def _number(self, checkpoint_number, latest, default):
         if checkpoint_number is None:
             number = default
-        elif type(checkpoint_number) is not int and not isinstance(checkpoint_number, np.integer):
-            raise TypeError(f"checkpoint_number must be an int, got {type(checkpoint_number).__name__}")
         else:
-            number = int(checkpoint_number)
+            number = _as_number(checkpoint_number)
         if number < 0 or (latest is not None and number < latest):
             fix = ("; restore the latest checkpoint first (checkpoint.restore(manager.latest_checkpoint)) so "
                    "save_counter goes on from it" if checkpoint_number is None else "")
@@ -177,6 +176,18 @@ class CheckpointManager:
                 os.remove(path)
             except FileNotFoundError:
                 pass            # removed by another manager on the same folder
+
+
+def _as_number(value):
+    """An int from an int, a numpy integer, or a 0-d integer variable/tensor (TF: `optimizer.iterations`)."""
+    if type(value) is int or isinstance(value, np.integer):
+        return int(value)
+    read = getattr(value, "numpy", None)
+    array = np.asarray(read()) if callable(read) else None
+    if array is not None and array.shape == () and array.dtype.kind in "iu":
+        return int(array)
+    raise TypeError(f"checkpoint_number must be an int or a 0-d integer variable/tensor, got "
+                    f"{type(value).__name__}{'' if array is None else f' of dtype {array.dtype}, shape {array.shape}'}")
 
 
 def _check_options(max_to_keep, checkpoint_name, keep_checkpoint_every_n_hours):

@@ -236,7 +236,10 @@ def test_manager_max_to_keep_latest_and_a_new_manager_on_the_folder(tmp_path):
     assert again.restore_or_initialize() == again.latest_checkpoint
     assert again.checkpoint.v.numpy().tolist() == [4.0] and int(again.checkpoint.save_counter) == 4
     assert again.save(checkpoint_number=10).endswith("ckpt-10") and int(again.checkpoint.save_counter) == 5
-    assert [os.path.basename(p) for p in again.checkpoints] == ["ckpt-4", "ckpt-10"]
+    assert again.save(checkpoint_number=dtape.Variable(12)).endswith("ckpt-12")      # TF: optimizer.iterations
+    assert [os.path.basename(p) for p in again.checkpoints] == ["ckpt-10", "ckpt-12"]
+    with pytest.raises(TypeError, match=r"checkpoint_number must be an int .* got Variable of dtype float32"):
+        again.save(checkpoint_number=dtape.Variable(13.0))
 
 
 def test_manager_refuses_a_number_below_the_latest_and_misused_forms(tmp_path):
