@@ -958,7 +958,8 @@ def _restore_objects(path, objects):
         pairs = _named_variables(name, obj)
         if name not in stored:
             if name != _COUNTER:
-                missing += [f"{key} ({_var_name(var, key)!r})" for key, var in pairs]
+                described = [f"{key} ({_var_name(var, key)!r})" for key, var in pairs]
+                missing += described or [f"{name} (no variables yet)"]
             continue
         entries = stored[name]
         tail = _tail(path, name, pairs, entries)
@@ -1145,7 +1146,8 @@ class CheckpointLoadStatus:
         """Raises AssertionError if a variable that exists now got no value from the file; returns self
         (file entries no object took, and values waiting for variables, are allowed)."""
         if self._outcome.missing:
-            raise AssertionError(f"checkpoint {self._outcome.path}: variables not in the checkpoint: {self._outcome.missing}")
+            raise AssertionError(f"checkpoint {self._outcome.path}: variables not in the checkpoint: "
+                                 f"{self._outcome.missing}")
         return self
 
     def assert_nontrivial_match(self):

@@ -160,6 +160,8 @@ def test_assert_consumed_names_unused_entries_and_missing_variables(tmp_path):
             check()
     with pytest.raises(AssertionError, match="nothing in it matched"):
         Checkpoint(c=c).restore(path).expect_partial().assert_nontrivial_match()
+    with pytest.raises(AssertionError, match=r"variables not in the checkpoint: \['model \(no variables yet\)'\]"):
+        Checkpoint(a=a2, model=_model(False)).restore(path).expect_partial().assert_existing_objects_matched()
 
 
 def test_dropping_a_checkpoint_with_unrestored_values_warns_unless_partial_is_expected(tmp_path):
