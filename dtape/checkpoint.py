@@ -1194,32 +1194,50 @@ class InitializationOnlyStatus:
 
 def numbered_checkpoints(directory, checkpoint_name):
     """[(number, path)] of `<checkpoint_name>-<n>` files in `directory`, by number; [] if it is missing."""
-    pattern = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+    return sorted((number, path) for name, number, path in _numbered_files(directory) if name == checkpoint_name)
+
+
+def _numbered_files(directory):
+    """(prefix, number, path) of every `<prefix>-<n>` entry of `directory` (not hidden); [] if it is missing."""
     try:
         entries = os.listdir(directory)
     except FileNotFoundError:
         return []
     except NotADirectoryError:
         raise CheckpointError(f"checkpoint directory {directory!r} is a file, not a directory") from None
-    found = [(int(m.group(1)), os.path.join(directory, e)) for e in entries if (m := pattern.match(e))]
-    return sorted(found)
+    return [(m.group(1), int(m.group(2)), os.path.join(directory, e)) for e in entries
+            if (m := _NUMBERED_FILE.match(e))]
 
 
-def latest_checkpoint(directory, checkpoint_name="ckpt"):
+_NUMBERED_FILE = re.compile(r"^([^.].*)-(\d+)$")
+
+
+def latest_checkpoint(directory, checkpoint_name=None):
     """The path of the highest-numbered checkpoint `<checkpoint_name>-<n>` in `directory`.
 
     Args:
-      directory: folder (str or os.PathLike), as given to `CheckpointManager`.
-      checkpoint_name: the file prefix (default "ckpt", as TF).
+      directory: folder (str or os.PathLike), as given to `CheckpointManager`
+        or the folder of `Checkpoint.save`'s prefix.
+      checkpoint_name: the file prefix; None (default): the one prefix of the
+        `<prefix>-<n>` files there ("ckpt" when several include it), so
+        `Checkpoint.save(folder + "/model")` is found as TF finds it.
 
     Returns:
       str or None: the path, or None when there is none (or no folder).
 
     Raises:
-      CheckpointError: `directory` is a file.
+      CheckpointError: `directory` is a file; with `checkpoint_name=None`,
+        numbered files of several prefixes (none "ckpt"): pass the name.
 
     Source: tf.train.latest_checkpoint (which reads TF's state file; here the
     folder is listed, and numbers order the checkpoints).
     """
-    found = numbered_checkpoints(os.fspath(directory), checkpoint_name)
+    directory = os.fspath(directory)
+    if checkpoint_name is None:
+        prefixes = sorted({name for name, _, _ in _numbered_files(directory)})
+        if len(prefixes) > 1 and "ckpt" not in prefixes:
+            raise CheckpointError(f"checkpoint directory {directory!r} holds numbered files of several prefixes "
+                                  f"{prefixes}; pass checkpoint_name= to choose one")
+        checkpoint_name = "ckpt" if len(prefixes) != 1 else prefixes[0]
+    found = numbered_checkpoints(directory, checkpoint_name)
     return found[-1][1] if found else None

@@ -196,6 +196,7 @@ def test_save_numbers_with_the_counter_and_write_does_not(tmp_path):
     assert ckpt.save(prefix) == prefix + "-1" and ckpt.save(prefix) == prefix + "-2"
     assert ckpt.write(str(tmp_path / "exact")) == str(tmp_path / "exact") and int(ckpt.save_counter) == 2
     assert checkpoint.latest_checkpoint(tmp_path / "new_folder", "model") == prefix + "-2"
+    assert dtape.train.latest_checkpoint(tmp_path / "new_folder") == prefix + "-2"   # TF's call: no name given
     assert checkpoint.read(prefix + "-1")["save_counter"].item() == 1       # same file format as save()
     fresh = Checkpoint(v=dtape.Variable([0.0]))
     fresh.restore(prefix + "-1").assert_consumed()
@@ -388,3 +389,18 @@ def test_state_dict_objects_restore_then_train_equals_the_uninterrupted_run(tmp_
     resumed, status = _torch_run(str(tmp_path / "cut"), 2)
     assert first + resumed == whole
     status.assert_consumed()
+
+
+def test_latest_checkpoint_without_a_name_takes_the_one_prefix_or_refuses_to_guess(tmp_path):
+    """Broken on purpose: with the default name fixed to "ckpt", a folder of `model-<n>` files gave None, and a
+    resumed run would silently have started from scratch."""
+    assert checkpoint.latest_checkpoint(tmp_path) is None
+    for name in ("model-1", "model-3", ".model-9.1.ab.tmp", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert checkpoint.latest_checkpoint(tmp_path) == str(tmp_path / "model-3")
+    (tmp_path / "other-7").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"several prefixes \['model', 'other'\]; pass checkpoint_name="):
+        checkpoint.latest_checkpoint(tmp_path)
+    assert checkpoint.latest_checkpoint(tmp_path, "other") == str(tmp_path / "other-7")
+    (tmp_path / "ckpt-2").write_bytes(b"")
+    assert checkpoint.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2")      # "ckpt" first, as before
