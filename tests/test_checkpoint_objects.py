@@ -404,3 +404,27 @@ def test_latest_checkpoint_without_a_name_takes_the_one_prefix_or_refuses_to_gue
     assert checkpoint.latest_checkpoint(tmp_path, "other") == str(tmp_path / "other-7")
     (tmp_path / "ckpt-2").write_bytes(b"")
     assert checkpoint.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2")      # "ckpt" first, as before
+
+
+def test_lazy_layer_values_wait_in_one_merge_call_of_every_replica(tmp_path, monkeypatch):
+    """A layer built inside strategy.run is built by every replica thread: each announces it, and the values are
+    assigned in a merge_call (once, in the cross-replica context, while every replica waits), so no replica runs
+    its forward on the initial weights. Broken on purpose: assigning from the announcing replica thread directly
+    (no merge_call) left `calls` empty (the training results did not show it: the race is rare)."""
+    strategy = _strategies.mirrored(2)
+    _run(str(tmp_path), 1, strategy)
+    calls, contexts, merge_call = [], [], ds.ReplicaContext.merge_call
+
+    def spy(self, merge_fn, args=(), kwargs=None):
+        if "_Waiting" in getattr(merge_fn, "__qualname__", ""):
+            def recorded(s, *a, **k):
+                contexts.append(ds.in_cross_replica_context())
+                return merge_fn(s, *a, **k)
+            calls.append(self.replica_id_in_sync_group)
+            return merge_call(self, recorded, args, kwargs)
+        return merge_call(self, merge_fn, args, kwargs)
+
+    monkeypatch.setattr(ds.ReplicaContext, "merge_call", spy)
+    _, _, _, status, _ = _run(str(tmp_path), 1, strategy)
+    assert sorted(calls) == [0, 0, 1, 1] and contexts == [True, True]      # 2 layers: both replicas, each once
+    status.assert_consumed()
