@@ -15,7 +15,10 @@ from dtape.variables import (Variable, VariableAggregation, VariableSynchronizat
                              variable_creator_scope)
 from dtape.backprop import GradientTape, UnconnectedGradients  # noqa: F401
 from dtape.module import Module  # noqa: F401
-from dtape import layers, checkpoint  # noqa: F401
+from dtape import layers, checkpoint, checkpoint_management  # noqa: F401
+# TF splits them the same way; tf.train.CheckpointManager is also reached from the checkpoint module's name.
+checkpoint.CheckpointManager = checkpoint_management.CheckpointManager
+from dtape import train  # noqa: F401,E402
 
 __version__ = "0.1.0"
 
@@ -25,7 +28,7 @@ __all__ = ["Tensor", "as_dtype", "constant", "convert_to_tensor", "device", "fro
 # dtype names; `bool` is left out: a star import must not shadow the builtin.
 __all__ += ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
             "complex64", "complex128"]
-__all__ += ["Module", "layers", "checkpoint"]
+__all__ += ["Module", "layers", "checkpoint", "train"]
 from dtape import distribute  # noqa: E402,F401  (last: registers the tape's resolver)
 from dtape import _replica_info  # noqa: E402
 _replica_info.register(distribute.get_replica_context, distribute.in_cross_replica_context,

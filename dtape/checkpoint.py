@@ -38,6 +38,14 @@ tensors (detached), arrays as numpy arrays (native byte order), tuples as
 tuples; numpy scalars (`np.float64(0.5)`) come back as Python scalars.
 Anything else is a TypeError at save time naming the key.
 
+`Checkpoint(**objects)` is TF's object: `save(prefix)` numbers files with
+its `save_counter`, `restore` returns a load status, and values of variables
+that do not exist yet wait in `dtape._restore_hooks` until a layer's build or
+an optimizer's step creates them (a custom Module that creates variables in
+its own `__call__` does not notify: call it once before restoring).
+`CheckpointManager` lives in `dtape.checkpoint_management` (as in TF) and is
+also `dtape.checkpoint.CheckpointManager`.
+
 Source: tf.train.Checkpoint (save / restore), by key instead of object graph;
 tf.train.CheckpointManager and tf.train.latest_checkpoint.
 """
@@ -49,20 +57,24 @@ import re
 import secrets
 import stat
 import struct
+import warnings
+import weakref
 
 import numpy as np
 import safetensors
 import safetensors.torch
 import torch
 
+from dtape import _restore_hooks
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.module import is_unique_name_base
 from dtape.distribute import SyncOnReadVariable
 from dtape.tensor import Tensor, is_variable
-from dtape.variables import VariableAggregation
+from dtape.variables import Variable, VariableAggregation
 
-__all__ = ["save", "restore", "read", "CheckpointError", "CheckpointManager", "latest_checkpoint"]
+__all__ = ["save", "restore", "read", "CheckpointError", "Checkpoint", "CheckpointLoadStatus",
+           "InitializationOnlyStatus", "CheckpointManager", "latest_checkpoint"]
 
 _FORMAT = "dtape.checkpoint/2"
 _DATA_PREFIX = "__data__/"
@@ -319,6 +331,17 @@ def save(path, **objects):
     Example:
       >>> dtape.checkpoint.save("/tmp/ckpt", model=model, optimizer=opt, step=10)
     """
+    return save_objects(path, objects)
+
+
+def save_objects(path, objects, make_folder=False, after=None):
+    """`save(path, **objects)` with the objects as a dict; the folder is created first if `make_folder`.
+
+    `after()` runs where the file is written (rank 0 under
+    MultiWorkerMirroredStrategy), once it is in place and before the other
+    workers go on (CheckpointManager deletes old checkpoints there).
+    Returns `path` (str).
+    """
     path = os.fspath(path)
     tensors, stored, data, every, states = {}, {}, {}, [], []
     for name, obj in objects.items():
@@ -335,7 +358,13 @@ def save(path, **objects):
         every += pairs
         for key, var in pairs:
             tensors[key] = _saved_value(var)
-    _writer(every).write(lambda: _write_atomically(path, _serialize(tensors, stored, data, states)))
+    def write():
+        if make_folder and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write_atomically(path, _serialize(tensors, stored, data, states))
+        if after is not None:
+            after()
+    _writer(every).write(write)
     return path
 
 
@@ -729,7 +758,7 @@ def _canonical_names(names):
             for parts in split]
 
 
-def _check_names(path, name, pairs, entries):
+def _check_names(path, name, pairs, entries, hint=" Pass strict=False to restore by position."):
     names = [_var_name(var, key) for key, var in pairs]
     stored = [stored_name for _, stored_name in entries]
     wrong = [f"{key}: checkpoint has {old!r}, variable is {new!r}"
@@ -739,7 +768,7 @@ def _check_names(path, name, pairs, entries):
     if wrong:
         raise ValueError(f"restore: variable names of {name!r} differ from checkpoint {path} (renamed or reordered "
                          f"variables; default names are compared by their order within {name!r}): "
-                         + "; ".join(wrong) + ". Pass strict=False to restore by position.")
+                         + "; ".join(wrong) + "." + hint)
 
 
 def _checked_value(path, key, var, stored_name, value):
@@ -753,131 +782,462 @@ def _checked_value(path, key, var, stored_name, value):
     return value
 
 
+# -- tf.train.Checkpoint ----------------------------------------------------------
+
+_COUNTER = "save_counter"
+
+
+class Checkpoint:
+    """Groups variables, modules and optimizers to save and restore together, as tf.train.Checkpoint.
+
+    Args:
+      root: optional; an object saved under the name `root` (TF's
+        `Checkpoint(model)`), also `ckpt.root`.
+      **objects: name -> variable, module, optimizer (anything with a
+        `variables()` method or `.variables` attribute), an object saved by
+        its `state_dict()` (a torch optimizer or lr scheduler, a `from_torch`
+        optimizer), None (nothing saved) or a list, tuple or dict of these
+        (entries `name.0`, `name.key`, ...). Each is also an attribute
+        (`ckpt.model`); assigning a new attribute adds an object. Names may
+        not contain '/', start with '_' or be `save_counter`.
+
+    Raises:
+      TypeError: plain data (an int, a tensor, a dataset iterator): it could
+        not be restored in place; keep a counter in a `dtape.Variable`.
+      ValueError: a bad name.
+
+    The file is that of `save(path, **objects)` plus `save_counter`, so
+    `dtape.checkpoint.restore`/`read` read it too. Restoring matches each
+    object's variables by position and checks names (default names by
+    order), shapes and dtypes as `restore` does. Values for variables that
+    do not exist yet (an optimizer's slots and `iterations` before its first
+    step, a layer's before its first call) wait and are assigned when they
+    are created, before they are used (TF's deferred restoration): restore,
+    then train one step, gives the uninterrupted run's next step. (Only
+    layer builds and optimizer steps say they created variables: a custom
+    Module creating variables in its own `__call__` is called once first.)
+    Source: tf.train.Checkpoint (by key and position, not object graph).
+
+    Example:
+      >>> ckpt = dtape.checkpoint.Checkpoint(model=model, optimizer=opt)
+      >>> path = ckpt.save("/tmp/run/ckpt")        # /tmp/run/ckpt-1
+      >>> ckpt.restore(path).assert_consumed()
+    """
+
+    def __init__(self, root=None, **objects):
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_save_counter", None)
+        # The warning about values not restored comes once this Checkpoint and the statuses of its restores are
+        # all dropped (`ckpt.restore(path).expect_partial()` drops a temporary Checkpoint first).
+        tracker, outcomes = _Tracker(), []
+        object.__setattr__(self, "_tracker", tracker)
+        object.__setattr__(self, "_outcomes", outcomes)
+        weakref.finalize(tracker, _warn_unrestored, outcomes).atexit = False
+        for name, obj in (({"root": root} if root is not None else {}) | objects).items():
+            setattr(self, name, obj)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_") or name == _COUNTER:
+            raise ValueError(f"Checkpoint object name {name!r} is reserved (names starting with '_' and "
+                             f"'save_counter', the Checkpoint's own counter)")
+        _check_name(name)
+        _entries(name, value)     # raises for a value that cannot be restored in place
+        self._objects[name] = value
+
+    def __getattr__(self, name):
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"Checkpoint has no object {name!r} (it has {sorted(objects)})")
+
+    @property
+    def save_counter(self):
+        """Number of `save` calls (an int64 variable, saved and restored with the checkpoint; 0 at first)."""
+        if self._save_counter is None:
+            with _tp.stop_recording():
+                counter = Variable(torch.tensor(0, dtype=torch.int64), trainable=False, name=_COUNTER)
+            object.__setattr__(self, "_save_counter", counter)
+        return self._save_counter
+
+    def write(self, file_prefix):
+        """Writes the objects (and `save_counter`) to exactly `file_prefix`; no number, no counter change.
+
+        Args:
+          file_prefix: file path (str or os.PathLike); its folder is created.
+
+        Returns:
+          str: the path written.
+
+        Raises: as `dtape.checkpoint.save`. Every worker calls it (rank 0
+        writes). Source: tf.train.Checkpoint.write.
+        """
+        return self.write_then(file_prefix)
+
+    def write_then(self, file_prefix, after=None):
+        """`write`, then `after()` where the file was written (rank 0), before the others go on."""
+        return save_objects(file_prefix, {**self._flat(), _COUNTER: self.save_counter}, make_folder=True,
+                            after=after)
+
+    def save(self, file_prefix):
+        """Adds 1 to `save_counter` and writes `<file_prefix>-<save_counter>`.
+
+        Args:
+          file_prefix: path prefix (str or os.PathLike); its folder is created.
+
+        Returns:
+          str: the path written, for `restore` (`.../ckpt-3`).
+
+        Raises: as `write`. The file is found by
+        `dtape.checkpoint.latest_checkpoint(folder, basename)`.
+        Source: tf.train.Checkpoint.save.
+        """
+        with _tp.stop_recording():
+            self.save_counter.assign_add(1)
+        return self.write(f"{os.fspath(file_prefix)}-{int(self.save_counter.numpy())}")
+
+    def restore(self, save_path):
+        """Restores the objects (and `save_counter`) from `save_path`; None restores nothing.
+
+        Args:
+          save_path: a path returned by `save` or `write`, or None (e.g. the
+            `latest_checkpoint` of a first run).
+
+        Returns:
+          CheckpointLoadStatus (`assert_consumed`, `assert_existing_objects_matched`,
+          `expect_partial`), or for None an InitializationOnlyStatus.
+
+        Raises:
+          CheckpointError: the file is missing, unreadable or corrupt.
+          ValueError: a variable's name, shape or dtype differs from the
+            file's, or an object has more variables than the file holds for
+            it; nothing is assigned then. A deferred value that does not fit
+            the variable later created raises the same error from the step
+            or call that creates it, before the variable is used.
+
+        Variables present now are assigned now (every component of a
+        distributed variable); values of variables not created yet wait for
+        them. An object missing from the file, and entries of the file no
+        object takes, are reported by the status (a warning when the
+        Checkpoint is dropped, unless `expect_partial()`).
+        Call it in the cross-replica context; every worker restores.
+        Source: tf.train.Checkpoint.restore.
+        """
+        if save_path is None:
+            return InitializationOnlyStatus()
+        return self._restore(save_path, {**self._flat(), _COUNTER: self.save_counter})
+
+    def read(self, save_path):
+        """`restore` without `save_counter` (a file from `write`; the counter keeps its value).
+
+        Source: tf.train.Checkpoint.read.
+        """
+        return self._restore(save_path, self._flat())
+
+    def _flat(self):
+        return {key: obj for name, value in self._objects.items() for key, obj in _entries(name, value).items()}
+
+    def _restore(self, save_path, objects):
+        outcome = _restore_objects(save_path, objects)
+        self._outcomes.append(outcome)
+        return CheckpointLoadStatus(outcome, self._tracker)
+
+
+def _restore_objects(path, objects):
+    """Assigns what exists now, registers what waits; returns the _Outcome."""
+    tensors, stored, data, states = _load_all(path)
+    path = os.fspath(path)
+    plan, loads, waiting, missing, matched = [], [], [], [], False
+    for name, obj in objects.items():
+        if _has_state_dict(obj):
+            if name in states:
+                loads.append((obj, data[name]))
+                matched = True
+            else:
+                missing.append(f"{name} (its state dict)")
+            continue
+        pairs = _named_variables(name, obj)
+        if name not in stored:
+            if name != _COUNTER:
+                described = [f"{key} ({_var_name(var, key)!r})" for key, var in pairs]
+                missing += described or [f"{name} (no variables yet)"]
+            continue
+        entries = stored[name]
+        tail = _tail(path, name, pairs, entries)
+        plan += _planned(path, name, pairs, entries, tensors, tail, range(len(pairs)))
+        matched = matched or name != _COUNTER
+        if len(pairs) < len(entries):
+            waiting.append(_Waiting(path, name, obj, entries, tensors, len(pairs) - tail, tail))
+    for obj, state in loads:
+        obj.load_state_dict(state)
+    for var, value in plan:
+        _assign_all(var, value)
+    for w in waiting:
+        _restore_hooks.wait(w)
+    unused = sorted(n for n in set(stored) | set(data) if n not in objects and n != _COUNTER)
+    return _Outcome(path, unused, missing, waiting, matched=matched)
+
+
+def _matched(entries, n, tail):
+    """The stored entries that `n` variables match: the first `n - tail` and the last `tail`."""
+    return entries[:n - tail] + entries[len(entries) - tail:]
+
+
+def _tail(path, name, pairs, entries):
+    """How many of an object's last variables match the last stored entries, when it has fewer than stored.
+
+    Variables appear at the end (a lazily built model, an optimizer's slots)
+    or before a fixed tail (a LossScaleOptimizer's slots come before its loss
+    scale and counter): the smallest tail whose names match is taken, 0 first.
+    Raises ValueError (the names of the plain prefix) when none does.
+    """
+    if len(pairs) > len(entries):
+        raise ValueError(f"restore: {name!r} has {len(pairs)} variables but checkpoint {path} holds {len(entries)} "
+                         f"for it (a different model or optimizer)")
+    names = _canonical_names([_var_name(var, key) for key, var in pairs])
+    for tail in range(len(pairs) + 1 if len(pairs) < len(entries) else 1):
+        if _canonical_names([n for _, n in _matched(entries, len(pairs), tail)]) == names:
+            return tail
+    _check_names(path, name, pairs, entries[:len(pairs)], hint="")
+    return 0
+
+
+def _planned(path, name, pairs, entries, tensors, tail, positions):
+    """[(variable, value)] for the `positions` of `pairs`, matched as `_matched` says (names, shapes checked)."""
+    matched = _matched(entries, len(pairs), tail)
+    _check_names(path, name, pairs, matched, hint="")
+    return [(pairs[i][1], _checked_value(path, pairs[i][0], pairs[i][1], matched[i][1], tensors[matched[i][0]]))
+            for i in positions]
+
+
+class _Waiting:
+    """The stored values of one object whose variables do not all exist yet, assigned as they appear.
+
+    Called by `dtape._restore_hooks.variables_created(owner)`; returns True once
+    every value is assigned or the object is gone. The entries `done` up to
+    `len(entries) - tail` wait (see `_tail`).
+    """
+
+    def __init__(self, path, name, obj, entries, tensors, done, tail):
+        self.path, self.name, self.entries, self.done, self.tail = path, name, entries, done, tail
+        self.tensors = {key: tensors[key] for key, _ in self._waiting()}
+        try:
+            self._obj = weakref.ref(obj)
+        except TypeError:
+            self._obj = lambda: obj
+
+    def _waiting(self):
+        return self.entries[self.done:len(self.entries) - self.tail]
+
+    @property
+    def pending(self):
+        """Keys still waiting for their variable."""
+        return [key for key, _ in self._waiting()] if self._obj() is not None else []
+
+    def __call__(self, owner):
+        obj = self._obj()
+        if obj is None:
+            return True
+        pairs = _named_variables(self.name, obj)
+        if len(pairs) - self.tail > self.done:
+            announced = {id(v) for v in _variables_of(owner) or ()}
+            if any(id(var) not in announced for _, var in pairs[self.done:len(pairs) - self.tail]):
+                raise RuntimeError(
+                    f"checkpoint {self.path}: {self.name!r} created variables without a layer build announcing "
+                    f"them (a Module creating variables in its own __call__?), so they may have been used before "
+                    f"their restored values arrived; call it once before restoring")
+            ctx = distribute.get_replica_context()
+            if ctx is not None and ctx.num_replicas_in_sync > 1:
+                # A layer built inside strategy.run is built by every replica thread, each of which gets here:
+                # one merge_call assigns every component while all replicas wait, before any uses them.
+                ctx.merge_call(lambda _strategy: self._assign(obj))
+            else:
+                self._assign(obj)
+        return not self._waiting()
+
+    def _assign(self, obj):
+        pairs = _named_variables(self.name, obj)
+        head = len(pairs) - self.tail
+        if head <= self.done:
+            return
+        if head > len(self.entries) - self.tail:
+            raise ValueError(f"restore: {self.name!r} now has {len(pairs)} variables but checkpoint {self.path} "
+                             f"holds {len(self.entries)} for it (a different model or optimizer)")
+        for var, value in _planned(self.path, self.name, pairs, self.entries, self.tensors, self.tail,
+                                   range(self.done, head)):
+            _assign_all(var, value)
+        for key, _ in self.entries[self.done:head]:
+            del self.tensors[key]
+        self.done = head
+
+
+def _entries(name, value):
+    """{entry name: object} for one Checkpoint attribute: nothing for None, one entry per element of a list,
+    tuple or dict of objects (`nets.0`, `nets.gen`, as TF tracks nested structures), else the object itself."""
+    if value is None:
+        return {}
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        out = {}
+        for key, item in items:
+            _check_name(f"{key}")
+            out.update(_entries(f"{name}.{key}", item))
+        return out
+    if not (_has_state_dict(value) or _named_variables(name, value) is not None):
+        raise TypeError(f"Checkpoint: {name!r} is a {type(value).__name__}, not a variable, module, optimizer or "
+                        f"object with state_dict()/load_state_dict() (plain data cannot be restored in place: keep "
+                        f"a counter in a dtape.Variable; dtape.checkpoint.save stores plain data)")
+    return {name: value}
+
+
+class _Tracker:
+    """Referenced by a Checkpoint and its statuses: when it dies, all of them are gone."""
+
+
+def _warn_unrestored(outcomes):
+    problems = [p for outcome in outcomes if not outcome.partial_expected for p in outcome.unresolved()]
+    if problems:
+        warnings.warn(f"a Checkpoint was dropped with values not restored ({'; '.join(problems)}); call "
+                      f"expect_partial() on the restore status if this is intended", stacklevel=2)
+
+
+class _Outcome:
+    """What one restore matched and left; read by its status and by the warning when it is all dropped."""
+
+    def __init__(self, path, unused, missing, waiting, matched):
+        self.path, self.unused, self.missing, self.waiting, self.matched = path, unused, missing, waiting, matched
+        self.partial_expected = False
+
+    def unresolved(self):
+        """Descriptions of what is not restored now: file entries no object took, variables absent from the
+        file, values still waiting for their variables (list of str; empty when all matched)."""
+        out = [f"checkpoint entries matched by no object: {self.unused}"] if self.unused else []
+        if self.missing:
+            out.append(f"variables not in the checkpoint: {self.missing}")
+        pending = [key for w in self.waiting for key in w.pending]
+        if pending:
+            out.append(f"values waiting for variables not created yet (an optimizer's first step or a layer's "
+                       f"first call creates them): {pending}")
+        return out
+
+
+class CheckpointLoadStatus:
+    """What a `Checkpoint.restore` matched; the assertions check it when called (deferred values count).
+
+    Source: TF's CheckpointLoadStatus.
+    """
+
+    def __init__(self, outcome, tracker):
+        self._outcome, self._tracker = outcome, tracker
+
+    def unresolved(self):
+        """Descriptions of what is not restored now: file entries no object took, variables absent from the
+        file, values still waiting for their variables (list of str; empty when all matched)."""
+        return self._outcome.unresolved()
+
+    def assert_consumed(self):
+        """Raises AssertionError unless every file entry and every object's variable was matched and no
+        value still waits for its variable; returns self."""
+        problems = self.unresolved()
+        if problems:
+            raise AssertionError(f"checkpoint {self._outcome.path}: " + "; ".join(problems))
+        return self
+
+    def assert_existing_objects_matched(self):
+        """Raises AssertionError if a variable that exists now got no value from the file; returns self
+        (file entries no object took, and values waiting for variables, are allowed)."""
+        if self._outcome.missing:
+            raise AssertionError(f"checkpoint {self._outcome.path}: variables not in the checkpoint: "
+                                 f"{self._outcome.missing}")
+        return self
+
+    def assert_nontrivial_match(self):
+        """Raises AssertionError if nothing but `save_counter` was matched; returns self."""
+        if not self._outcome.matched:
+            raise AssertionError(f"checkpoint {self._outcome.path}: nothing in it matched the Checkpoint's objects")
+        return self
+
+    def expect_partial(self):
+        """Silences the warning about values not restored when the Checkpoint is dropped; returns self."""
+        self._outcome.partial_expected = True
+        return self
+
+    def run_restore_ops(self, session=None):
+        """Does nothing: values are assigned by `restore` or when their variables are created (TF 2)."""
+
+    def initialize_or_restore(self, session=None):
+        """Does nothing: values are assigned by `restore` or when their variables are created (TF 2)."""
+
+
+class InitializationOnlyStatus:
+    """The status of `Checkpoint.restore(None)`: nothing was restored; the assertions raise.
+
+    Source: TF's InitializationOnlyStatus.
+    """
+
+    def assert_consumed(self):
+        raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+
+    assert_existing_objects_matched = assert_nontrivial_match = assert_consumed
+
+    def expect_partial(self):
+        """Returns self."""
+        return self
+
+    def run_restore_ops(self, session=None):
+        """Does nothing."""
+
+    def initialize_or_restore(self, session=None):
+        """Does nothing: the objects keep their initial values."""
+
+
 # -- numbered checkpoints ---------------------------------------------------------
 
-def _numbered(directory, checkpoint_name):
+def numbered_checkpoints(directory, checkpoint_name):
     """[(number, path)] of `<checkpoint_name>-<n>` files in `directory`, by number; [] if it is missing."""
-    pattern = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+    return sorted((number, path) for name, number, path in _numbered_files(directory) if name == checkpoint_name)
+
+
+def _numbered_files(directory):
+    """(prefix, number, path) of every `<prefix>-<n>` entry of `directory` (not hidden); [] if it is missing."""
     try:
         entries = os.listdir(directory)
     except FileNotFoundError:
         return []
     except NotADirectoryError:
         raise CheckpointError(f"checkpoint directory {directory!r} is a file, not a directory") from None
-    found = [(int(m.group(1)), os.path.join(directory, e)) for e in entries if (m := pattern.match(e))]
-    return sorted(found)
+    return [(m.group(1), int(m.group(2)), os.path.join(directory, e)) for e in entries
+            if (m := _NUMBERED_FILE.match(e))]
 
 
-def latest_checkpoint(directory, checkpoint_name="ckpt"):
+_NUMBERED_FILE = re.compile(r"^([^.].*)-(\d+)$")
+
+
+def latest_checkpoint(directory, checkpoint_name=None):
     """The path of the highest-numbered checkpoint `<checkpoint_name>-<n>` in `directory`.
 
     Args:
-      directory: folder (str or os.PathLike), as given to `CheckpointManager`.
-      checkpoint_name: the file prefix (default "ckpt", as TF).
+      directory: folder (str or os.PathLike), as given to `CheckpointManager`
+        or the folder of `Checkpoint.save`'s prefix.
+      checkpoint_name: the file prefix; None (default): the one prefix of the
+        `<prefix>-<n>` files there ("ckpt" when several include it), so
+        `Checkpoint.save(folder + "/model")` is found as TF finds it.
 
     Returns:
       str or None: the path, or None when there is none (or no folder).
 
     Raises:
-      CheckpointError: `directory` is a file.
+      CheckpointError: `directory` is a file; with `checkpoint_name=None`,
+        numbered files of several prefixes (none "ckpt"): pass the name.
 
     Source: tf.train.latest_checkpoint (which reads TF's state file; here the
     folder is listed, and numbers order the checkpoints).
     """
-    found = _numbered(os.fspath(directory), checkpoint_name)
+    directory = os.fspath(directory)
+    if checkpoint_name is None:
+        prefixes = sorted({name for name, _, _ in _numbered_files(directory)})
+        if len(prefixes) > 1 and "ckpt" not in prefixes:
+            raise CheckpointError(f"checkpoint directory {directory!r} holds numbered files of several prefixes "
+                                  f"{prefixes}; pass checkpoint_name= to choose one")
+        checkpoint_name = "ckpt" if len(prefixes) != 1 else prefixes[0]
+    found = numbered_checkpoints(directory, checkpoint_name)
     return found[-1][1] if found else None
-
-
-class CheckpointManager:
-    """Saves numbered checkpoints `<directory>/<checkpoint_name>-<n>` and keeps the newest `max_to_keep`.
-
-    Args:
-      directory: folder for the checkpoints (str or os.PathLike); created by
-        the first `save`.
-      max_to_keep: how many checkpoints to keep (a positive int), or None to
-        keep all.
-      checkpoint_name: the file prefix (default "ckpt", as TF).
-
-    Raises:
-      ValueError: `max_to_keep` is not a positive int or None.
-
-    Checkpoints are ordered by number (TF orders by save time; with numbers
-    that grow with the step, as here enforced, the two agree). The state is
-    the folder itself: a new manager on the same folder sees the files an
-    earlier run left.
-    Source: tf.train.CheckpointManager.
-
-    Example:
-      >>> manager = dtape.checkpoint.CheckpointManager("/tmp/run", max_to_keep=3)
-      >>> manager.save(model=model, optimizer=opt, step=step)      # /tmp/run/ckpt-1, ckpt-2, ...
-      >>> dtape.checkpoint.restore(manager.latest_checkpoint, model=model, optimizer=opt)
-    """
-
-    def __init__(self, directory, max_to_keep, checkpoint_name="ckpt"):
-        if max_to_keep is not None and (type(max_to_keep) is not int or max_to_keep < 1):
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
-        if not isinstance(checkpoint_name, str) or not checkpoint_name or os.sep in checkpoint_name:
-            raise ValueError(f"checkpoint_name must be a non-empty file name, got {checkpoint_name!r}")
-        self._directory = os.fspath(directory)
-        self._max_to_keep = max_to_keep
-        self._checkpoint_name = checkpoint_name
-
-    @property
-    def directory(self):
-        """The folder of the checkpoints (str)."""
-        return self._directory
-
-    @property
-    def checkpoints(self):
-        """Paths of the kept checkpoints, oldest (lowest number) first (list of str)."""
-        return [p for _, p in _numbered(self._directory, self._checkpoint_name)]
-
-    @property
-    def latest_checkpoint(self):
-        """Path of the newest checkpoint, or None when there is none."""
-        return latest_checkpoint(self._directory, self._checkpoint_name)
-
-    def save(self, checkpoint_number=None, **objects):
-        """Saves `objects` as the next numbered checkpoint, then deletes the oldest beyond `max_to_keep`.
-
-        Args:
-          checkpoint_number: the file's number (an int >= 0, e.g. the step);
-            None for the latest number + 1 (1 for the first). It may not be
-            below the latest kept number (that one would be deleted first or
-            mistaken for an older one); equal overwrites it.
-          **objects: as for `save`.
-
-        Returns:
-          str: the path written.
-
-        Raises:
-          TypeError, ValueError: a bad `checkpoint_number`; as `save`.
-        """
-        found = _numbered(self._directory, self._checkpoint_name)
-        latest = found[-1][0] if found else None
-        number = self._number(checkpoint_number, latest)
-        os.makedirs(self._directory, exist_ok=True)
-        path = save(os.path.join(self._directory, f"{self._checkpoint_name}-{number}"), **objects)
-        self._sweep()
-        return path
-
-    def _number(self, checkpoint_number, latest):
-        if checkpoint_number is None:
-            return 1 if latest is None else latest + 1
-        if type(checkpoint_number) is not int and not isinstance(checkpoint_number, np.integer):
-            raise TypeError(f"checkpoint_number must be an int, got {type(checkpoint_number).__name__}")
-        number = int(checkpoint_number)
-        if number < 0 or (latest is not None and number < latest):
-            raise ValueError(f"checkpoint_number {number} is below the latest kept checkpoint number {latest} in "
-                             f"{self._directory!r} (or negative); use a larger number or remove the newer files")
-        return number
-
-    def _sweep(self):
-        kept = self.checkpoints
-        if self._max_to_keep is None:
-            return
-        for path in kept[:max(0, len(kept) - self._max_to_keep)]:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass            # removed by another manager on the same folder

@@ -34,6 +34,7 @@ import torch
 from dtape import _policy
 from dtape import _call_context
 from dtape import _replica_info
+from dtape import _restore_hooks
 from dtape import nest
 from dtape import nn as _nn
 from dtape import random as _random
@@ -270,6 +271,7 @@ def _wrap_build(build):
             return
         build(self, _shape_struct(input_shape))
         self.built = True
+        _restore_hooks.variables_created(self)   # values a checkpoint restored before the build fill them now
         if getattr(self, "_build_shape", None) is None:
             self._build_shape = _shape_struct(input_shape)
     wrapper._dtape_wrapped = True

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from dtape import _restore_hooks
 from dtape import distribute
 from dtape import optimizers_schedules as schedules
 from dtape import ops as _ops
@@ -116,7 +117,9 @@ class Optimizer:
         """
         for var in var_list:
             self._slots_for(distribute.value_container(var))
-        return self.iterations
+        iterations = self.iterations
+        _restore_hooks.variables_created(self)   # a checkpoint restored before the slots existed fills them
+        return iterations
 
     def variables(self):
         """The optimizer's state: iterations, then slots in creation order."""
@@ -221,6 +224,7 @@ class Optimizer:
     def _apply(self, strategy, pairs):
         for _, var in pairs:  # slots are made here, once, in the cross-replica context
             self._slots_for(distribute.value_container(var))
+        _restore_hooks.variables_created(self)   # a checkpoint restored before the slots existed fills them
         step = int(self.iterations.numpy()) + 1
         # Ctrl-C waits for the whole update: every component and `iterations`, or nothing.
         with _tp.stop_recording(), uninterrupted():
