@@ -7,6 +7,7 @@ import builtins
 
 import torch
 
+from dtape._sizes import scalar_value, shape_values, size_value
 from dtape.ops import _samples as S
 from dtape.ops._axes import AxisError, axis_values, canonical_axis, permutation
 from dtape.ops._dispatch import call_fallback
@@ -24,8 +25,9 @@ __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concat", "stack", 
 @defop(torch_fns=((torch.reshape, lambda x, shape: reshape(x, shape)),),
        samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)})], saves="none", complex_grad=True)
 def reshape(tensor, shape):
-    """Same elements in a new shape (one entry may be -1). Source: tf.reshape."""
-    return torch.reshape(tensor, tuple(shape))
+    """Same elements in a new shape: a list of sizes (ints or 0-d integer tensors; one may be -1) or a 1-D
+    integer tensor such as `dtape.shape(y)`. Source: tf.reshape."""
+    return torch.reshape(tensor, shape_values(shape, "reshape"))
 
 
 @reshape.grad
@@ -146,8 +148,8 @@ def _(dy, ans, values, axis=0):
 
 @defop(samples=lambda rng: [((S.randn(rng, 3, 1),), {"shape": (2, 3, 4)})], complex_grad=True)
 def broadcast_to(input, shape):  # noqa: A002
-    """Broadcasts `input` to `shape` (numpy rules). Source: tf.broadcast_to."""
-    return torch.broadcast_to(input, tuple(shape)).clone()
+    """Broadcasts `input` to `shape` (numpy rules; sizes as `reshape` takes them). Source: tf.broadcast_to."""
+    return torch.broadcast_to(input, shape_values(shape, "broadcast_to")).clone()
 
 
 @broadcast_to.grad
@@ -230,20 +232,14 @@ def _creation_dtype(dtype):
 
 def zeros(shape, dtype=None, device=None):
     """A tensor of zeros of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.zeros."""
-    return Tensor(torch.zeros(tuple(_to_list(shape)), dtype=_creation_dtype(dtype),
+    return Tensor(torch.zeros(shape_values(shape, "zeros", scalar=True), dtype=_creation_dtype(dtype),
                               device=default_device(device)))
 
 
 def ones(shape, dtype=None, device=None):
     """A tensor of ones of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.ones."""
-    return Tensor(torch.ones(tuple(_to_list(shape)), dtype=_creation_dtype(dtype),
+    return Tensor(torch.ones(shape_values(shape, "ones", scalar=True), dtype=_creation_dtype(dtype),
                              device=default_device(device)))
-
-
-def _to_list(shape):
-    if isinstance(shape, Tensor):
-        return [int(s) for s in shape.torch().tolist()]
-    return [int(s) for s in (shape if isinstance(shape, (list, tuple, torch.Size)) else [shape])]
 
 
 def zeros_like(input, dtype=None):  # noqa: A002
@@ -272,6 +268,9 @@ TORCH_TABLE[torch.ones_like] = lambda x, dtype=None, **kw: ones_like(x, dtype)
 def _raw_key(key):
     if isinstance(key, tuple):
         return tuple(_raw_key(k) for k in key)
+    if isinstance(key, slice):  # bounds may be 0-d integer tensors (x[:n]), as in TF
+        return slice(*[None if b is None else size_value(b, "getitem", "slice bound")
+                       for b in (key.start, key.stop, key.step)])
     if isinstance(key, Tensor):
         return key.torch()
     if isinstance(key, list):  # an empty list selects nothing: int64, as torch reads x[[]]
@@ -316,13 +315,12 @@ def _(ddy, ans, dy, shape, key):
 
 # -- split, tile --------------------------------------------------------------
 def _split_sizes(n, num_or_size_splits):
-    if isinstance(num_or_size_splits, Tensor):
-        num_or_size_splits = num_or_size_splits.torch().tolist()
-    if isinstance(num_or_size_splits, int):
-        if n % num_or_size_splits:
-            raise ValueError(f"split: dimension of size {n} is not divisible into {num_or_size_splits} parts")
-        return [n // num_or_size_splits] * num_or_size_splits
-    sizes = [int(s) for s in num_or_size_splits]
+    if not isinstance(num_or_size_splits, (list, tuple)) and getattr(num_or_size_splits, "ndim", 0) == 0:
+        k = size_value(num_or_size_splits, "split", "num_or_size_splits")
+        if k <= 0 or n % k:
+            raise ValueError(f"split: dimension of size {n} is not divisible into {k} parts")
+        return [n // k] * k
+    sizes = list(shape_values(num_or_size_splits, "split", "num_or_size_splits"))
     if sizes.count(-1) > 1:
         raise ValueError(f"split: at most one size may be -1, got {sizes}")
     if -1 in sizes:
@@ -379,7 +377,7 @@ def tile(input, multiples):  # noqa: A002 - TF's argument name
 
     Source: tf.tile.
     """
-    multiples = _to_list(multiples)
+    multiples = shape_values(multiples, "tile", "multiples")
     if len(multiples) != input.ndim:
         raise ValueError(f"tile: multiples has length {len(multiples)}, expected the input's rank {input.ndim}")
     return torch.tile(input, tuple(multiples))
@@ -387,7 +385,7 @@ def tile(input, multiples):  # noqa: A002 - TF's argument name
 
 @tile.grad
 def _(dy, ans, input, multiples):  # noqa: A002
-    multiples = _to_list(multiples)
+    multiples = shape_values(multiples, "tile", "multiples")
     split_shape = [d for m, s in zip(multiples, input.shape) for d in (m, s)]
     summed = torch.sum(torch.reshape(dy, split_shape), dim=tuple(_brange(0, 2 * len(multiples), 2)))
     return torch.reshape(summed, tuple(input.shape))
@@ -575,6 +573,8 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
     Source: tf.one_hot.
     """
     dtype = as_dtype(dtype)
+    depth = size_value(depth, "one_hot", "depth")
+    on_value, off_value = scalar_value(on_value, "one_hot", "on_value"), scalar_value(off_value, "one_hot", "off_value")
     axis = axis_values(axis, "one_hot")
     if isinstance(axis, tuple) or not (axis == -1 or 0 <= axis <= indices.ndim):
         raise AxisError(f"one_hot: axis {axis} is out of range for indices of rank {indices.ndim}; "
@@ -609,7 +609,7 @@ def fill(dims, value):
 
     Source: tf.fill.
     """
-    return _fill(value, dims=tuple(_to_list(dims)))
+    return _fill(value, dims=shape_values(dims, "fill", "dims", scalar=True))
 
 
 def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
@@ -626,10 +626,28 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     """
     if limit is None:
         start, limit = 0, start
-    vals = [v.torch().item() if isinstance(v, Tensor) else v for v in (start, limit, delta)]
-    if dtype is None:
-        dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
-    return Tensor(torch.arange(*vals, dtype=as_dtype(dtype), device=default_device()))
+    args = (start, limit, delta)
+    vals = [scalar_value(v, "range", name) for v, name in zip(args, ("start", "limit", "delta"))]
+    return Tensor(torch.arange(*vals, dtype=_range_dtype(args, vals, dtype), device=default_device()))
+
+
+def _range_dtype(args, vals, dtype):
+    """tf.range's dtype: the given one, else the widest of the 0-d tensor arguments' dtypes (Python ints
+    take theirs, as TF's do), made floating (float32) by a Python float; int64 for Python ints alone."""
+    if dtype is not None:
+        return as_dtype(dtype)
+    out = None
+    for d in filter(None, map(_scalar_dtype, args)):
+        out = d if out is None else torch.promote_types(out, d)
+    out = out or torch.int64
+    floats = any(isinstance(v, float) for a, v in zip(args, vals) if _scalar_dtype(a) is None)
+    return _creation_dtype(None) if floats and not out.is_floating_point else out
+
+
+def _scalar_dtype(a):
+    if is_variable(a) or isinstance(a, Tensor):
+        return a.dtype
+    return a.dtype if isinstance(a, torch.Tensor) else None
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})], saves="none",
