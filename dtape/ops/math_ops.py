@@ -22,7 +22,7 @@ __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "neg
            "sigmoid", "maximum", "minimum", "clip_by_value", "matmul", "einsum", "add_n",
            "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod",
            "reduce_logsumexp", "less", "less_equal", "greater", "greater_equal", "equal",
-           "not_equal", "logical_not", "logical_and", "logical_or", "argmax", "argmin"]
+           "not_equal", "logical_not", "logical_and", "logical_or", "logical_xor", "argmax", "argmin"]
 
 
 # -- arithmetic ---------------------------------------------------------------
@@ -819,11 +819,61 @@ logical_and = _compare("logical_and", lambda x, y: torch.logical_and(x, _as_tens
 logical_or = _compare("logical_or", lambda x, y: torch.logical_or(x, _as_tensor_like(y, x)),
                       "x or y (bool). Source: tf.math.logical_or.")
 
+logical_xor = _compare("logical_xor", lambda x, y: torch.logical_xor(x, _as_tensor_like(y, x)),
+                       "x xor y (bool). Source: tf.math.logical_xor.")
+
 
 @defop()
 def logical_not(x):
     """Not x (bool). Source: tf.math.logical_not."""
     return torch.logical_not(x)
+
+
+# The bitwise ops TF's operators use on integer tensors (tf.bitwise); not exported at the top level.
+bitwise_and = _compare("bitwise_and", torch.bitwise_and, "x & y on integers. Source: tf.bitwise.bitwise_and.")
+bitwise_or = _compare("bitwise_or", torch.bitwise_or, "x | y on integers. Source: tf.bitwise.bitwise_or.")
+bitwise_xor = _compare("bitwise_xor", torch.bitwise_xor, "x ^ y on integers. Source: tf.bitwise.bitwise_xor.")
+
+
+@defop()
+def invert(x):
+    """~x on integers (every bit flipped). Source: tf.bitwise.invert."""
+    return torch.bitwise_not(x)
+
+
+def _logic_operator(symbol, logical, bitwise):
+    """TF's `x & y` (and `|`, `^`): the logical op on bool tensors, the bitwise op on integer ones."""
+    def operator(x, y):
+        x = _logic_operand(x, symbol)
+        logic = x.dtype == torch.bool
+        if type(y) is (bool if logic else int):  # a Python scalar of the tensor's kind takes its dtype
+            return (logical if logic else bitwise)(x, y)
+        y = _logic_operand(y, symbol)
+        if (y.dtype == torch.bool) != logic:
+            raise TypeError(f"{symbol} takes two bool tensors (logical) or two integer tensors (bitwise), as TF's; "
+                            f"got {x.dtype} and {y.dtype}: cast one, e.g. dtape.cast(y, {x.dtype})")
+        return (logical if logic else bitwise)(x, y)
+    operator.__name__ = f"operator {symbol}"
+    return operator
+
+
+def _logic_operand(x, symbol):
+    x = x._dtape_read() if is_variable(x) else convert_to_tensor(x)
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        raise TypeError(f"{symbol} needs bool tensors (logical, as tf.math.logical_and/or/xor/not) or integer "
+                        f"tensors (bitwise, as tf.bitwise), got {x.dtype}; for a mask write x > 0 first")
+    return x
+
+
+and_ = _logic_operator("&", logical_and, bitwise_and)
+or_ = _logic_operator("|", logical_or, bitwise_or)
+xor_ = _logic_operator("^", logical_xor, bitwise_xor)
+
+
+def invert_(x):
+    """TF's `~x`: logical_not on a bool tensor, the bitwise inverse on an integer one."""
+    x = _logic_operand(x, "~")
+    return logical_not(x) if x.dtype == torch.bool else invert(x)
 
 
 @defop()
