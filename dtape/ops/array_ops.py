@@ -668,3 +668,222 @@ def _(dy, ans, x, device):
 def to_device(x, device):
     """`x` itself when it is on `device` (a torch.device), else a recorded copy there."""
     return x if x.device == device else copy_to_device(x, device)
+
+
+# -- shape queries, padding, eye, linspace (TF names) ---------------------------
+newaxis = None  # x[:, dtape.newaxis] inserts a dimension, as tf.newaxis (and numpy's)
+
+
+def shape(input, out_type=torch.int32):  # noqa: A002 - TF's argument name
+    """The shape of `input` as a 1-D integer tensor (no gradient).
+
+    Args:
+      input: tensor-like of any shape, dtype and device.
+      out_type: integer torch dtype of the result (TF's default: int32).
+
+    Returns:
+      A [rank] tensor of `out_type` on the CPU (TF keeps shapes in host memory:
+      a size argument reads it without waiting for a device). Every size
+      argument takes it (`dtape.reshape(y, dtape.shape(x))`,
+      `dtape.random.normal(dtape.shape(x))`); `x.shape` is the torch.Size.
+
+    Source: tf.shape.
+
+    Example:
+      >>> dtape.shape(dtape.zeros([2, 3])).numpy()
+      array([2, 3], dtype=int32)
+    """
+    return Tensor(torch.tensor(tuple(_like(input).shape), dtype=as_dtype(out_type)))
+
+
+def size(input, out_type=torch.int32):  # noqa: A002
+    """The number of elements of `input` as a 0-d integer tensor of `out_type` on the CPU. Source: tf.size."""
+    return Tensor(torch.tensor(_like(input).numel(), dtype=as_dtype(out_type)))
+
+
+def rank(input):  # noqa: A002
+    """The number of dimensions of `input` as a 0-d int32 tensor on the CPU. Source: tf.rank."""
+    return Tensor(torch.tensor(_like(input).ndim, dtype=torch.int32))
+
+
+def eye(num_rows, num_columns=None, batch_shape=None, dtype=None):
+    """Identity matrices: ones on the main diagonal, zeros elsewhere (no gradient).
+
+    Args:
+      num_rows, num_columns: sizes (ints or 0-d integer tensors); num_columns defaults to num_rows.
+      batch_shape: None, or a shape: the result is that many copies, [*batch_shape, num_rows, num_columns].
+      dtype: torch dtype (default float32).
+
+    Returns:
+      [*batch_shape, num_rows, num_columns] of `dtype`, on the `dtape.device` scope's device.
+
+    Source: tf.eye.
+
+    Example:
+      >>> dtape.eye(2, 3).numpy()
+      array([[1., 0., 0.],
+             [0., 1., 0.]], dtype=float32)
+    """
+    rows = size_value(num_rows, "eye", "num_rows")
+    cols = rows if num_columns is None else size_value(num_columns, "eye", "num_columns")
+    batch = () if batch_shape is None else shape_values(batch_shape, "eye", "batch_shape")
+    m = torch.eye(rows, cols, dtype=_creation_dtype(dtype), device=default_device())
+    return Tensor(m.expand(batch + (rows, cols)).clone())
+
+
+def _paddings(paddings, ndim):
+    """TF's paddings ([rank, 2] ints: a list of pairs or an integer tensor) as a list of (before, after)."""
+    rows = paddings.tolist() if isinstance(paddings, torch.Tensor) else paddings
+    if isinstance(rows, (list, tuple)) and all(isinstance(r, (list, tuple, torch.Size)) or getattr(r, "ndim", 0) == 1
+                                               for r in rows):
+        pairs = [shape_values(r, "pad", "paddings row") for r in rows]
+    else:
+        pairs = None
+    if pairs is None or len(pairs) != ndim or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"pad: paddings must be [rank, 2] = [{ndim}, 2] (one [before, after] pair per "
+                         f"dimension), got {paddings!r:.80}")
+    if any(p < 0 for pair in pairs for p in pair):
+        raise ValueError(f"pad: paddings must be non-negative, got {pairs}")
+    return pairs
+
+
+_PAD_MODES = ("CONSTANT", "REFLECT", "SYMMETRIC")
+
+
+def _pad_mode(mode):
+    m = str(mode).upper()
+    if m not in _PAD_MODES:
+        raise ValueError(f"pad: mode must be one of {_PAD_MODES} (any case), got {mode!r}")
+    return m
+
+
+def _mirror_index(n, before, after, mode, device):
+    """Indices along a dimension of size n that REFLECT (edge not repeated) or SYMMETRIC (edge repeated) pads."""
+    edge = 0 if mode == "SYMMETRIC" else 1
+    if max(before, after) > n - edge:
+        raise ValueError(f"pad: {mode} padding of ({before}, {after}) on a dimension of size {n}: each side must "
+                         f"be at most {n - edge} (the size{' - 1' if edge else ''}), as TF")
+    return torch.cat([torch.arange(before - 1 + edge, edge - 1, -1, device=device),
+                      torch.arange(n, device=device),
+                      torch.arange(n - 1 - edge, n - 1 - edge - after, -1, device=device)])
+
+
+def _pad_samples(rng):
+    x = S.randn(rng, 3, 4)
+    return [((x,), {"paddings": [[1, 2], [0, 3]]}),
+            ((x,), {"paddings": [[2, 1], [3, 0]], "mode": "REFLECT"}),
+            ((x,), {"paddings": [[3, 3], [1, 4]], "mode": "symmetric"}),
+            ((S.randn(rng, 2, 3, 2),), {"paddings": [[0, 0], [1, 1], [1, 0]], "constant_values": 2.5})]
+
+
+@defop(samples=_pad_samples, saves="none", complex_grad=True)
+def pad(tensor, paddings, mode="CONSTANT", constant_values=0):
+    """Pads `tensor` with `paddings[d] = [before, after]` entries on each side of dimension d.
+
+    Args:
+      tensor: any shape [n_0, ..., n_{r-1}] and dtype.
+      paddings: [r, 2] non-negative ints (a list of pairs, or an integer tensor).
+      mode: "CONSTANT" (`constant_values`), "REFLECT" (mirror without the edge:
+        at most n_d - 1 per side) or "SYMMETRIC" (mirror with the edge: at
+        most n_d); any case.
+      constant_values: a scalar of tensor's dtype (no gradient, as TF).
+
+    Returns:
+      [n_0 + before_0 + after_0, ...], tensor's dtype and device; the gradient
+      sums the padded copies back onto their sources.
+
+    Raises:
+      ValueError: paddings of the wrong shape or negative; a mirror padding wider than allowed; an unknown mode.
+
+    Source: tf.pad.
+
+    Example:
+      >>> dtape.pad(dtape.constant([1, 2, 3]), [[2, 1]], mode="REFLECT").numpy()
+      array([3, 2, 1, 2, 3, 2])
+    """
+    pads, mode = _paddings(paddings, tensor.ndim), _pad_mode(mode)
+    if mode == "CONSTANT":
+        flat = [p for pair in reversed(pads) for p in pair]  # torch lists the last dimension first
+        value = scalar_value(constant_values, "pad", "constant_values")
+        return torch.nn.functional.pad(tensor, flat, value=value) if flat else tensor.clone()
+    out = tensor
+    for axis, (before, after) in enumerate(pads):
+        if before or after:
+            out = torch.index_select(out, axis, _mirror_index(out.shape[axis], before, after, mode, out.device))
+    return out if out is not tensor else tensor.clone()
+
+
+@pad.grad
+def _(dy, ans, tensor, paddings, mode="CONSTANT", constant_values=0):
+    pads, mode = _paddings(paddings, tensor.ndim), _pad_mode(mode)
+    if mode == "CONSTANT":
+        return dy[tuple(slice(before, before + n) for (before, _), n in zip(pads, tensor.shape))]
+    g = dy
+    for axis in reversed(_brange(tensor.ndim)):
+        before, after = pads[axis]
+        if before or after:
+            n = tensor.shape[axis]
+            zeros = torch.zeros(tuple(g.shape[:axis]) + (n,) + tuple(g.shape[axis + 1:]), dtype=g.dtype,
+                                device=g.device)
+            g = torch.index_add(zeros, axis, _mirror_index(n, before, after, mode, g.device), g)
+    return g
+
+
+def _linspace_samples(rng):
+    return [((S.randn(rng), S.randn(rng)), {"num": 5}),
+            ((S.randn(rng, 3), S.randn(rng, 2, 1)), {"num": 4, "axis": -1}),
+            ((S.randn(rng, 2), S.randn(rng, 2)), {"num": 3, "axis": 1}),
+            ((S.randn(rng), S.randn(rng)), {"num": 1}), ((S.randn(rng), S.randn(rng)), {"num": 2})]
+
+
+@defop(n_in=2, samples=_linspace_samples, saves="none")
+def linspace(start, stop, num, axis=0):
+    """`num` evenly spaced values from `start` to `stop`, both included, along a new `axis`.
+
+    Args:
+      start, stop: floating scalars or broadcastable tensors (integers give float64, as TF's division).
+      num: the number of values (int or 0-d integer tensor, >= 0); 1 gives `start`.
+      axis: where the new dimension goes in the result (negative counts from its end).
+
+    Returns:
+      broadcast_shape(start, stop) with `num` inserted at `axis`; element i is
+      `start + i * (stop - start) / (num - 1)`, the last exactly `stop`.
+      Differentiable in start and stop.
+
+    Source: tf.linspace.
+
+    Example:
+      >>> dtape.linspace(0.0, 1.0, 5).numpy()
+      array([0.  , 0.25, 0.5 , 0.75, 1.  ], dtype=float32)
+    """
+    n, start, stop, ax = _linspace_args(start, stop, num, axis)
+    first, last = torch.unsqueeze(start, ax), torch.unsqueeze(stop, ax)
+    steps = builtins.max(n - 1, 1)
+    k = torch.reshape(torch.arange(1, steps, dtype=start.dtype, device=start.device), _along(ax, start.ndim + 1))
+    out = torch.cat([first, first + (last - first) / steps * k, last], dim=ax)
+    return torch.narrow(out, ax, 0, n)
+
+
+def _linspace_args(start, stop, num, axis):
+    n = size_value(num, "linspace", "num")
+    if n < 0:
+        raise ValueError(f"linspace: num must be >= 0, got {n}")
+    stop = stop if isinstance(stop, torch.Tensor) else torch.as_tensor(stop, dtype=start.dtype, device=start.device)
+    dtype = start.dtype if start.dtype.is_floating_point or start.dtype.is_complex else torch.float64
+    start, stop = torch.broadcast_tensors(start.to(dtype), stop.to(dtype))
+    return n, start, stop, canonical_axis(axis, start.ndim, "linspace", inserts=True)
+
+
+def _along(ax, ndim):
+    return [-1 if i == ax else 1 for i in _brange(ndim)]
+
+
+@linspace.grad
+def _(dy, ans, start, stop, num, axis=0):
+    n = size_value(num, "linspace", "num")
+    ax = canonical_axis(axis, dy.ndim - 1, "linspace", inserts=True)
+    w = torch.reshape(torch.arange(n, dtype=dy.dtype, device=dy.device) / builtins.max(n - 1, 1), _along(ax, dy.ndim))
+    return torch.sum(dy * (1 - w), dim=ax), torch.sum(dy * w, dim=ax)
+
+
+__all__ += ["newaxis", "shape", "size", "rank", "eye", "pad", "linspace"]
