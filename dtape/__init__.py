@@ -41,3 +41,5 @@ from dtape.function import function, recompute_grad  # noqa: F401,E402
 __all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]
 from dtape import debugging
 __all__ += ["debugging"]
+from dtape import math, linalg  # noqa: E402  (tf.math / tf.linalg names of the ops above)
+__all__ += ["math", "linalg"]
