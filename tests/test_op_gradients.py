@@ -422,6 +422,10 @@ REFERENCES = {
     "xw_plus_b": lambda x, w, b: _np(x) @ _np(w) + _np(b),
     "moments": _moments, "copy_to_device": lambda x, device: _np(x),
     "norm": _np_norm, "pad": _np_pad,
+    "band_part": lambda input, num_lower, num_upper: np.where(  # noqa: A006
+        ((num_lower < 0) | (np.subtract.outer(np.arange(input.shape[-2]), np.arange(input.shape[-1])) <= num_lower))
+        & ((num_upper < 0) | (np.subtract.outer(np.arange(input.shape[-1]), np.arange(input.shape[-2])).T <= num_upper)),
+        _np(input), 0.0),
     "linspace": lambda start, stop, num, axis=0: np.linspace(_np(start), _np(stop), num, axis=axis),
 }
 # Transposes of gather/getitem: their values are the gradients of their primal

@@ -886,4 +886,49 @@ def _(dy, ans, start, stop, num, axis=0):
     return torch.sum(dy * (1 - w), dim=ax), torch.sum(dy * w, dim=ax)
 
 
+def _band_mask(shape, num_lower, num_upper, device):
+    """[m, n] bool: row i, column j is kept when (num_lower < 0 or i - j <= num_lower) and
+    (num_upper < 0 or j - i <= num_upper)."""
+    lower, upper = size_value(num_lower, "band_part", "num_lower"), size_value(num_upper, "band_part", "num_upper")
+    i = torch.arange(shape[-2], device=device)[:, None]
+    j = torch.arange(shape[-1], device=device)[None, :]
+    return torch.logical_and(torch.logical_or(torch.tensor(lower < 0, device=device), i - j <= lower),
+                             torch.logical_or(torch.tensor(upper < 0, device=device), j - i <= upper))
+
+
+def _band_part_samples(rng):
+    return [((S.randn(rng, 3, 4),), {"num_lower": -1, "num_upper": 0}),
+            ((S.randn(rng, 2, 4, 3),), {"num_lower": 1, "num_upper": -1}),
+            ((S.randn(rng, 4, 4),), {"num_lower": 0, "num_upper": 0})]
+
+
+@defop(samples=_band_part_samples, saves="none", complex_grad=True)
+def band_part(input, num_lower, num_upper):  # noqa: A002 - TF's argument name
+    """Keeps a band around the diagonal of each innermost matrix, zeroes the rest.
+
+    Args:
+      input: [..., m, n], any dtype.
+      num_lower, num_upper: how many subdiagonals / superdiagonals to keep
+        (ints or 0-d integer tensors; negative: all of them).
+        `band_part(ones([n, n]), -1, 0)` is the lower triangle (a causal mask).
+
+    Returns:
+      input's shape, dtype and device. The gradient is band_part of dy.
+
+    Raises:
+      ValueError: input of rank below 2.
+
+    Source: tf.linalg.band_part (exported as dtape.linalg.band_part).
+    """
+    if input.ndim < 2:
+        raise ValueError(f"band_part: input must be at least 2-D ([..., m, n]), got shape {tuple(input.shape)}")
+    keep = _band_mask(input.shape, num_lower, num_upper, input.device)
+    return torch.where(keep, input, torch.zeros((), dtype=input.dtype, device=input.device))
+
+
+@band_part.grad
+def _(dy, ans, input, num_lower, num_upper):  # noqa: A002
+    return band_part.any(dy, num_lower, num_upper)
+
+
 __all__ += ["newaxis", "shape", "size", "rank", "eye", "pad", "linspace"]
