@@ -733,7 +733,8 @@ def eye(num_rows, num_columns=None, batch_shape=None, dtype=None):
 
 def _paddings(paddings, ndim):
     """TF's paddings ([rank, 2] ints: a list of pairs or an integer tensor) as a list of (before, after)."""
-    rows = paddings.tolist() if isinstance(paddings, torch.Tensor) else paddings
+    rows = _like(paddings) if isinstance(paddings, Tensor) or is_variable(paddings) else paddings
+    rows = list(rows) if getattr(rows, "ndim", 0) > 1 else rows  # a [rank, 2] tensor: its 1-D rows
     if isinstance(rows, (list, tuple)) and all(isinstance(r, (list, tuple, torch.Size)) or getattr(r, "ndim", 0) == 1
                                                for r in rows):
         pairs = [shape_values(r, "pad", "paddings row") for r in rows]
