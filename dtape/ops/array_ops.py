@@ -268,9 +268,6 @@ TORCH_TABLE[torch.ones_like] = lambda x, dtype=None, **kw: ones_like(x, dtype)
 def _raw_key(key):
     if isinstance(key, tuple):
         return tuple(_raw_key(k) for k in key)
-    if isinstance(key, slice):  # bounds may be 0-d integer tensors (x[:n]), as in TF
-        return slice(*[None if b is None else size_value(b, "getitem", "slice bound")
-                       for b in (key.start, key.stop, key.step)])
     if isinstance(key, Tensor):
         return key.torch()
     if isinstance(key, list):  # an empty list selects nothing: int64, as torch reads x[[]]
