@@ -367,7 +367,7 @@ def tile(input, multiples):  # noqa: A002 - TF's argument name
 
     Args:
       input: tensor of rank r, shape [d_0, ..., d_{r-1}], any dtype.
-      multiples: r ints (list, tuple or 1-D int tensor).
+      multiples: r ints (a list of ints or 0-d integer tensors, or a 1-D integer tensor).
 
     Returns:
       Shape [d_0 * m_0, ..., d_{r-1} * m_{r-1}], input's dtype.
@@ -559,8 +559,8 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
 
     Args:
       indices: int tensor [i...]; values outside [0, depth) give all `off_value`.
-      depth: number of classes.
-      on_value, off_value: Python scalars.
+      depth: number of classes (an int or a 0-d integer tensor).
+      on_value, off_value: Python scalars or 0-d tensors.
       axis: where the new dimension of size `depth` goes (-1: last).
       dtype: output torch dtype.
 
@@ -598,7 +598,7 @@ def fill(dims, value):
     """A tensor of shape `dims` filled with the scalar `value` (differentiable in `value`).
 
     Args:
-      dims: list of ints or 1-D int tensor, the output shape.
+      dims: the output shape: a list of ints or 0-d integer tensors, or a 1-D integer tensor.
       value: scalar (Python number or 0-d tensor); its dtype is the output's.
 
     Returns:
@@ -614,7 +614,9 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
 
     Args:
       start, limit, delta: Python or 0-d tensor scalars.
-      dtype: torch dtype; default int64 if all are ints, else float32.
+      dtype: torch dtype; default: the widest dtype of the 0-d tensor arguments
+        (int32 from `dtape.shape`, as TF), made float32 by a Python float;
+        with Python numbers only, int64 if all are ints, else float32.
 
     Returns:
       A 1-D tensor of ceil((limit - start) / delta) elements (no gradient).
