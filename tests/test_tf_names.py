@@ -110,6 +110,31 @@ def test_a_shape_tensor_of_rank_two_or_float_is_refused():
         dtape.reshape(G, 3)
 
 
+# -- negative slice steps (TF's guide: rank_1_tensor[::-1]) ------------------------------
+REVERSING_KEYS = [np.s_[::-1], np.s_[:, ::-1], np.s_[..., ::-2], np.s_[1, None, 2:0:-1, ::-1], np.s_[0, :, ::-1],
+                  np.s_[::-1, 1], np.s_[::-1, ..., ::-3], np.s_[None, ::-1, None, 1:, ::-1], np.s_[-1::-1, 0, 3:0:-2],
+                  np.s_[5:-9:-1, :0:-1]]
+
+
+@pytest.mark.parametrize("k", range(len(REVERSING_KEYS)))
+def test_negative_slice_steps_select_as_numpy_with_torch_autograd_gradient(k):
+    key = REVERSING_KEYS[k]
+    a = np.arange(24.0).reshape(2, 3, 4)
+    got, (g,) = _grad(lambda t: t[key], torch.from_numpy(a))
+    np.testing.assert_array_equal(got.numpy(), a[key])
+    index = torch.from_numpy(np.arange(24).reshape(2, 3, 4)[key].copy())  # numpy's positions, as a gather
+    want, (want_g,) = _torch_grad(lambda t: torch.reshape(t, (-1,))[index], torch.from_numpy(a))
+    torch.testing.assert_close(g, want_g, rtol=0, atol=0)
+
+
+def test_negative_step_with_a_tensor_size_and_with_an_index_tensor():
+    r = dtape.constant([0, 1, 1, 2, 3, 5, 8, 13, 21, 34])
+    assert r[::-1].numpy().tolist() == [34, 21, 13, 8, 5, 3, 2, 1, 1, 0]
+    assert r[dtape.constant(4):dtape.constant(0):-2].numpy().tolist() == [3, 1]
+    with pytest.raises(IndexError, match="two steps"):
+        dtape.zeros([2, 3])[[0, 1], ::-1]
+
+
 # -- __index__ ------------------------------------------------------------------
 def test_index_takes_0d_integer_tensors_only():
     assert [10, 20, 30][dtape.constant(1)] == 20

@@ -278,9 +278,42 @@ def _raw_key(key):
 def getitem(tensor, key):
     """tensor[key] with numpy/torch indexing (ints, slices, None, Ellipsis, index tensors).
 
+    Negative slice steps (`x[::-1]`, `x[5:1:-2]`) select as numpy's and TF's
+    do (torch refuses them), in a key of ints, slices, None and Ellipsis.
+
+    Raises:
+      IndexError: a negative step in a key that also holds an index tensor or list.
+
     Source: tf.Tensor.__getitem__ (plus torch advanced indexing).
     """
-    return _getitem(tensor, key=_raw_key(key))
+    plain, reversals = _negative_steps(_raw_key(key), tensor.shape)
+    out = _getitem(tensor, key=plain)
+    for position, index in reversals:  # one index per reversed dimension: tensor indices would broadcast together
+        out = _getitem(out, key=(slice(None),) * position + (index,))
+    return out
+
+
+def _negative_steps(key, shape):
+    """(key with each negative-step slice made `:`, [(its dimension in the result, the positions it selects)])."""
+    items = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, slice) and k.step is not None and k.step < 0 for k in items):
+        return key, []
+    items = [k.item() if isinstance(k, torch.Tensor) and k.ndim == 0 and k.dtype != torch.bool else k for k in items]
+    if not all(k is None or k is Ellipsis or isinstance(k, (int, slice)) for k in items):
+        raise IndexError("a negative slice step together with an index tensor or list in one key is not supported "
+                         "(numpy would move the indexed dimensions); index in two steps, e.g. x[::-1][:, idx]")
+    plain, reversals, dim, position = [], [], 0, 0
+    for k in items:
+        if k is Ellipsis:
+            skipped = len(shape) - sum(1 for j in items if j is not None and j is not Ellipsis)
+            dim, position = dim + skipped, position + skipped
+        elif isinstance(k, slice) and k.step is not None and k.step < 0:
+            reversals.append((position, torch.arange(*k.indices(shape[dim]))))
+            k = slice(None)
+        plain.append(k)
+        dim += k is not None and k is not Ellipsis
+        position += k is None or isinstance(k, slice)
+    return tuple(plain), reversals
 
 
 @defop(name="getitem", samples=lambda rng: [((S.randn(rng, 4, 5),), {"key": (slice(1, None), None, torch.tensor([0, 2, 2]))})], saves="none",
