@@ -7,6 +7,7 @@ torch functions and operators (run raw, or recorded through
 the backward walk, not by the rules.
 """
 import math
+import numbers
 
 import torch
 
@@ -810,7 +811,7 @@ def _norm_spec(ord, axis, ndim):  # noqa: A002 - TF's argument name
         return "matrix", ("fro" if ord == "euclidean" else ord), axes
     if isinstance(ax, tuple):
         raise ValueError(f"norm: axis must be None, an integer, or a pair of distinct integers, got {axis!r}")
-    valid = ord == "euclidean" or (isinstance(ord, (int, float)) and not isinstance(ord, bool) and ord > 0)
+    valid = ord == "euclidean" or (isinstance(ord, numbers.Real) and not isinstance(ord, bool) and ord > 0)
     if not valid:
         raise ValueError(f"norm: a vector norm takes ord 'euclidean' or a positive number (1, 2, np.inf, ...), got "
                          f"{ord!r}" + (" ('fro' is for matrices: give axis a pair such as [-2, -1])"
