@@ -194,7 +194,7 @@ def _numpy_values(obj):
     """`obj` with every dtape tensor and variable in it (in lists, tuples, dicts) as a read-only numpy array."""
     if isinstance(obj, Tensor) or is_variable(obj):
         return np.asarray(obj)
-    if isinstance(obj, (list, tuple)):
+    if type(obj) in (list, tuple):  # numpy's argument nests (np.concatenate([x, y])); other sequences pass as given
         return type(obj)(_numpy_values(x) for x in obj)
     if isinstance(obj, dict):
         return {k: _numpy_values(v) for k, v in obj.items()}
