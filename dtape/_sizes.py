@@ -16,14 +16,16 @@ from dtape.tensor import Tensor, is_variable
 
 __all__ = ["size_value", "shape_values", "scalar_value"]
 
+_SEQUENCES = (tuple, list, torch.Size)
+
 
 def _as_array(x):
     """A torch.Tensor or numpy array for tensor-like `x` (variables read), else None."""
-    if is_variable(x):
-        x = x._dtape_read()
     if isinstance(x, Tensor):
         return x.torch()
-    return x if isinstance(x, (torch.Tensor, np.ndarray)) else None
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x
+    return x._dtape_read().torch() if is_variable(x) else None
 
 
 def _is_integer(arr):
@@ -38,6 +40,8 @@ def size_value(n, op, what="size"):
     Raises:
       TypeError: a bool, a float, or a tensor that is not 0-d and integer.
     """
+    if type(n) is int:  # the common case, first: sizes are read on every reshape
+        return n
     if isinstance(n, (bool, np.bool_)):  # True is an int to Python, never a size to TF
         raise TypeError(f"{op}: {what} must be an integer, got {n!r}")
     arr = _as_array(n)
@@ -66,6 +70,8 @@ def shape_values(shape, op, what="shape", scalar=False):
         integer; a single size where a list is required.
       ValueError: a tensor of rank above 1.
     """
+    if type(shape) in _SEQUENCES and all(type(s) is int for s in shape):  # the common case, first
+        return tuple(shape)
     arr = _as_array(shape)
     if arr is not None:
         if not _is_integer(arr):
