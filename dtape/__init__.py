@@ -44,6 +44,8 @@ from dtape.function import function, recompute_grad  # noqa: F401,E402
 __all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]
 from dtape import debugging
 __all__ += ["debugging"]
+from dtape import math, linalg  # noqa: E402  (tf.math / tf.linalg names of the ops above)
+__all__ += ["math", "linalg"]
 from dtape import autodiff  # noqa: E402
 __all__ += ["autodiff"]
 # The tf.keras-shaped namespace over the objects above (last: it names them, nothing in dtape imports it).

@@ -7,9 +7,10 @@ from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.ops.nn_ops import *  # noqa: F401,F403
 from dtape.ops.nn_ops import __all__ as _nn_all
+from dtape.ops.math_ops import sigmoid, tanh  # noqa: F401  (tf.nn.sigmoid and tf.nn.tanh: the same ops)
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
-__all__ = list(_nn_all) + ["compute_average_loss", "scale_regularization_loss"]
+__all__ = list(_nn_all) + ["compute_average_loss", "scale_regularization_loss", "sigmoid", "tanh"]
 
 
 def _check_replica_context(what):

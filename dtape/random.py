@@ -15,6 +15,7 @@ import threading
 import torch
 
 from dtape._local import ThreadLocalScope
+from dtape._sizes import shape_values
 from dtape.tensor import DEFAULT_FLOAT_DTYPE, Tensor, as_dtype, convert_to_tensor, default_device
 
 
@@ -55,7 +56,7 @@ def _dtype(dtype):
 
 
 def _shape(shape):
-    return tuple(int(s) for s in (shape if isinstance(shape, (list, tuple, torch.Size)) else [shape]))
+    return shape_values(shape, "dtape.random", scalar=True)
 
 
 def _seeded(seed, device):

@@ -88,7 +88,7 @@ class Tensor:
         return int(self._t)
 
     def __index__(self):
-        return self._t.__index__()
+        return index_value(self._t)
 
     def __bool__(self):
         return bool(self._t)
@@ -146,6 +146,12 @@ class Tensor:
         inputs = [np.asarray(x) if isinstance(x, Tensor) or is_variable(x) else x for x in inputs]
         return getattr(ufunc, method)(*inputs, **kwargs)
 
+    def __array_function__(self, func, types, args, kwargs):
+        """numpy functions (`np.mean(x, axis=0)`, `np.concatenate`) run on the values and return numpy,
+        with no gradient, as on a tf.Tensor: the tensors are read-only numpy views, so a function that
+        writes into one (`np.copyto`, `np.put`) raises numpy's read-only error."""
+        return func(*_numpy_values(args), **_numpy_values(kwargs))
+
     def __dlpack__(self, **kwargs):
         """DLPack export (`np.from_dlpack(x)`, `torch.from_dlpack(x)`): shares memory, no copy.
 
@@ -179,7 +185,29 @@ _UFUNC_OPERATORS = {
     np.power: operator.pow, np.matmul: operator.matmul, np.less: operator.lt, np.less_equal: operator.le,
     np.greater: operator.gt, np.greater_equal: operator.ge, np.equal: operator.eq, np.not_equal: operator.ne,
     np.negative: operator.neg, np.positive: operator.pos, np.absolute: operator.abs,
+    np.bitwise_and: operator.and_, np.bitwise_or: operator.or_, np.bitwise_xor: operator.xor,
+    np.invert: operator.invert,
 }
+
+
+def _numpy_values(obj):
+    """`obj` with every dtape tensor and variable in it (in lists, tuples, dicts) as a read-only numpy array."""
+    if isinstance(obj, Tensor) or is_variable(obj):
+        return np.asarray(obj)
+    if type(obj) in (list, tuple):  # numpy's argument nests (np.concatenate([x, y])); other sequences pass as given
+        return type(obj)(_numpy_values(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _numpy_values(v) for k, v in obj.items()}
+    return obj
+
+
+def index_value(t):
+    """`operator.index` of a dtape value held as torch tensor `t`: a 0-d integer tensor is its int (TF's rule:
+    `range(n)`, `[...][n]`, sizes); torch would also take a one-element or bool tensor."""
+    if t.dim() != 0 or t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(f"only 0-d integer tensors can be used as an index or size, got shape {tuple(t.shape)} "
+                        f"and dtype {t.dtype}" + ("; cast it: dtape.cast(x, dtape.int64)" if t.dim() == 0 else ""))
+    return t.item()
 
 
 def _host_numpy(t):

@@ -190,10 +190,27 @@ def _extreme(fn):
 
 
 # torch functions with the op's meaning at its special samples (reduce_max over axis=None is amax over dim=()).
+def _tf_norm(tensor, ord="euclidean", axis=None, keepdims=None):
+    """TF's norm as TF writes it (linalg_ops.norm: a composite of sqrt, sum, abs, max, pow), in torch."""
+    matrix = isinstance(axis, (tuple, list))
+    ax = tuple(range(tensor.ndim)) if axis is None else (tuple(axis) if matrix else (axis,))
+    if ord in ("fro", "euclidean", 2) and not (matrix and ord == 2):
+        r = torch.sqrt(torch.sum(tensor * tensor, dim=ax, keepdim=True))
+    elif ord == 1:
+        r = torch.sum(torch.abs(tensor), dim=ax[0] if matrix else ax, keepdim=True)
+        r = torch.amax(r, dim=ax[1], keepdim=True) if matrix else r
+    elif ord == np.inf:
+        r = torch.sum(torch.abs(tensor), dim=ax[1], keepdim=True) if matrix else torch.abs(tensor)
+        r = torch.amax(r, dim=ax[0] if matrix else ax, keepdim=True)
+    else:
+        r = torch.pow(torch.sum(torch.pow(torch.abs(tensor), ord), dim=ax, keepdim=True), 1.0 / ord)
+    return r if keepdims else torch.reshape(r, [s for i, s in enumerate(r.shape) if i not in [a % tensor.ndim for a in ax]])
+
+
 TORCH_ORACLES = {
     "reduce_max": _extreme(torch.amax), "reduce_min": _extreme(torch.amin),
     "clip_by_value": lambda t, lo, hi: torch.clamp(t, _as_t(lo), _as_t(hi)),
-    "pow": torch.pow, "abs": torch.abs,
+    "pow": torch.pow, "abs": torch.abs, "norm": _tf_norm,
 }
 
 
@@ -342,6 +359,25 @@ def _log_softmax(x, axis=-1):
     return np.log(_softmax(x, axis))
 
 
+def _np_norm(tensor, ord="euclidean", axis=None, keepdims=None):
+    """tf.norm's documented meaning in numpy: axis None is the flattened vector; a pair is a matrix norm."""
+    a = _np(tensor)
+    if isinstance(axis, (tuple, list)):
+        m = np.moveaxis(a, [x % a.ndim for x in axis], [-2, -1])
+        r = np.linalg.norm(m, ord="fro" if ord == "euclidean" else ord, axis=(-2, -1))
+        return np.expand_dims(r, tuple(sorted(x % a.ndim for x in axis))) if keepdims else r
+    p = 2 if ord == "euclidean" else ord
+    if axis is None:
+        r = np.linalg.norm(a.reshape(-1), p)
+        return np.reshape(r, (1,) * a.ndim) if keepdims else r
+    return np.linalg.norm(a, p, axis=axis, keepdims=bool(keepdims))
+
+
+def _np_pad(tensor, paddings, mode="CONSTANT", constant_values=0):
+    extra = {"constant_values": constant_values} if mode.upper() == "CONSTANT" else {}
+    return np.pad(_np(tensor), paddings, mode=mode.lower(), **extra)
+
+
 REFERENCES = {
     "add": lambda x, y: _np(x) + _np(y), "subtract": lambda x, y: _np(x) - _np(y),
     "multiply": lambda x, y: _np(x) * _np(y), "divide": lambda x, y: _np(x) / _np(y),
@@ -385,6 +421,12 @@ REFERENCES = {
     "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "bias_add": _bias_add, "layer_norm": _layer_norm,
     "xw_plus_b": lambda x, w, b: _np(x) @ _np(w) + _np(b),
     "moments": _moments, "copy_to_device": lambda x, device: _np(x),
+    "norm": _np_norm, "pad": _np_pad,
+    "band_part": lambda input, num_lower, num_upper: np.where(  # noqa: A006
+        ((num_lower < 0) | (np.subtract.outer(np.arange(input.shape[-2]), np.arange(input.shape[-1])) <= num_lower))
+        & ((num_upper < 0) | (np.subtract.outer(np.arange(input.shape[-1]), np.arange(input.shape[-2])).T <= num_upper)),
+        _np(input), 0.0),
+    "linspace": lambda start, stop, num, axis=0: np.linspace(_np(start), _np(stop), num, axis=axis),
 }
 # Transposes of gather/getitem: their values are the gradients of their primal
 # op, which the finite-difference test above checks.
@@ -445,6 +487,8 @@ EMPTY_BATCH = {  # ops whose batch is not simply the leading dim of their larges
     "fill": lambda op, args, attrs: (args, dict(attrs, dims=(0,) + tuple(attrs["dims"][1:]))),
     "getitem_grad": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(1,) + tuple(attrs["shape"][1:]))),
     "reshape": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(0, 2, 3))),
+    # mirror padding of an empty dimension is refused (TF): pad the other dimensions only
+    "pad": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, paddings=[[0, 0]] + list(attrs["paddings"][1:]))),
 }
 
 

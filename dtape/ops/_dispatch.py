@@ -374,7 +374,7 @@ def _refuse_out(func):
 # Tensor's value protocol (defined in dtape/tensor.py) that variables forward after a read.
 _VALUE_DUNDERS = ("__float__", "__int__", "__index__", "__bool__", "__len__", "__iter__")
 # Tensor's protocol written on `self.torch()` (no recorded read): variables get the same functions.
-_SHARED_DUNDERS = ("__format__", "__array_ufunc__", "__dlpack__", "__dlpack_device__")
+_SHARED_DUNDERS = ("__format__", "__array_ufunc__", "__array_function__", "__dlpack__", "__dlpack_device__")
 
 
 def install_operators(ops):
@@ -392,7 +392,10 @@ def install_operators(ops):
     table["__neg__"] = lambda self: ops.negative(self)
     table["__pos__"] = lambda self: self
     table["__abs__"] = lambda self: ops.abs(self)
-    table["__invert__"] = lambda self: ops.logical_not(self)
+    table["__invert__"] = lambda self: ops.math_ops.invert_(self)
+    for name, fn in {"and": ops.math_ops.and_, "or": ops.math_ops.or_, "xor": ops.math_ops.xor_}.items():
+        table[f"__{name}__"] = fn
+        table[f"__r{name}__"] = fn  # commutative: the tensor stays first, so a Python scalar takes its dtype
     table["__getitem__"] = lambda self, key: ops.getitem(self, key)
     for name, fn in table.items():
         setattr(Tensor, name, fn)

@@ -7,6 +7,7 @@ import builtins
 
 import torch
 
+from dtape._sizes import scalar_value, shape_values, size_value
 from dtape.ops import _samples as S
 from dtape.ops._axes import AxisError, axis_values, canonical_axis, permutation
 from dtape.ops._dispatch import call_fallback
@@ -24,8 +25,9 @@ __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concat", "stack", 
 @defop(torch_fns=((torch.reshape, lambda x, shape: reshape(x, shape)),),
        samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)})], saves="none", complex_grad=True)
 def reshape(tensor, shape):
-    """Same elements in a new shape (one entry may be -1). Source: tf.reshape."""
-    return torch.reshape(tensor, tuple(shape))
+    """Same elements in a new shape: a list of sizes (ints or 0-d integer tensors; one may be -1) or a 1-D
+    integer tensor such as `dtape.shape(y)`. Source: tf.reshape."""
+    return torch.reshape(tensor, shape_values(shape, "reshape"))
 
 
 @reshape.grad
@@ -176,8 +178,8 @@ def _(tangents, ans, values, axis=0):
 
 @defop(samples=lambda rng: [((S.randn(rng, 3, 1),), {"shape": (2, 3, 4)})], complex_grad=True)
 def broadcast_to(input, shape):  # noqa: A002
-    """Broadcasts `input` to `shape` (numpy rules). Source: tf.broadcast_to."""
-    return torch.broadcast_to(input, tuple(shape)).clone()
+    """Broadcasts `input` to `shape` (numpy rules; sizes as `reshape` takes them). Source: tf.broadcast_to."""
+    return torch.broadcast_to(input, shape_values(shape, "broadcast_to")).clone()
 
 
 @broadcast_to.grad
@@ -277,20 +279,14 @@ def _creation_dtype(dtype):
 
 def zeros(shape, dtype=None, device=None):
     """A tensor of zeros of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.zeros."""
-    return Tensor(torch.zeros(tuple(_to_list(shape)), dtype=_creation_dtype(dtype),
+    return Tensor(torch.zeros(shape_values(shape, "zeros", scalar=True), dtype=_creation_dtype(dtype),
                               device=default_device(device)))
 
 
 def ones(shape, dtype=None, device=None):
     """A tensor of ones of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.ones."""
-    return Tensor(torch.ones(tuple(_to_list(shape)), dtype=_creation_dtype(dtype),
+    return Tensor(torch.ones(shape_values(shape, "ones", scalar=True), dtype=_creation_dtype(dtype),
                              device=default_device(device)))
-
-
-def _to_list(shape):
-    if isinstance(shape, Tensor):
-        return [int(s) for s in shape.torch().tolist()]
-    return [int(s) for s in (shape if isinstance(shape, (list, tuple, torch.Size)) else [shape])]
 
 
 def zeros_like(input, dtype=None):  # noqa: A002
@@ -329,9 +325,42 @@ def _raw_key(key):
 def getitem(tensor, key):
     """tensor[key] with numpy/torch indexing (ints, slices, None, Ellipsis, index tensors).
 
+    Negative slice steps (`x[::-1]`, `x[5:1:-2]`) select as numpy's and TF's
+    do (torch refuses them), in a key of ints, slices, None and Ellipsis.
+
+    Raises:
+      IndexError: a negative step in a key that also holds an index tensor or list.
+
     Source: tf.Tensor.__getitem__ (plus torch advanced indexing).
     """
-    return _getitem(tensor, key=_raw_key(key))
+    plain, reversals = _negative_steps(_raw_key(key), tensor.shape)
+    out = _getitem(tensor, key=plain)
+    for position, index in reversals:  # one index per reversed dimension: tensor indices would broadcast together
+        out = _getitem(out, key=(slice(None),) * position + (index,))
+    return out
+
+
+def _negative_steps(key, shape):
+    """(key with each negative-step slice made `:`, [(its dimension in the result, the positions it selects)])."""
+    items = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, slice) and k.step is not None and k.step < 0 for k in items):
+        return key, []
+    items = [k.item() if isinstance(k, torch.Tensor) and k.ndim == 0 and k.dtype != torch.bool else k for k in items]
+    if not all(k is None or k is Ellipsis or isinstance(k, (int, slice)) for k in items):
+        raise IndexError("a negative slice step together with an index tensor or list in one key is not supported "
+                         "(numpy would move the indexed dimensions); index in two steps, e.g. x[::-1][:, idx]")
+    plain, reversals, dim, position = [], [], 0, 0
+    for k in items:
+        if k is Ellipsis:
+            skipped = len(shape) - sum(1 for j in items if j is not None and j is not Ellipsis)
+            dim, position = dim + skipped, position + skipped
+        elif isinstance(k, slice) and k.step is not None and k.step < 0:
+            reversals.append((position, torch.arange(*k.indices(shape[dim]))))
+            k = slice(None)
+        plain.append(k)
+        dim += k is not None and k is not Ellipsis
+        position += k is None or isinstance(k, slice)
+    return tuple(plain), reversals
 
 
 @defop(name="getitem", samples=lambda rng: [((S.randn(rng, 4, 5),), {"key": (slice(1, None), None, torch.tensor([0, 2, 2]))})], saves="none",
@@ -368,13 +397,12 @@ def _(ddy, ans, dy, shape, key):
 
 # -- split, tile --------------------------------------------------------------
 def _split_sizes(n, num_or_size_splits):
-    if isinstance(num_or_size_splits, Tensor):
-        num_or_size_splits = num_or_size_splits.torch().tolist()
-    if isinstance(num_or_size_splits, int):
-        if n % num_or_size_splits:
-            raise ValueError(f"split: dimension of size {n} is not divisible into {num_or_size_splits} parts")
-        return [n // num_or_size_splits] * num_or_size_splits
-    sizes = [int(s) for s in num_or_size_splits]
+    if not isinstance(num_or_size_splits, (list, tuple)) and getattr(num_or_size_splits, "ndim", 0) == 0:
+        k = size_value(num_or_size_splits, "split", "num_or_size_splits")
+        if k <= 0 or n % k:
+            raise ValueError(f"split: dimension of size {n} is not divisible into {k} parts")
+        return [n // k] * k
+    sizes = list(shape_values(num_or_size_splits, "split", "num_or_size_splits"))
     if sizes.count(-1) > 1:
         raise ValueError(f"split: at most one size may be -1, got {sizes}")
     if -1 in sizes:
@@ -424,14 +452,14 @@ def tile(input, multiples):  # noqa: A002 - TF's argument name
 
     Args:
       input: tensor of rank r, shape [d_0, ..., d_{r-1}], any dtype.
-      multiples: r ints (list, tuple or 1-D int tensor).
+      multiples: r ints (a list of ints or 0-d integer tensors, or a 1-D integer tensor).
 
     Returns:
       Shape [d_0 * m_0, ..., d_{r-1} * m_{r-1}], input's dtype.
 
     Source: tf.tile.
     """
-    multiples = _to_list(multiples)
+    multiples = shape_values(multiples, "tile", "multiples")
     if len(multiples) != input.ndim:
         raise ValueError(f"tile: multiples has length {len(multiples)}, expected the input's rank {input.ndim}")
     return torch.tile(input, tuple(multiples))
@@ -439,7 +467,7 @@ def tile(input, multiples):  # noqa: A002 - TF's argument name
 
 @tile.grad
 def _(dy, ans, input, multiples):  # noqa: A002
-    multiples = _to_list(multiples)
+    multiples = shape_values(multiples, "tile", "multiples")
     split_shape = [d for m, s in zip(multiples, input.shape) for d in (m, s)]
     summed = torch.sum(torch.reshape(dy, split_shape), dim=tuple(_brange(0, 2 * len(multiples), 2)))
     return torch.reshape(summed, tuple(input.shape))
@@ -616,8 +644,8 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
 
     Args:
       indices: int tensor [i...]; values outside [0, depth) give all `off_value`.
-      depth: number of classes.
-      on_value, off_value: Python scalars.
+      depth: number of classes (an int or a 0-d integer tensor).
+      on_value, off_value: Python scalars or 0-d tensors.
       axis: where the new dimension of size `depth` goes (-1: last).
       dtype: output torch dtype.
 
@@ -627,6 +655,8 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1, dtype=torch.fl
     Source: tf.one_hot.
     """
     dtype = as_dtype(dtype)
+    depth = size_value(depth, "one_hot", "depth")
+    on_value, off_value = scalar_value(on_value, "one_hot", "on_value"), scalar_value(off_value, "one_hot", "off_value")
     axis = axis_values(axis, "one_hot")
     if isinstance(axis, tuple) or not (axis == -1 or 0 <= axis <= indices.ndim):
         raise AxisError(f"one_hot: axis {axis} is out of range for indices of rank {indices.ndim}; "
@@ -653,7 +683,7 @@ def fill(dims, value):
     """A tensor of shape `dims` filled with the scalar `value` (differentiable in `value`).
 
     Args:
-      dims: list of ints or 1-D int tensor, the output shape.
+      dims: the output shape: a list of ints or 0-d integer tensors, or a 1-D integer tensor.
       value: scalar (Python number or 0-d tensor); its dtype is the output's.
 
     Returns:
@@ -661,7 +691,7 @@ def fill(dims, value):
 
     Source: tf.fill.
     """
-    return _fill(value, dims=tuple(_to_list(dims)))
+    return _fill(value, dims=shape_values(dims, "fill", "dims", scalar=True))
 
 
 def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
@@ -669,7 +699,9 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
 
     Args:
       start, limit, delta: Python or 0-d tensor scalars.
-      dtype: torch dtype; default int64 if all are ints, else float32.
+      dtype: torch dtype; default: the widest dtype of the 0-d tensor arguments
+        (int32 from `dtape.shape`, as TF), made float32 by a Python float;
+        with Python numbers only, int64 if all are ints, else float32.
 
     Returns:
       A 1-D tensor of ceil((limit - start) / delta) elements (no gradient).
@@ -678,10 +710,28 @@ def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
     """
     if limit is None:
         start, limit = 0, start
-    vals = [v.torch().item() if isinstance(v, Tensor) else v for v in (start, limit, delta)]
-    if dtype is None:
-        dtype = torch.int64 if all(isinstance(v, int) for v in vals) else _creation_dtype(None)
-    return Tensor(torch.arange(*vals, dtype=as_dtype(dtype), device=default_device()))
+    args = (start, limit, delta)
+    vals = [scalar_value(v, "range", name) for v, name in zip(args, ("start", "limit", "delta"))]
+    return Tensor(torch.arange(*vals, dtype=_range_dtype(args, vals, dtype), device=default_device()))
+
+
+def _range_dtype(args, vals, dtype):
+    """tf.range's dtype: the given one, else the widest of the 0-d tensor arguments' dtypes (Python ints
+    take theirs, as TF's do), made floating (float32) by a Python float; int64 for Python ints alone."""
+    if dtype is not None:
+        return as_dtype(dtype)
+    out = None
+    for d in filter(None, map(_scalar_dtype, args)):
+        out = d if out is None else torch.promote_types(out, d)
+    out = out or torch.int64
+    floats = any(isinstance(v, float) for a, v in zip(args, vals) if _scalar_dtype(a) is None)
+    return _creation_dtype(None) if floats and not out.is_floating_point else out
+
+
+def _scalar_dtype(a):
+    if is_variable(a) or isinstance(a, Tensor):
+        return a.dtype
+    return a.dtype if isinstance(a, torch.Tensor) else None
 
 
 @defop(samples=lambda rng: [((S.randn(rng, 2, 3),), {"device": torch.device("cpu")})], saves="none",
@@ -702,3 +752,268 @@ def _(dy, ans, x, device):
 def to_device(x, device):
     """`x` itself when it is on `device` (a torch.device), else a recorded copy there."""
     return x if x.device == device else copy_to_device(x, device)
+
+
+# -- shape queries, padding, eye, linspace (TF names) ---------------------------
+newaxis = None  # x[:, dtape.newaxis] inserts a dimension, as tf.newaxis (and numpy's)
+
+
+def shape(input, out_type=torch.int32):  # noqa: A002 - TF's argument name
+    """The shape of `input` as a 1-D integer tensor (no gradient).
+
+    Args:
+      input: tensor-like of any shape, dtype and device.
+      out_type: integer torch dtype of the result (TF's default: int32).
+
+    Returns:
+      A [rank] tensor of `out_type` on the CPU (TF keeps shapes in host memory:
+      a size argument reads it without waiting for a device). Every size
+      argument takes it (`dtape.reshape(y, dtape.shape(x))`,
+      `dtape.random.normal(dtape.shape(x))`); `x.shape` is the torch.Size.
+
+    Source: tf.shape.
+
+    Example:
+      >>> dtape.shape(dtape.zeros([2, 3])).numpy()
+      array([2, 3], dtype=int32)
+    """
+    return Tensor(torch.tensor(tuple(_like(input).shape), dtype=as_dtype(out_type)))
+
+
+def size(input, out_type=torch.int32):  # noqa: A002
+    """The number of elements of `input` as a 0-d integer tensor of `out_type` on the CPU. Source: tf.size."""
+    return Tensor(torch.tensor(_like(input).numel(), dtype=as_dtype(out_type)))
+
+
+def rank(input):  # noqa: A002
+    """The number of dimensions of `input` as a 0-d int32 tensor on the CPU. Source: tf.rank."""
+    return Tensor(torch.tensor(_like(input).ndim, dtype=torch.int32))
+
+
+def eye(num_rows, num_columns=None, batch_shape=None, dtype=None):
+    """Identity matrices: ones on the main diagonal, zeros elsewhere (no gradient).
+
+    Args:
+      num_rows, num_columns: sizes (ints or 0-d integer tensors); num_columns defaults to num_rows.
+      batch_shape: None, or a shape: the result is that many copies, [*batch_shape, num_rows, num_columns].
+      dtype: torch dtype (default float32).
+
+    Returns:
+      [*batch_shape, num_rows, num_columns] of `dtype`, on the `dtape.device` scope's device.
+
+    Source: tf.eye.
+
+    Example:
+      >>> dtape.eye(2, 3).numpy()
+      array([[1., 0., 0.],
+             [0., 1., 0.]], dtype=float32)
+    """
+    rows = size_value(num_rows, "eye", "num_rows")
+    cols = rows if num_columns is None else size_value(num_columns, "eye", "num_columns")
+    batch = () if batch_shape is None else shape_values(batch_shape, "eye", "batch_shape")
+    m = torch.eye(rows, cols, dtype=_creation_dtype(dtype), device=default_device())
+    return Tensor(m.expand(batch + (rows, cols)).clone())
+
+
+def _paddings(paddings, ndim):
+    """TF's paddings ([rank, 2] ints: a list of pairs or an integer tensor) as a list of (before, after)."""
+    rows = _like(paddings) if isinstance(paddings, Tensor) or is_variable(paddings) else paddings
+    rows = list(rows) if getattr(rows, "ndim", 0) > 1 else rows  # a [rank, 2] tensor: its 1-D rows
+    if isinstance(rows, (list, tuple)) and all(isinstance(r, (list, tuple, torch.Size)) or getattr(r, "ndim", 0) == 1
+                                               for r in rows):
+        pairs = [shape_values(r, "pad", "paddings row") for r in rows]
+    else:
+        pairs = None
+    if pairs is None or len(pairs) != ndim or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"pad: paddings must be [rank, 2] = [{ndim}, 2] (one [before, after] pair per "
+                         f"dimension), got {paddings!r:.80}")
+    if any(p < 0 for pair in pairs for p in pair):
+        raise ValueError(f"pad: paddings must be non-negative, got {pairs}")
+    return pairs
+
+
+_PAD_MODES = ("CONSTANT", "REFLECT", "SYMMETRIC")
+
+
+def _pad_mode(mode):
+    m = str(mode).upper()
+    if m not in _PAD_MODES:
+        raise ValueError(f"pad: mode must be one of {_PAD_MODES} (any case), got {mode!r}")
+    return m
+
+
+def _mirror_index(n, before, after, mode, device):
+    """Indices along a dimension of size n that REFLECT (edge not repeated) or SYMMETRIC (edge repeated) pads."""
+    edge = 0 if mode == "SYMMETRIC" else 1
+    if max(before, after) > n - edge:
+        raise ValueError(f"pad: {mode} padding of ({before}, {after}) on a dimension of size {n}: each side must "
+                         f"be at most {n - edge} (the size{' - 1' if edge else ''}), as TF")
+    return torch.cat([torch.arange(before - 1 + edge, edge - 1, -1, device=device),
+                      torch.arange(n, device=device),
+                      torch.arange(n - 1 - edge, n - 1 - edge - after, -1, device=device)])
+
+
+def _pad_samples(rng):
+    x = S.randn(rng, 3, 4)
+    return [((x,), {"paddings": [[1, 2], [0, 3]]}),
+            ((x,), {"paddings": [[2, 1], [3, 0]], "mode": "REFLECT"}),
+            ((x,), {"paddings": [[3, 3], [1, 4]], "mode": "symmetric"}),
+            ((S.randn(rng, 2, 3, 2),), {"paddings": [[0, 0], [1, 1], [1, 0]], "constant_values": 2.5})]
+
+
+@defop(samples=_pad_samples, saves="none", complex_grad=True)
+def pad(tensor, paddings, mode="CONSTANT", constant_values=0):
+    """Pads `tensor` with `paddings[d] = [before, after]` entries on each side of dimension d.
+
+    Args:
+      tensor: any shape [n_0, ..., n_{r-1}] and dtype.
+      paddings: [r, 2] non-negative ints (a list of pairs, or an integer tensor).
+      mode: "CONSTANT" (`constant_values`), "REFLECT" (mirror without the edge:
+        at most n_d - 1 per side) or "SYMMETRIC" (mirror with the edge: at
+        most n_d); any case.
+      constant_values: a scalar of tensor's dtype (no gradient, as TF).
+
+    Returns:
+      [n_0 + before_0 + after_0, ...], tensor's dtype and device; the gradient
+      sums the padded copies back onto their sources.
+
+    Raises:
+      ValueError: paddings of the wrong shape or negative; a mirror padding wider than allowed; an unknown mode.
+
+    Source: tf.pad.
+
+    Example:
+      >>> dtape.pad(dtape.constant([1, 2, 3]), [[2, 1]], mode="REFLECT").numpy()
+      array([3, 2, 1, 2, 3, 2])
+    """
+    pads, mode = _paddings(paddings, tensor.ndim), _pad_mode(mode)
+    if mode == "CONSTANT":
+        flat = [p for pair in reversed(pads) for p in pair]  # torch lists the last dimension first
+        value = scalar_value(constant_values, "pad", "constant_values")
+        return torch.nn.functional.pad(tensor, flat, value=value) if flat else tensor.clone()
+    out = tensor
+    for axis, (before, after) in enumerate(pads):
+        if before or after:
+            out = torch.index_select(out, axis, _mirror_index(out.shape[axis], before, after, mode, out.device))
+    return out if out is not tensor else tensor.clone()
+
+
+@pad.grad
+def _(dy, ans, tensor, paddings, mode="CONSTANT", constant_values=0):
+    pads, mode = _paddings(paddings, tensor.ndim), _pad_mode(mode)
+    if mode == "CONSTANT":
+        return dy[tuple(slice(before, before + n) for (before, _), n in zip(pads, tensor.shape))]
+    g = dy
+    for axis in reversed(_brange(tensor.ndim)):
+        before, after = pads[axis]
+        if before or after:
+            n = tensor.shape[axis]
+            zeros = torch.zeros(tuple(g.shape[:axis]) + (n,) + tuple(g.shape[axis + 1:]), dtype=g.dtype,
+                                device=g.device)
+            g = torch.index_add(zeros, axis, _mirror_index(n, before, after, mode, g.device), g)
+    return g
+
+
+def _linspace_samples(rng):
+    return [((S.randn(rng), S.randn(rng)), {"num": 5}),
+            ((S.randn(rng, 3), S.randn(rng, 2, 1)), {"num": 4, "axis": -1}),
+            ((S.randn(rng, 2), S.randn(rng, 2)), {"num": 3, "axis": 1}),
+            ((S.randn(rng), S.randn(rng)), {"num": 1}), ((S.randn(rng), S.randn(rng)), {"num": 2})]
+
+
+@defop(n_in=2, samples=_linspace_samples, saves="none")
+def linspace(start, stop, num, axis=0):
+    """`num` evenly spaced values from `start` to `stop`, both included, along a new `axis`.
+
+    Args:
+      start, stop: floating scalars or broadcastable tensors (integers give float64, as TF's division).
+      num: the number of values (int or 0-d integer tensor, >= 0); 1 gives `start`.
+      axis: where the new dimension goes in the result (negative counts from its end).
+
+    Returns:
+      broadcast_shape(start, stop) with `num` inserted at `axis`; element i is
+      `start + i * (stop - start) / (num - 1)`, the last exactly `stop`.
+      Differentiable in start and stop.
+
+    Source: tf.linspace.
+
+    Example:
+      >>> dtape.linspace(0.0, 1.0, 5).numpy()
+      array([0.  , 0.25, 0.5 , 0.75, 1.  ], dtype=float32)
+    """
+    n, start, stop, ax = _linspace_args(start, stop, num, axis)
+    first, last = torch.unsqueeze(start, ax), torch.unsqueeze(stop, ax)
+    steps = builtins.max(n - 1, 1)
+    k = torch.reshape(torch.arange(1, steps, dtype=start.dtype, device=start.device), _along(ax, start.ndim + 1))
+    out = torch.cat([first, first + (last - first) / steps * k, last], dim=ax)
+    return torch.narrow(out, ax, 0, n)
+
+
+def _linspace_args(start, stop, num, axis):
+    n = size_value(num, "linspace", "num")
+    if n < 0:
+        raise ValueError(f"linspace: num must be >= 0, got {n}")
+    stop = stop if isinstance(stop, torch.Tensor) else torch.as_tensor(stop, dtype=start.dtype, device=start.device)
+    dtype = start.dtype if start.dtype.is_floating_point or start.dtype.is_complex else torch.float64
+    start, stop = torch.broadcast_tensors(start.to(dtype), stop.to(dtype))
+    return n, start, stop, canonical_axis(axis, start.ndim, "linspace", inserts=True)
+
+
+def _along(ax, ndim):
+    return [-1 if i == ax else 1 for i in _brange(ndim)]
+
+
+@linspace.grad
+def _(dy, ans, start, stop, num, axis=0):
+    n = size_value(num, "linspace", "num")
+    ax = canonical_axis(axis, dy.ndim - 1, "linspace", inserts=True)
+    w = torch.reshape(torch.arange(n, dtype=dy.dtype, device=dy.device) / builtins.max(n - 1, 1), _along(ax, dy.ndim))
+    return torch.sum(dy * (1 - w), dim=ax), torch.sum(dy * w, dim=ax)
+
+
+def _band_mask(shape, num_lower, num_upper, device):
+    """[m, n] bool: row i, column j is kept when (num_lower < 0 or i - j <= num_lower) and
+    (num_upper < 0 or j - i <= num_upper)."""
+    lower, upper = size_value(num_lower, "band_part", "num_lower"), size_value(num_upper, "band_part", "num_upper")
+    i = torch.arange(shape[-2], device=device)[:, None]
+    j = torch.arange(shape[-1], device=device)[None, :]
+    return torch.logical_and(torch.logical_or(torch.tensor(lower < 0, device=device), i - j <= lower),
+                             torch.logical_or(torch.tensor(upper < 0, device=device), j - i <= upper))
+
+
+def _band_part_samples(rng):
+    return [((S.randn(rng, 3, 4),), {"num_lower": -1, "num_upper": 0}),
+            ((S.randn(rng, 2, 4, 3),), {"num_lower": 1, "num_upper": -1}),
+            ((S.randn(rng, 4, 4),), {"num_lower": 0, "num_upper": 0})]
+
+
+@defop(samples=_band_part_samples, saves="none", complex_grad=True)
+def band_part(input, num_lower, num_upper):  # noqa: A002 - TF's argument name
+    """Keeps a band around the diagonal of each innermost matrix, zeroes the rest.
+
+    Args:
+      input: [..., m, n], any dtype.
+      num_lower, num_upper: how many subdiagonals / superdiagonals to keep
+        (ints or 0-d integer tensors; negative: all of them).
+        `band_part(ones([n, n]), -1, 0)` is the lower triangle (a causal mask).
+
+    Returns:
+      input's shape, dtype and device. The gradient is band_part of dy.
+
+    Raises:
+      ValueError: input of rank below 2.
+
+    Source: tf.linalg.band_part (exported as dtape.linalg.band_part).
+    """
+    if input.ndim < 2:
+        raise ValueError(f"band_part: input must be at least 2-D ([..., m, n]), got shape {tuple(input.shape)}")
+    keep = _band_mask(input.shape, num_lower, num_upper, input.device)
+    return torch.where(keep, input, torch.zeros((), dtype=input.dtype, device=input.device))
+
+
+@band_part.grad
+def _(dy, ans, input, num_lower, num_upper):  # noqa: A002
+    return band_part.any(dy, num_lower, num_upper)
+
+
+__all__ += ["newaxis", "shape", "size", "rank", "eye", "pad", "linspace"]

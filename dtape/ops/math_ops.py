@@ -7,12 +7,13 @@ torch functions and operators (run raw, or recorded through
 the backward walk, not by the rules.
 """
 import math
+import numbers
 
 import torch
 
 from dtape.ops import _samples as S
 from dtape.ops import array_ops
-from dtape.ops._axes import AxisError, canonical_axis, reduction_axes  # noqa: F401 - AxisError: public here
+from dtape.ops._axes import AxisError, axis_values, canonical_axis, reduction_axes  # noqa: F401 - AxisError: public here
 from dtape.ops._dispatch import call_fallback
 from dtape.ops._registry import TORCH_TABLE, defop, kernel_value, tangent_sum
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
@@ -22,7 +23,7 @@ __all__ = ["add", "subtract", "multiply", "divide", "floordiv", "floormod", "neg
            "sigmoid", "maximum", "minimum", "clip_by_value", "matmul", "einsum", "add_n",
            "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod",
            "reduce_logsumexp", "less", "less_equal", "greater", "greater_equal", "equal",
-           "not_equal", "logical_not", "logical_and", "logical_or", "argmax", "argmin"]
+           "not_equal", "logical_not", "logical_and", "logical_or", "logical_xor", "argmax", "argmin", "norm"]
 
 
 # -- arithmetic ---------------------------------------------------------------
@@ -885,6 +886,136 @@ def _(dy, ans, x, axis=None, keepdims=False):
     return expand_back(dy, x, axis, keepdims) * torch.exp(x - expand_back(ans, x, axis, keepdims))
 
 
+# -- norm -----------------------------------------------------------------------
+_MATRIX_ORDS = ("euclidean", "fro", 1, 2, math.inf)
+
+
+def _norm_spec(ord, axis, ndim):  # noqa: A002 - TF's argument name
+    """TF's reading of norm's `ord` and `axis`: (kind, p, axes) with kind "vector" (p-norm over `axes`),
+    or "matrix" (p in 1, 2, inf, "fro" over the 2 `axes`)."""
+    ax = axis_values(axis, "norm") if axis is not None else None
+    if isinstance(ax, tuple) and len(ax) == 2:
+        axes = tuple(canonical_axis(a, ndim, "norm") for a in ax)
+        if axes[0] == axes[1] or ord not in _MATRIX_ORDS:
+            raise ValueError(f"norm: a matrix norm (axis a pair of distinct axes, got {axis!r}) takes ord in "
+                             f"{list(_MATRIX_ORDS)}, got ord={ord!r}")
+        return "matrix", ("fro" if ord == "euclidean" else ord), axes
+    if isinstance(ax, tuple):
+        raise ValueError(f"norm: axis must be None, an integer, or a pair of distinct integers, got {axis!r}")
+    valid = ord == "euclidean" or (isinstance(ord, numbers.Real) and not isinstance(ord, bool) and ord > 0)
+    if not valid:
+        raise ValueError(f"norm: a vector norm takes ord 'euclidean' or a positive number (1, 2, np.inf, ...), got "
+                         f"{ord!r}" + (" ('fro' is for matrices: give axis a pair such as [-2, -1])"
+                                       if ord == "fro" else ""))
+    axes = tuple(range(ndim)) if ax is None else (canonical_axis(ax, ndim, "norm"),)
+    return "vector", (2 if ord == "euclidean" else ord), axes
+
+
+def _norm_samples(rng):
+    x, m = S.away_from_zero(rng, 3, 4), S.randn(rng, 2, 3, 4)
+    return [((x,), {}), ((x,), {"axis": 1, "keepdims": True}), ((x,), {"ord": 1, "axis": 0}),
+            ((x,), {"ord": math.inf, "axis": -1}), ((x,), {"ord": 3}), ((S.positive(rng, 3, 2),), {"ord": 0.5}),
+            ((m,), {"ord": "fro", "axis": (-2, -1)}), ((m,), {"ord": 1, "axis": (1, 2)}),
+            ((m,), {"ord": math.inf, "axis": (2, 0), "keepdims": True}), ((x,), {"ord": 2, "axis": (0, 1)})
+            ] + _norm_special()
+
+
+def _norm_special():
+    zero, ties = S.tensor(0.0, 0.0, 0.0), torch.stack([S.tensor(3.0, -3.0, 1.0), S.tensor(2.0, 2.0, -2.0)])
+    with_zero = S.tensor(0.0, 2.0, -1.0)
+    cols = torch.stack([S.tensor(1.0, -2.0), S.tensor(-2.0, 1.0)])  # tied column sums and row sums
+    return [S.Special((zero,), {}, "zero"), S.Special((zero,), {"ord": 3}, "zero"),
+            S.Special((zero,), {"ord": 1}, "zero"), S.Special((zero,), {"ord": math.inf}, "zero"),
+            S.Special((with_zero,), {"ord": 3}, "zero entry"), S.Special((with_zero,), {"ord": 0.5}, "zero entry"),
+            S.Special((with_zero,), {"ord": 1}, "zero entry"), S.Special((ties,), {"ord": math.inf, "axis": 1}, "ties"),
+            S.Special((cols,), {"ord": 1, "axis": (0, 1)}, "ties"),
+            S.Special((cols,), {"ord": math.inf, "axis": (0, 1)}, "ties")]
+
+
+@defop(samples=_norm_samples, saves="all")
+def norm(tensor, ord="euclidean", axis=None, keepdims=None):  # noqa: A002 - TF's argument name
+    """The vector p-norm, or a matrix norm, of `tensor` over `axis`.
+
+    Args:
+      tensor: floating tensor, any shape.
+      ord: "euclidean" (default), or a positive number p (1, 2, np.inf, 3,
+        0.5, ...) for vector norms; "fro"/"euclidean", 1, 2 or np.inf for
+        matrix norms (1: the largest column sum of |x|, np.inf: the largest
+        row sum, 2: the largest singular value).
+      axis: None (the whole tensor as one vector), an int (vectors along
+        it), or a pair of distinct ints (matrices over them); negative counts
+        from the end.
+      keepdims: keep the reduced dimensions with size 1.
+
+    Returns:
+      tensor's dtype; its shape without `axis` (with size 1 there with keepdims).
+
+    Raises:
+      ValueError: an `ord` the axis does not allow (TF's rules: "fro" is for matrices only, p > 0).
+
+    The gradient is TF's, whose norm is a composite: at a zero vector the
+    2-norm's and p-norm's gradient is NaN (sqrt's derivative at 0 times 0),
+    the 1-norm's is 0; tied maxima (np.inf, and matrix 1/inf norms) share
+    the gradient equally.
+
+    Source: tf.norm (tf.linalg.norm).
+
+    Example:
+      >>> float(dtape.norm(dtape.constant([3.0, 4.0])))
+      5.0
+    """
+    kind, p, axes = _norm_spec(ord, axis, tensor.ndim)
+    out = _norm_kept(tensor, kind, p, axes)
+    return out if keepdims else torch.reshape(out, [s for i, s in enumerate(out.shape) if i not in axes])
+
+
+def _norm_kept(x, kind, p, axes):
+    """norm with the reduced axes kept (size 1); a max over an empty axis is -inf, as TF's reduce_max."""
+    if kind == "vector" and p == math.inf:
+        return _extreme(torch.amax, torch.abs(x), axes, True, lowest=True)
+    if kind == "vector":
+        return torch.linalg.vector_norm(x, ord=p, dim=axes or None, keepdim=True)
+    if p == "fro":
+        return torch.linalg.vector_norm(x, ord=2, dim=axes, keepdim=True)
+    if p == 2:
+        return torch.linalg.matrix_norm(x, ord=2, dim=axes, keepdim=True)
+    summed, maxed = (axes[0], axes[1]) if p == 1 else (axes[1], axes[0])
+    return _extreme(torch.amax, torch.sum(torch.abs(x), dim=summed, keepdim=True), (maxed,), True, lowest=True)
+
+
+@norm.grad
+def _(dy, ans, tensor, ord="euclidean", axis=None, keepdims=None):  # noqa: A002
+    kind, p, axes = _norm_spec(ord, axis, tensor.ndim)
+    if not keepdims:
+        dy, ans = torch.reshape(dy, _keep_shape(tensor.shape, axes)), torch.reshape(ans, _keep_shape(tensor.shape, axes))
+    if kind == "matrix" and p == 2:
+        return dy * _top_singular_outer(tensor, axes)
+    if p == 2 or p == "fro":
+        return dy * tensor / ans  # 0 / 0 = NaN at a zero vector, as TF's sqrt(sum(x * x))
+    sign = torch.sign(tensor)
+    if p == 1 and kind == "vector":
+        return dy * sign
+    if p == math.inf and kind == "vector":
+        return _shared_by_ties(dy, torch.abs(tensor), ans, axes) * sign
+    if kind == "vector":
+        return dy * sign * torch.pow(torch.abs(tensor), p - 1) / torch.pow(ans, p - 1)
+    summed, maxed = (axes[0], axes[1]) if p == 1 else (axes[1], axes[0])
+    return _shared_by_ties(dy, torch.sum(torch.abs(tensor), dim=summed, keepdim=True), ans, (maxed,)) * sign
+
+
+def _shared_by_ties(dy, values, top, axes):
+    """dy shared equally by the entries of `values` equal to their maximum `top` over `axes` (TF's and torch's
+    reduce_max rule, in their order of operations: dy / count * ties), zero elsewhere."""
+    ties = torch.eq(values, top)
+    return dy / torch.sum(ties, dim=axes, keepdim=True) * ties
+
+
+def _top_singular_outer(x, axes):
+    """u_1 v_1^T of the matrices of x over `axes` (the gradient of the largest singular value), in x's layout."""
+    u, _, vh = torch.linalg.svd(torch.movedim(x, axes, (-2, -1)), full_matrices=False)
+    return torch.movedim(torch.matmul(u[..., :, :1], vh[..., :1, :]), (-2, -1), axes)
+
+
 # -- comparisons and logic (no gradient) --------------------------------------
 def _as_tensor_like(y, x):
     """A Python scalar second input as a tensor on x's device (torch's logical ops want tensors)."""
@@ -910,11 +1041,61 @@ logical_and = _compare("logical_and", lambda x, y: torch.logical_and(x, _as_tens
 logical_or = _compare("logical_or", lambda x, y: torch.logical_or(x, _as_tensor_like(y, x)),
                       "x or y (bool). Source: tf.math.logical_or.")
 
+logical_xor = _compare("logical_xor", lambda x, y: torch.logical_xor(x, _as_tensor_like(y, x)),
+                       "x xor y (bool). Source: tf.math.logical_xor.")
+
 
 @defop()
 def logical_not(x):
     """Not x (bool). Source: tf.math.logical_not."""
     return torch.logical_not(x)
+
+
+# The bitwise ops TF's operators use on integer tensors (tf.bitwise); not exported at the top level.
+bitwise_and = _compare("bitwise_and", torch.bitwise_and, "x & y on integers. Source: tf.bitwise.bitwise_and.")
+bitwise_or = _compare("bitwise_or", torch.bitwise_or, "x | y on integers. Source: tf.bitwise.bitwise_or.")
+bitwise_xor = _compare("bitwise_xor", torch.bitwise_xor, "x ^ y on integers. Source: tf.bitwise.bitwise_xor.")
+
+
+@defop()
+def invert(x):
+    """~x on integers (every bit flipped). Source: tf.bitwise.invert."""
+    return torch.bitwise_not(x)
+
+
+def _logic_operator(symbol, logical, bitwise):
+    """TF's `x & y` (and `|`, `^`): the logical op on bool tensors, the bitwise op on integer ones."""
+    def operator(x, y):
+        x = _logic_operand(x, symbol)
+        logic = x.dtype == torch.bool
+        if type(y) is (bool if logic else int):  # a Python scalar of the tensor's kind takes its dtype
+            return (logical if logic else bitwise)(x, y)
+        y = _logic_operand(y, symbol)
+        if (y.dtype == torch.bool) != logic:
+            raise TypeError(f"{symbol} takes two bool tensors (logical) or two integer tensors (bitwise), as TF's; "
+                            f"got {x.dtype} and {y.dtype}: cast one, e.g. dtape.cast(y, {x.dtype})")
+        return (logical if logic else bitwise)(x, y)
+    operator.__name__ = f"operator {symbol}"
+    return operator
+
+
+def _logic_operand(x, symbol):
+    x = x._dtape_read() if is_variable(x) else convert_to_tensor(x)
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        raise TypeError(f"{symbol} needs bool tensors (logical, as tf.math.logical_and/or/xor/not) or integer "
+                        f"tensors (bitwise, as tf.bitwise), got {x.dtype}; for a mask write x > 0 first")
+    return x
+
+
+and_ = _logic_operator("&", logical_and, bitwise_and)
+or_ = _logic_operator("|", logical_or, bitwise_or)
+xor_ = _logic_operator("^", logical_xor, bitwise_xor)
+
+
+def invert_(x):
+    """TF's `~x`: logical_not on a bool tensor, the bitwise inverse on an integer one."""
+    x = _logic_operand(x, "~")
+    return logical_not(x) if x.dtype == torch.bool else invert(x)
 
 
 @defop()

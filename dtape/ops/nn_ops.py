@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dtape import random as _random
+from dtape._sizes import shape_values
 from dtape.ops import _samples as S
 from dtape.ops._axes import canonical_axis
 from dtape.ops._registry import defop, kernel_value
@@ -320,7 +321,7 @@ def dropout(x, rate, noise_shape=None, seed=None):
     x = convert_to_tensor(x)
     if not 0 <= float(rate) < 1:
         raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
-    shape = tuple(x.shape) if noise_shape is None else tuple(int(s) for s in noise_shape)
+    shape = tuple(x.shape) if noise_shape is None else shape_values(noise_shape, "dropout", "noise_shape")
     if seed is not None:
         gen = torch.Generator(device=x.device).manual_seed(int(seed))
         keep = torch.rand(shape, generator=gen, device=x.device) >= float(rate)
