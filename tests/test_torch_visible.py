@@ -96,6 +96,67 @@ def test_variable_has_the_tensor_methods():
     assert isinstance(v.sum(), dtape.Tensor) and v.to(torch.float32).dtype == torch.float32
 
 
+# torch.Tensor methods as nanoGPT / pytorch/examples call them, with their arguments: (name, args).
+_DIFFERENTIABLE_METHODS = [
+    ("view", (6,)), ("view", (3, -1)), ("reshape", (1, 6)), ("sum", ()), ("sum", (1,)), ("mean", (0,)),
+    ("t", ()), ("transpose", (0, 1)), ("permute", (1, 0)), ("flatten", ()), ("unsqueeze", (0,)),
+    ("squeeze", ()), ("expand", (2, 2, 3)), ("repeat", (2, 1)), ("contiguous", ()), ("clone", ()),
+    ("to", (torch.float32,)), ("double", ()), ("float", ()), ("abs", ()), ("pow", (2,)), ("exp", ()),
+    ("softmax", (-1,)), ("log_softmax", (-1,)), ("masked_fill", (torch.tensor([[True, False, False]]), 0.0)),
+    ("clamp", (-1.0, 1.0)), ("norm", ()), ("max", ()), ("amax", (1,)), ("cumsum", (1,)), ("prod", ()),
+    ("matmul", (torch.ones(3, 2, dtype=torch.float64),)), ("narrow", (1, 0, 2)), ("select", (0, 1)),
+    ("flip", (0,)), ("roll", (1, 1)), ("tanh", ()), ("relu", ()), ("sigmoid", ()), ("square", ()),
+]
+_VALUE_METHODS = [
+    ("size", ()), ("size", (1,)), ("dim", ()), ("numel", ()), ("nelement", ()), ("tolist", ()),
+    ("is_floating_point", ()), ("is_contiguous", ()), ("element_size", ()), ("stride", ()), ("argmax", ()),
+    ("isfinite", ()), ("eq", (0.5,)), ("all", ()), ("any", ()), ("long", ()), ("bool", ()),
+]
+_PROPERTIES = ["shape", "dtype", "device", "ndim", "T", "mT", "is_cuda", "layout", "requires_grad"]
+
+
+def _values(x):
+    return x.numpy() if isinstance(x, dtape.Tensor) else x
+
+
+@pytest.mark.parametrize("name,args", _DIFFERENTIABLE_METHODS, ids=[n for n, _ in _DIFFERENTIABLE_METHODS])
+def test_variable_tensor_method_gives_tensors_value_and_torchs_gradient(name, args):
+    values = [[0.5, -1.5, 2.0], [3.0, -0.25, 1.0]]
+    v = dtape.Variable(values, dtype=torch.float64)
+    t = dtape.constant(values, dtype=torch.float64)
+    ref = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    with dtape.GradientTape() as tape:
+        y = getattr(v, name)(*args)
+        total = dtape.reduce_sum(y * y)  # a non-uniform upstream gradient
+    expected = getattr(ref, name)(*args)
+    (ref_grad,) = torch.autograd.grad((expected * expected).sum(), [ref])
+    assert isinstance(y, dtape.Tensor)
+    np.testing.assert_allclose(y.numpy(), getattr(t, name)(*args).numpy(), rtol=0, atol=0)
+    np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(tape.gradient(total, v).numpy(), ref_grad.numpy(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name,args", _VALUE_METHODS, ids=[n for n, _ in _VALUE_METHODS])
+def test_variable_tensor_method_answers_as_the_tensor(name, args):
+    values = [[0.5, -1.5, 2.0], [3.0, -0.25, 1.0]]
+    v = dtape.Variable(values, dtype=torch.float64)
+    t = dtape.constant(values, dtype=torch.float64)
+    got, want = getattr(v, name)(*args), getattr(t, name)(*args)
+    assert type(got) is type(want)
+    np.testing.assert_array_equal(_values(got), _values(want))
+    np.testing.assert_array_equal(_values(got), _values(getattr(torch.tensor(values, dtype=torch.float64), name)(*args)))
+
+
+@pytest.mark.parametrize("name", _PROPERTIES)
+def test_variable_tensor_property_answers_as_the_tensor(name):
+    values = [[0.5, -1.5, 2.0], [3.0, -0.25, 1.0]]
+    v = dtape.Variable(values, dtype=torch.float64)
+    t = dtape.constant(values, dtype=torch.float64)
+    got, want = getattr(v, name), getattr(t, name)
+    assert type(got) is type(want)
+    np.testing.assert_array_equal(_values(got), _values(want))
+
+
 def test_variable_attribute_errors_stay_attribute_errors():
     v = dtape.Variable([1.0])
     for name in ("_no_such", "no_such_method", "values"):
