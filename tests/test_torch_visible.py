@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import _strategies
@@ -222,3 +223,53 @@ def test_tensorboard_logging_of_dtape_values(tmp_path):
         writer.add_histogram("v", v.numpy(), 0)
         writer.add_scalar("v_sum", v.sum().item(), 0)
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+# -- random functions in a wrapped module or on dtape tensors ---------------------------------------------
+
+def _draw_count(fn):
+    """Whether fn() drew from this thread's dtape generator (its state moved)."""
+    gen = torch.Generator().manual_seed(5)
+    before = gen.get_state()
+    with dtape.random.generator_scope(gen):
+        fn()
+    return not torch.equal(before, gen.get_state())
+
+
+def test_random_functions_that_draw_nothing_take_no_seed_from_the_replicas_generator():
+    """Attention without dropout (nanoGPT's default) and dropout with p=0 or outside training draw nothing in
+    torch, so they seed no private stream; with a probability they do."""
+    q = dtape.constant(torch.randn(1, 2, 4, 8))
+    x = dtape.constant(torch.randn(16))
+    assert not _draw_count(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert not _draw_count(lambda: F.scaled_dot_product_attention(q, q, q, None, 0.0))
+    assert not _draw_count(lambda: F.dropout(x, 0.5, training=False))
+    assert not _draw_count(lambda: F.dropout(x, p=0.0))
+    assert not _draw_count(lambda: nn.Dropout(0.3).eval()(x))
+    assert _draw_count(lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
+    assert _draw_count(lambda: F.dropout(x, 0.5))
+    assert _draw_count(lambda: nn.Dropout(0.3)(x))
+    # inside a wrapped module's forward, run on a replica (a thread with its own generator)
+    attention = dtape.layers.TorchModule(_Attention())
+    assert not _draw_count(lambda: attention(q, training=True))
+    assert _draw_count(lambda: attention(q, 0.5, training=True))
+
+
+class _Attention(nn.Module):
+    def forward(self, q, dropout_p=0.0):
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True)
+
+
+def test_dropout_in_a_wrapped_module_outside_any_replica_draws_as_plain_torch():
+    """No thread generator (no strategy, no generator_scope): torch's random functions inside the module
+    draw from torch's own generator, as the same module in plain torch, and the forward runs uncounted."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5))
+    tm = dtape.layers.TorchModule(module)
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    got = tm(x, training=True).torch()
+    torch.manual_seed(3)
+    expected = module(x)
+    assert torch.equal(got, expected.detach())
+    assert 0.2 < (got == 0).float().mean() < 0.8
