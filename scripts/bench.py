@@ -463,6 +463,12 @@ def gpt_case(device):
     return run_dtape, run_torch
 
 
+def _cpu_time(fn):
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
 def gpt_rows(run, quick):
     """(j), with one intra-op thread on both sides (as each torchrun worker of (i) has)."""
     threads = torch.get_num_threads()
@@ -470,7 +476,10 @@ def gpt_rows(run, quick):
     try:
         fd, ft = gpt_case(torch.device("cpu"))
         reps = 9 if quick else 41
-        return [("(j) GPT step, TorchModule+from_torch(AdamW), 1 thread", *interleave(run, fd, ft, reps, 3), reps)]
+        rows = [("(j) GPT step, TorchModule+from_torch(AdamW), 1 thread", *interleave(run, fd, ft, reps, 3), reps)]
+        # the process's CPU time per step (one thread): steadier than wall time on a loaded machine
+        rows.append(("(j) the same, CPU time", *interleave(_cpu_time, fd, ft, reps, 1), reps))
+        return rows
     finally:
         torch.set_num_threads(threads)
 
