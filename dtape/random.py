@@ -36,6 +36,12 @@ class generator_scope(ThreadLocalScope):
     _attr = "generator"
 
 
+def has_thread_generator():
+    """True inside a `generator_scope` (every replica thread of a strategy): this thread draws from its own
+    generator, not from torch's default ones."""
+    return _gen_state.generator is not None
+
+
 def get_generator(device=None):
     """The generator random ops use on this thread for `device` (default: the scope's device).
 

@@ -15,11 +15,15 @@ after glibc's malloc_trim: live memory, not the allocator's cache), (h) the
 charlm step vs the same transformer as a torch.nn.Module with torch.optim.Adam,
 (i) on the CPU, 2 torchrun workers (gloo) with dtape's MultiWorkerMirroredStrategy
 against 2 with torch DistributedDataParallel, for the MLP and charlm steps
-(scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden).
+(scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden; and the
+GPT of scripts/tasks/torch_gpt.py through TorchModule + from_torch(AdamW): 2 workers against DDP, and
+MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch),
+(j) that GPT step in one process (one intra-op thread) against plain torch with the same AdamW.
 
-  python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--json PATH]
+  python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--gpt-only] [--json PATH]
 """
 import argparse
+import copy
 import ctypes
 import gc
 import json
@@ -419,13 +423,74 @@ class _TorchCharLM(torch.nn.Module):
         return F.layer_norm(h, (c.WIDTH,), g, bb, eps=1e-3) @ wh + bh
 
 
+# -- (j) the GPT-shaped torch.nn.Module through TorchModule + from_torch(AdamW) vs plain torch ----------
+def gpt_case(device):
+    """One training step of scripts/tasks/torch_gpt.py's GPT (bench_multiworker.GPT_SHAPE, 32 sequences):
+    dtape.layers.TorchModule with dtape.optimizers.from_torch(torch.optim.AdamW) against the same module
+    copy with the same AdamW (nanoGPT's two parameter groups) in plain torch, on the same batches."""
+    import bench_multiworker
+    module, make_adamw, data, labels = bench_multiworker._gpt(torch)
+    data, labels = data.to(device), labels.to(device)
+    net = copy.deepcopy(module).to(device)
+    topt = make_adamw(net.parameters())
+    tm = dtape.layers.TorchModule(module.to(device))
+    dopt = dtape.optimizers.from_torch(make_adamw(tm.parameters()))
+    dvars = tm.trainable_variables
+    batches = [(dtape.constant(data[k]), dtape.constant(labels[k])) for k in range(len(data))]
+    step = {"dtape": 0, "torch": 0}
+
+    def run_dtape():
+        x, y = batches[step["dtape"] % len(batches)]
+        step["dtape"] += 1
+        with dtape.GradientTape() as tape:
+            logits = tm(x)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        dopt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
+        return loss
+
+    def run_torch():
+        k = step["torch"] % len(data)
+        step["torch"] += 1
+        topt.zero_grad(set_to_none=True)
+        logits = net(data[k])
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels[k].view(-1))
+        loss.backward()
+        topt.step()
+        return loss
+
+    ld, lt = float(run_dtape()), run_torch().item()
+    _check_first_loss("GPT", ld, lt)
+    return run_dtape, run_torch
+
+
+def _cpu_time(fn):
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def gpt_rows(run, quick):
+    """(j), with one intra-op thread on both sides (as each torchrun worker of (i) has)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fd, ft = gpt_case(torch.device("cpu"))
+        reps = 9 if quick else 41
+        rows = [("(j) GPT step, TorchModule+from_torch(AdamW), 1 thread", *interleave(run, fd, ft, reps, 3), reps)]
+        # the process's CPU time per step (one thread): steadier than wall time on a loaded machine
+        rows.append(("(j) the same, CPU time", *interleave(_cpu_time, fd, ft, reps, 1), reps))
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- (i) 2 torchrun workers: dtape against DistributedDataParallel ---------------------
-def multiworker_case(quick):
+def multiworker_case(quick, launches=None):
     """scripts/bench_multiworker.py's launches (3 sets of 60 steps; --quick: 1 of 20); prints its ratios."""
     import bench_multiworker
     repeat, steps = (1, 20) if quick else (3, 60)
     print(f"(i) 2 torchrun workers (gloo), dtape vs DistributedDataParallel: {repeat} set(s) of {steps} steps")
-    out = bench_multiworker.measure(steps, repeat, verbose=False)
+    out = bench_multiworker.measure(steps, repeat, verbose=False, launches=launches or bench_multiworker.LAUNCHES)
     bench_multiworker.print_summary(out["ratios"], repeat)
     return out
 
@@ -539,6 +604,8 @@ def main():
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--counts", action="store_true", help="only the record and call counts")
     ap.add_argument("--no-multiworker", action="store_true", help="skip case (i), the torchrun launches")
+    ap.add_argument("--gpt-only", action="store_true",
+                    help="only the GPT cases: (j), and (i)'s GPT launch (2 workers vs DDP, MirroredStrategy vs DDP)")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -560,6 +627,8 @@ def main():
     q = args.quick
     rows = []  # (name, dtape seconds, torch seconds, reps)
     cpu = device.type == "cpu"
+    if args.gpt_only:
+        return gpt_only(run, args, load)
 
     chains = ((1_000, 7 if q else 31, 2 if q else 5), (10_000, 3 if q else 11, 1 if q else 2),
               (100_000, 1 if q else 5, 1))
@@ -579,6 +648,8 @@ def main():
     fd, ft = charlm_case(device)
     reps = 7 if q else 31
     rows.append(("(h) charlm step (Adam) vs torch.nn.Module", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
+    if cpu:
+        rows += gpt_rows(run, q)
 
     extra = {}
     if cpu:
@@ -621,6 +692,21 @@ def main():
                        "load_start": load, "load_end": load_end,
                        "results": [dict(case=n, dtape_s=d, torch_s=t, ratio=d / t, reps=r)
                                    for n, d, t, r in rows], "extra": extra, "counts": count_results}, f, indent=2)
+
+
+def gpt_only(run, args, load):
+    """`--gpt-only`: case (j) and the GPT launch of (i), with the machine's load before and after."""
+    rows = gpt_rows(run, args.quick)
+    for name, d, t, r in rows:
+        print(f"{name}: dtape {d * 1e3:.2f} ms, torch {t * 1e3:.2f} ms, {d / t:.3f}x ({r} reps, medians)")
+    multi = None if args.no_multiworker else multiworker_case(args.quick, launches=(("gpt", 2),))
+    load_end = os.getloadavg()
+    print(f"load average at start {load}, at end {load_end}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load_start": load, "load_end": load_end, "multiworker": multi,
+                       "results": [dict(case=n, dtape_s=d, torch_s=t, ratio=d / t, reps=r) for n, d, t, r in rows]},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

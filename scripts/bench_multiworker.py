@@ -3,19 +3,23 @@
 One MLP training step (784-1024-1024-10, SGD, global batch 256; dtape's
 layers.Dense against torch.nn.Linear), and the charlm step (the 2-layer
 transformer of scripts/tasks/charlm.py, Adam, 32 sequences; DDP runs the same
-transformer as a torch.nn.Module), with the
+transformer as a torch.nn.Module), and the GPT-shaped torch.nn.Module of
+scripts/tasks/torch_gpt.py (GPT_SHAPE, 32 sequences, AdamW in nanoGPT's two parameter groups) through
+dtape.layers.TorchModule and dtape.optimizers.from_torch against the same module under DDP; in the GPT
+launch rank 0 also runs the step under MirroredStrategy with 2 CPU replicas (threads of its one
+process) while the other ranks wait, so that case takes its turns with the others too. All with the
 same initial weights and the same global batches: each of W workers takes
 its slice of every global batch, dtape sums the per-worker gradients of a
 loss divided by the global batch size (TF semantics), DDP averages the
 gradients of per-worker mean losses; both give the one-device update. The
 first-step losses are checked equal.
 
-  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--json PATH]
+  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--gpt-only] [--json PATH]
 
 (`scripts/bench.py` runs it too, as its case (i).)
 
 runs `torchrun --standalone --nproc-per-node W` for the MLP at W = 1 and 2
-and charlm at W = 2, with this checkout's dtape. Inside one launch the cases
+and charlm and the GPT at W = 2, with this checkout's dtape. Inside one launch the cases
 (dtape with GradientSync: the all-reduce overlapped with the walk, as in
 scripts/train.py's step and in DDP; dtape without it: apply_gradients
 reduces after the walk; and DDP) share the process group and
@@ -47,6 +51,10 @@ import time
 SIZES = (784, 1024, 1024, 10)
 GLOBAL_BATCH = 256
 CHARLM_BATCH = 32  # sequences of 64 characters per global batch (charlm's default batch size)
+# The GPT-shaped torch.nn.Module (scripts/tasks/torch_gpt.py) in nanoGPT's shape at the size of the
+# charlm step: vocabulary (65, Shakespeare's characters), context, width, heads, layers; sequences per global batch.
+GPT_SHAPE = dict(vocab=65, context=64, width=64, heads=2, layers=2)
+GPT_BATCH = 32
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -144,6 +152,87 @@ def _charlm_ddp(rank, world, lr):
     return _ddp_case(model, opt, loss_fn, world)
 
 
+def _gpt(torch):
+    """The GPT model (seeded), its AdamW (nanoGPT's groups and betas) and 4 global batches [4, GPT_BATCH, context]."""
+    sys.path.insert(0, HERE)
+    from tasks import torch_gpt
+    torch.manual_seed(0)
+    model = torch_gpt.GPT(**GPT_SHAPE)
+    pairs = torch_gpt.counting_batches(4, GPT_BATCH, GPT_SHAPE["context"], GPT_SHAPE["vocab"])
+    data, labels = torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+    def make_adamw(params):
+        return torch.optim.AdamW(torch_gpt.adamw_groups(list(params)), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    return model, make_adamw, data, labels
+
+
+def _gpt_ddp(rank, world, lr):
+    import torch
+    import torch.nn.functional as F
+    module, make_adamw, data, labels = _gpt(torch)
+    model = torch.nn.parallel.DistributedDataParallel(module)
+    opt = make_adamw(model.parameters())
+    part = _slice(rank, world, GPT_BATCH)
+
+    def loss_fn(k):
+        logits = model(data[k % 4, part])
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels[k % 4, part].reshape(-1))
+    return _ddp_case(model, opt, loss_fn, world)
+
+
+def _gpt_dtape_step(tm, make_adamw, sync):
+    """(replica step(x, y) -> its share of the global mean loss, the variables) of the GPT through TorchModule
+    and from_torch(AdamW): the sum over the replica's tokens divided by the global batch's tokens."""
+    import torch.nn.functional as F
+    import dtape
+    opt = dtape.optimizers.from_torch(make_adamw(tm.parameters()))
+    variables = tm.trainable_variables
+    tokens = GPT_BATCH * GPT_SHAPE["context"]
+
+    def loss_fn(x, y):
+        logits = tm(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1), reduction="sum") / tokens
+    return variables, opt, loss_fn
+
+
+def _gpt_dtape(strategy, rank, world, lr, sync):
+    import dtape
+    import torch
+    module, make_adamw, data, labels = _gpt(torch)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(module)
+    variables, opt, loss_fn = _gpt_dtape_step(tm, make_adamw, sync)
+    part = _slice(rank, world, GPT_BATCH)
+
+    def batch(k):
+        return dtape.constant(data[k % 4, part]), dtape.constant(labels[k % 4, part])
+    return _dtape_case(strategy, variables, opt, loss_fn, batch, sync)
+
+
+def _gpt_mirrored(replicas):
+    """The same GPT step under MirroredStrategy with `replicas` CPU replicas in this one process (threads)."""
+    import dtape
+    import torch
+    module, make_adamw, data, labels = _gpt(torch)
+    strategy = dtape.distribute.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(module)
+    variables, opt, loss_fn = _gpt_dtape_step(tm, make_adamw, True)
+    parts = [_slice(i, replicas, GPT_BATCH) for i in range(replicas)]
+    shards = [[(dtape.constant(data[k, p]), dtape.constant(labels[k, p])) for p in parts] for k in range(4)]
+    step_k = [0]
+
+    def loss_of_replica():
+        x, y = shards[step_k[0] % 4][dtape.distribute.get_replica_context().replica_id_in_sync_group]
+        return loss_fn(x, y)
+    step, phases = _dtape_case(strategy, variables, opt, loss_of_replica, lambda k: (), True)
+
+    def run(k):
+        step_k[0] = k
+        return step(k)
+    return run, phases
+
+
 # -- dtape --------------------------------------------------------------------------------
 def _dtape_case(strategy, variables, opt, loss_fn, batch, sync):
     """(step(k), phases) for dtape: forward, gradient walk, apply_gradients (all-reduce wait + update)."""
@@ -151,9 +240,9 @@ def _dtape_case(strategy, variables, opt, loss_fn, batch, sync):
     gradient_sync = dtape.distribute.GradientSync() if sync else None
     phases = _Phases("forward", "walk", "apply")
 
-    def replica_step(x, y):
+    def replica_step(*inputs):
         with phases("forward"), dtape.GradientTape(gradient_sync=gradient_sync) as tape:
-            loss = loss_fn(x, y)
+            loss = loss_fn(*inputs)
         with phases("walk"):
             grads = tape.gradient(loss, variables)
         with phases("apply"):
@@ -228,10 +317,13 @@ def _worker(model, steps):
     strategy = dtape.distribute.MultiWorkerMirroredStrategy()  # on the existing group
     rank, world = dist.get_rank(), dist.get_world_size()
     lr = 1e-3 if model == "charlm" else 0.01
-    make_dtape, make_ddp = (_charlm_dtape, _charlm_ddp) if model == "charlm" else (_mlp_dtape, _mlp_ddp)
+    make_dtape, make_ddp = {"charlm": (_charlm_dtape, _charlm_ddp), "gpt": (_gpt_dtape, _gpt_ddp)}.get(
+        model, (_mlp_dtape, _mlp_ddp))
     cases = {"dtape": make_dtape(strategy, rank, world, lr, False),
              "dtape_sync": make_dtape(strategy, rank, world, lr, True),
              "ddp": make_ddp(rank, world, lr)}
+    if model == "gpt":  # rank 0 alone runs the GPT under MirroredStrategy (world CPU replicas); the others wait
+        cases["mirrored"] = _gpt_mirrored(world) if rank == 0 else (lambda k: float("nan"), _Phases())
     names = list(cases)
     first = {name: cases[name][0](0) for name in names}
     times, cpu = {name: [] for name in names}, {name: [] for name in names}
@@ -302,14 +394,44 @@ def _ratios(runs):
                  "ddp 2 workers / 1 worker": step["mlp_ddp_2"] / step["mlp_ddp_1"]}
 
 
-def measure(steps=60, repeat=3, verbose=True):
-    """`repeat` sets of launches (MLP at 1 and 2 workers, charlm at 2); returns
+def _gpt_ratios(runs):
+    """The GPT launch's ratios: dtape (MultiWorkerMirroredStrategy with GradientSync, and without) and
+    MirroredStrategy (2 CPU replicas in rank 0's process) against DDP, all taking turns in one launch."""
+    cases = runs[("gpt", 2)]
+    res = {f"gpt_{case}_2": r for case, r in cases.items()}
+    for case in ("dtape", "dtape_sync", "mirrored"):
+        assert abs(cases[case]["first_loss"] - cases["ddp"]["first_loss"]) < 1e-5, f"gpt: {case} and DDP disagree"
+    step = {case: r["step_s"] for case, r in cases.items()}
+    cpu = {case: r["cpu_s"] for case, r in cases.items()}
+    return res, {"gpt dtape/ddp at 2 workers": step["dtape_sync"] / step["ddp"],
+                 "gpt dtape, no overlap/ddp": step["dtape"] / step["ddp"],
+                 "gpt mirrored 2 replicas/ddp": step["mirrored"] / step["ddp"],
+                 "gpt cpu time dtape/ddp": cpu["dtape_sync"] / cpu["ddp"]}
+
+
+# (model, workers) of each launch of a set: the MLP at 1 and 2 workers, charlm and the GPT at 2
+LAUNCHES = (("mlp", 1), ("mlp", 2), ("charlm", 2), ("gpt", 2))
+
+
+def _set_ratios(runs):
+    res, ratios = {}, {}
+    if ("mlp", 1) in runs:
+        res, ratios = _ratios(runs)
+    if ("gpt", 2) in runs:
+        gpt_res, gpt_ratios = _gpt_ratios(runs)
+        res.update(gpt_res)
+        ratios.update(gpt_ratios)
+    return res, ratios
+
+
+def measure(steps=60, repeat=3, verbose=True, launches=LAUNCHES):
+    """`repeat` sets of `launches` (see LAUNCHES); returns
     {"runs": [{"results", "ratios"} per set], "ratios": {name: (median, min, max) over the sets}}."""
     sets = []
     for i in range(repeat):
-        runs = {(m, w): _launch(m, w, steps) for m, w in (("mlp", 1), ("mlp", 2), ("charlm", 2))}
+        runs = {(m, w): _launch(m, w, steps) for m, w in launches}
         files = {cases.pop("dtape_file") for cases in runs.values()}
-        res, ratios = _ratios(runs)
+        res, ratios = _set_ratios(runs)
         sets.append({"results": res, "ratios": ratios, "dtape": sorted(files)})
         if verbose:
             print(f"-- set {i + 1} of {repeat} (dtape imported by the workers: {', '.join(files)})")
@@ -331,7 +453,8 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=3, help="sets of launches; ratios are given as their median")
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--worker", choices=["mlp", "charlm"], help=argparse.SUPPRESS)
+    ap.add_argument("--gpt-only", action="store_true", help="only the GPT launch (dtape, MirroredStrategy, DDP)")
+    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -347,7 +470,7 @@ def main():
         os._exit(0)
     if args.steps < 5 or args.repeat < 1:
         ap.error("--steps must be at least 5 and --repeat at least 1")
-    out = measure(args.steps, args.repeat)
+    out = measure(args.steps, args.repeat, launches=(("gpt", 2),) if args.gpt_only else LAUNCHES)
     print_summary(out["ratios"], args.repeat)
     print(f"load average {os.getloadavg()}")
     if args.json:

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import _strategies
@@ -96,6 +97,67 @@ def test_variable_has_the_tensor_methods():
     assert isinstance(v.sum(), dtape.Tensor) and v.to(torch.float32).dtype == torch.float32
 
 
+# torch.Tensor methods as nanoGPT / pytorch/examples call them, with their arguments: (name, args).
+_DIFFERENTIABLE_METHODS = [
+    ("view", (6,)), ("view", (3, -1)), ("reshape", (1, 6)), ("sum", ()), ("sum", (1,)), ("mean", (0,)),
+    ("t", ()), ("transpose", (0, 1)), ("permute", (1, 0)), ("flatten", ()), ("unsqueeze", (0,)),
+    ("squeeze", ()), ("expand", (2, 2, 3)), ("repeat", (2, 1)), ("contiguous", ()), ("clone", ()),
+    ("to", (torch.float32,)), ("double", ()), ("float", ()), ("abs", ()), ("pow", (2,)), ("exp", ()),
+    ("softmax", (-1,)), ("log_softmax", (-1,)), ("masked_fill", (torch.tensor([[True, False, False]]), 0.0)),
+    ("clamp", (-1.0, 1.0)), ("norm", ()), ("max", ()), ("amax", (1,)), ("cumsum", (1,)), ("prod", ()),
+    ("matmul", (torch.ones(3, 2, dtype=torch.float64),)), ("narrow", (1, 0, 2)), ("select", (0, 1)),
+    ("flip", (0,)), ("roll", (1, 1)), ("tanh", ()), ("relu", ()), ("sigmoid", ()), ("square", ()),
+]
+_VALUE_METHODS = [
+    ("size", ()), ("size", (1,)), ("dim", ()), ("numel", ()), ("nelement", ()), ("tolist", ()),
+    ("is_floating_point", ()), ("is_contiguous", ()), ("element_size", ()), ("stride", ()), ("argmax", ()),
+    ("isfinite", ()), ("eq", (0.5,)), ("all", ()), ("any", ()), ("long", ()), ("bool", ()),
+]
+_PROPERTIES = ["shape", "dtype", "device", "ndim", "T", "mT", "is_cuda", "layout", "requires_grad"]
+
+
+def _values(x):
+    return x.numpy() if isinstance(x, dtape.Tensor) else x
+
+
+@pytest.mark.parametrize("name,args", _DIFFERENTIABLE_METHODS, ids=[n for n, _ in _DIFFERENTIABLE_METHODS])
+def test_variable_tensor_method_gives_tensors_value_and_torchs_gradient(name, args):
+    values = [[0.5, -1.5, 2.0], [3.0, -0.25, 1.0]]
+    v = dtape.Variable(values, dtype=torch.float64)
+    t = dtape.constant(values, dtype=torch.float64)
+    ref = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    with dtape.GradientTape() as tape:
+        y = getattr(v, name)(*args)
+        total = dtape.reduce_sum(y * y)  # a non-uniform upstream gradient
+    expected = getattr(ref, name)(*args)
+    (ref_grad,) = torch.autograd.grad((expected * expected).sum(), [ref])
+    assert isinstance(y, dtape.Tensor)
+    np.testing.assert_allclose(y.numpy(), getattr(t, name)(*args).numpy(), rtol=0, atol=0)
+    np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(tape.gradient(total, v).numpy(), ref_grad.numpy(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name,args", _VALUE_METHODS, ids=[n for n, _ in _VALUE_METHODS])
+def test_variable_tensor_method_answers_as_the_tensor(name, args):
+    values = [[0.5, -1.5, 2.0], [3.0, -0.25, 1.0]]
+    v = dtape.Variable(values, dtype=torch.float64)
+    t = dtape.constant(values, dtype=torch.float64)
+    got, want = getattr(v, name)(*args), getattr(t, name)(*args)
+    assert type(got) is type(want)
+    np.testing.assert_array_equal(_values(got), _values(want))
+    np.testing.assert_array_equal(_values(got), _values(getattr(torch.tensor(values, dtype=torch.float64), name)(*args)))
+
+
+@pytest.mark.parametrize("name", _PROPERTIES)
+def test_variable_tensor_property_answers_as_the_tensor(name):
+    values = [[0.5, -1.5, 2.0], [3.0, -0.25, 1.0]]
+    v = dtape.Variable(values, dtype=torch.float64)
+    t = dtape.constant(values, dtype=torch.float64)
+    got, want = getattr(v, name), getattr(t, name)
+    assert type(got) is type(want)
+    np.testing.assert_array_equal(_values(got), _values(want))
+
+
 def test_variable_attribute_errors_stay_attribute_errors():
     v = dtape.Variable([1.0])
     for name in ("_no_such", "no_such_method", "values"):
@@ -161,3 +223,53 @@ def test_tensorboard_logging_of_dtape_values(tmp_path):
         writer.add_histogram("v", v.numpy(), 0)
         writer.add_scalar("v_sum", v.sum().item(), 0)
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+# -- random functions in a wrapped module or on dtape tensors ---------------------------------------------
+
+def _draw_count(fn):
+    """Whether fn() drew from this thread's dtape generator (its state moved)."""
+    gen = torch.Generator().manual_seed(5)
+    before = gen.get_state()
+    with dtape.random.generator_scope(gen):
+        fn()
+    return not torch.equal(before, gen.get_state())
+
+
+def test_random_functions_that_draw_nothing_take_no_seed_from_the_replicas_generator():
+    """Attention without dropout (nanoGPT's default) and dropout with p=0 or outside training draw nothing in
+    torch, so they seed no private stream; with a probability they do."""
+    q = dtape.constant(torch.randn(1, 2, 4, 8))
+    x = dtape.constant(torch.randn(16))
+    assert not _draw_count(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert not _draw_count(lambda: F.scaled_dot_product_attention(q, q, q, None, 0.0))
+    assert not _draw_count(lambda: F.dropout(x, 0.5, training=False))
+    assert not _draw_count(lambda: F.dropout(x, p=0.0))
+    assert not _draw_count(lambda: nn.Dropout(0.3).eval()(x))
+    assert _draw_count(lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
+    assert _draw_count(lambda: F.dropout(x, 0.5))
+    assert _draw_count(lambda: nn.Dropout(0.3)(x))
+    # inside a wrapped module's forward, run on a replica (a thread with its own generator)
+    attention = dtape.layers.TorchModule(_Attention())
+    assert not _draw_count(lambda: attention(q, training=True))
+    assert _draw_count(lambda: attention(q, 0.5, training=True))
+
+
+class _Attention(nn.Module):
+    def forward(self, q, dropout_p=0.0):
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True)
+
+
+def test_dropout_in_a_wrapped_module_outside_any_replica_draws_as_plain_torch():
+    """No thread generator (no strategy, no generator_scope): torch's random functions inside the module
+    draw from torch's own generator, as the same module in plain torch, and the forward runs uncounted."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5))
+    tm = dtape.layers.TorchModule(module)
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    got = tm(x, training=True).torch()
+    torch.manual_seed(3)
+    expected = module(x)
+    assert torch.equal(got, expected.detach())
+    assert 0.2 < (got == 0).float().mean() < 0.8

@@ -175,7 +175,12 @@ def capture_caller_state():
     and the RecordFunction callbacks), which torch copies to its own threads
     (autograd engine, `at::launch`) but exposes to no Python thread; a second
     profiler started on a replica thread would start and stop the one
-    process-wide kineto trace under the caller's. So the replica threads'
+    process-wide kineto trace under the caller's. libtorch's own way for a
+    child thread to join it (`enableProfilerInChildThread`, in libtorch_cpu
+    but bound to no Python name in torch 2.13) keeps one callback handle per
+    profiler: each joining thread overwrites the caller's, whose callback
+    then outlives the profiler and records every later op of the caller
+    twice (seen: 3 events for one op after two sessions). So the replica threads'
     ops are seen only by a profiler that records every thread
     (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`,
     whose state is process-global); with a thread-local one running on the

@@ -234,6 +234,33 @@ _RANDOM_FNS = frozenset([
     torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout, torch.rrelu,
     torch.bernoulli, torch.Tensor.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial])
+# Random functions that draw nothing when called with a zero probability (or, for dropout, not training):
+# func -> (position and name of the probability, position and name of the training flag or None).
+_PROBABILITY_ARGS = {F.scaled_dot_product_attention: ((4, "dropout_p"), None)}
+_PROBABILITY_ARGS.update({fn: ((1, "p"), (2, "training")) for fn in (
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)})
+_PROBABILITY_ARGS.update({fn: ((1, "p"), (2, "train")) for fn in (
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout)})
+
+
+def _draws(func, args, kwargs):
+    """False when random function `func` draws nothing from a generator for these arguments: attention
+    with dropout_p=0 (nanoGPT's default), dropout with p=0 or outside training, which torch runs
+    without a draw; then no private stream is seeded (a seeded stream costs a generator fork)."""
+    spec = _PROBABILITY_ARGS.get(func)
+    if spec is None:
+        return True
+    (p_pos, p_name), training = spec
+    p = kwargs.get(p_name, args[p_pos] if len(args) > p_pos else None)
+    if p is None:  # the function's default probability (dropout's 0.5; attention's is given above as 0)
+        p = 0.0 if func is F.scaled_dot_product_attention else 0.5
+    if training is not None:
+        t_pos, t_name = training
+        if not kwargs.get(t_name, args[t_pos] if len(args) > t_pos else True):
+            return False
+    return isinstance(p, torch.Tensor) or p != 0
+
+
 # Held while a seeded stream is installed in torch's (process-global) generators.
 _rng_lock = threading.RLock()
 
@@ -258,7 +285,7 @@ class SeededRandomFunctions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _RANDOM_FNS:
+        if func not in _RANDOM_FNS or not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with _seeded(*_new_raw_seed(tensors)):
@@ -302,7 +329,7 @@ def call_fallback(func, args, kwargs):
         kwargs = dict(kwargs, inplace=False)
     flat, spec = pytree.tree_flatten((args, kwargs))
     leaves, tensors, positions = _unwrap_leaves(flat)
-    seed = _new_seed(tensors) if func in _RANDOM_FNS else None
+    seed = _new_seed(tensors) if func in _RANDOM_FNS and _draws(func, args, kwargs) else None
     op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
     raws = [t._t for t in tensors]
     n_tapes = _recording_count(tensors) if _tp.active_tapes and tensors else 0
