@@ -58,7 +58,7 @@ import torch
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.module import is_unique_name_base
-from dtape.distribute import SyncOnReadVariable
+from dtape.distribute import SyncOnReadVariable, collective_ops
 from dtape.tensor import Tensor, is_variable
 from dtape.variables import VariableAggregation
 
@@ -283,6 +283,7 @@ def _decode(node, tensors, path):
 
 # -- save -----------------------------------------------------------------------
 
+@collective_ops.labelled("checkpoint.save")   # under MultiWorkerMirroredStrategy its collectives are named after it
 def save(path, **objects):
     """Saves `objects` to the file `path`, atomically (a reader never sees a partial file).
 
@@ -607,6 +608,7 @@ def read(path):
 
 # -- restore --------------------------------------------------------------------
 
+@collective_ops.labelled("checkpoint.restore")
 def restore(path, *, strict=True, **objects):
     """Restores the variables of `objects` from `path`, all or nothing.
 
