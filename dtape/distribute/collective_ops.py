@@ -28,15 +28,17 @@ Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
   once a wait passes one second, so fast steps cost no store traffic).
 * Collectives cannot pair wrong: before each one, the workers exchange its
   signature (sequence number, kind, the dtape call that issued it, dtype,
-  shape) in one small int64 all-reduce of a fixed size, and the payload is
+  shape) in one small float64 all-reduce of a fixed size, and the payload is
   launched only when every worker's signature is the same. Otherwise every
   worker raises `CollectiveMismatchError` naming each worker's call
   ("rank 0 entered all_reduce #12 of checkpoint.save (float32[1]) while
   rank 1 entered all_reduce #12 of apply_gradients (float32[3])"), before
-  anything is exchanged: never a value summed with another call's, nor
-  gloo's abort on a size mismatch. The check is a separate collective (not
-  folded into the payload) because gloo aborts the process when a payload's
-  size differs. The caller is named by `labelled` (outermost wins).
+  any value is returned: never a value summed with another call's, nor
+  gloo's abort on a size mismatch (gloo aborts the process when a payload's
+  size differs, so a large payload waits for the check: one extra small
+  round trip). A small floating all-reduce (losses, metrics, barriers)
+  travels in the same fixed-size message as the signatures: no extra round
+  trip. The caller is named by `labelled` (outermost wins).
   DTAPE_CHECK_COLLECTIVES=0 turns the check off (for benchmarks).
 
 Process-wide state: `_active` (the communicator of the process's strategy),
@@ -98,6 +100,9 @@ class CollectiveMismatchError(PeerFailure):
 # -- the collective ledger: signatures exchanged before each collective ----------------------------
 _KINDS = ("all_reduce", "all_gather", "broadcast", "barrier")   # signature code: index + 1
 _SIG_LEN = 12   # seq, kind, src, label, dtype, numel, ndim, four dims, shape hash
+# Every signature exchange is one float64 all-reduce of world * _SIG_LEN + _INLINE_MAX elements: always the
+# same size (gloo aborts on a size mismatch); floating all-reduces up to _INLINE_MAX elements ride in it.
+_INLINE_MAX = 16
 
 # The dtape calls that issue collectives, known on every worker (a peer's label is named even when
 # this worker never made that call). `labelled` adds others.
@@ -183,7 +188,7 @@ def mismatch_message(rank, rows):
     shapes = (" Hint: the same call got values of different shapes or dtypes on different workers: every worker "
               "must pass the same shape and dtype (e.g. the same variables, in the same order).") if same_call else ""
     return (f"rank {rank}: collectives out of step: {said[0]} while {', '.join(said[1:])}; every worker must issue "
-            f"the same collectives in the same order with the same shapes and dtypes. Nothing was exchanged; the "
+            f"the same collectives in the same order with the same shapes and dtypes. No value was returned; the "
             f"group is unusable now: fix the program and restart the workers." + _hints(" ".join(said)) + shapes)
 
 
@@ -253,6 +258,7 @@ class Communicator:
         self.check = (_config.CHECK_COLLECTIVES if check is None else bool(check)) and world_size > 1
         self._seq = 0            # collectives entered by this worker (same order on every worker)
         self._entered = ""       # the latest one, described (for timeout and exit messages)
+        self._signed = None      # the latest one's signature
         self._failed = None      # the error this worker reported, once it has one
         self._published = False  # whether this worker published the group's first error
         self.store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
@@ -298,8 +304,7 @@ class Communicator:
         if op not in ("sum", "mean"):
             raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
         out = self._staged(t)
-        self._run("all_reduce", out, label,
-                  lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._sum("all_reduce", out, label)
         if op == "mean":
             out = out / self.world_size if out.is_floating_point() else torch.div(out, self.world_size,
                                                                                   rounding_mode="floor")
@@ -367,9 +372,7 @@ class Communicator:
 
         Its signature says "barrier", so it never pairs with a peer's one-element reduction.
         """
-        out = torch.zeros(1, device=self.device)
-        self._run("barrier", out, label,
-                  lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._sum("barrier", torch.zeros(1, device=self.device), label)
 
     def _staged(self, t):
         """A private contiguous copy of `t` on the collective device (collectives work in place)."""
@@ -378,10 +381,11 @@ class Communicator:
         return t.detach().to(self.device, copy=True).contiguous()
 
     # -- the ledger -------------------------------------------------------------------
-    def _enter(self, kind, t, label, src=0):
+    def _enter(self, kind, t, label, src=0, check=True):
         """Enters the next collective: its number, and (checking) the signature check with every worker.
 
         Returns its description ("all_reduce #12 of checkpoint.save (float32[1])").
+        `check=False`: the caller exchanges the signature itself (`_sum`).
 
         Raises:
           CollectiveMismatchError: on every worker, when any signature differs.
@@ -389,35 +393,63 @@ class Communicator:
         what = f"{kind} #{self._seq + 1}"
         self._raise_if_failed(what)
         self._seq += 1
-        sig = _signature(self._seq, kind, t, src, current_label(label))
-        what = self._entered = describe_signature(sig)
-        if self.check:
-            self._check_signature(sig, what)
+        self._signed = _signature(self._seq, kind, t, src, current_label(label))
+        what = self._entered = describe_signature(self._signed)
+        if self.check and check:
+            self._exchange_signatures(what, self._signed_message())
         return what
 
-    def _check_signature(self, sig, what):
-        """One fixed-size int64 all-reduce: every worker's signature in its row (the others add zeros)."""
-        rows = torch.zeros((self.world_size, _SIG_LEN), dtype=torch.int64, device=self.device)
-        rows[self.rank] = torch.tensor(sig, dtype=torch.int64)
-        try:
-            work = dist.all_reduce(rows, dist.ReduceOp.SUM, group=self.group, async_op=True)
-        except RuntimeError as e:
-            self._fail_from_transport(what, e)
-        self._wait(work, what)
-        table = rows.tolist()
-        if any(row != sig for row in table):
+    def _signed_message(self):
+        """The fixed-size float64 message: a row per worker (this one's signature in its row), then
+        _INLINE_MAX payload slots, all zeros else (the others' rows and payloads are added by the SUM)."""
+        message = torch.zeros(self.world_size * _SIG_LEN + _INLINE_MAX, dtype=torch.float64, device=self.device)
+        message[self.rank * _SIG_LEN:(self.rank + 1) * _SIG_LEN] = torch.tensor(self._signed, dtype=torch.float64)
+        return message
+
+    def _exchange_signatures(self, what, message):
+        """Sums `message` over the workers and raises CollectiveMismatchError unless every row is ours."""
+        self._launch_and_wait(what, lambda: dist.all_reduce(message, dist.ReduceOp.SUM, group=self.group,
+                                                            async_op=True))
+        self._compare(message[:self.world_size * _SIG_LEN].view(self.world_size, _SIG_LEN))
+
+    def _compare(self, rows):
+        """Raises CollectiveMismatchError (on every worker: each sees every row) unless every row is ours."""
+        table = [[int(x) for x in row] for row in rows.tolist()]
+        if any(row != self._signed for row in table):
             self._fail(CollectiveMismatchError(mismatch_message(self.rank, table)))
 
-    # -- waiting ----------------------------------------------------------------------
+    def _sum(self, kind, out, label):
+        """Sums `out` (on the collective device) over the workers, in place.
+
+        A small floating `out` travels with the signatures in one float64
+        all-reduce (signatures are integers below 2**53, exact in float64),
+        so the check costs no extra round trip; its sum is the float64 sum
+        of the workers' values rounded once to out's dtype (with 2 workers,
+        bit-identical to a sum in out's dtype).
+        """
+        if not (self.check and out.is_floating_point() and out.numel() <= _INLINE_MAX):
+            self._run(kind, out, label, lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group,
+                                                                 async_op=True))
+            return
+        what = self._enter(kind, out, label, check=False)
+        head, n = self.world_size * _SIG_LEN, out.numel()
+        message = self._signed_message()
+        message[head:head + n] = out.reshape(-1)
+        self._exchange_signatures(what, message)
+        out.copy_(message[head:head + n].view(out.shape))
+
     def _run(self, kind, t, label, launch, src=0):
         """Enters one collective (signature check), launches it and waits, failing fast and naming the failing rank."""
-        what = self._enter(kind, t, label, src)
+        self._launch_and_wait(self._enter(kind, t, label, src), launch)
+
+    def _launch_and_wait(self, what, launch):
         try:
             work = launch()
         except RuntimeError as e:
             self._fail_from_transport(what, e)
         self._wait(work, what)
 
+    # -- waiting ----------------------------------------------------------------------
     def _wait(self, work, what):
         start = checked = time.monotonic()
         # gloo's wait returns as soon as the work is done, so its first slice is the longest;

@@ -6,7 +6,7 @@ argv: out_dir, mode.
     nothing but the signatures was exchanged), in sequence:
       save_then_reduce: rank 0 alone calls checkpoint.save, then both call strategy.reduce;
       save_then_step:   rank 0 alone calls checkpoint.save, then both run a training step (apply_gradients);
-      shapes, dtypes:   strategy.reduce of a [2] vs a [3] value; of float32 vs float64;
+      shapes, dtypes:   strategy.reduce of a [2] vs a [3000] value; of float32 vs float64;
       order:            rank 0 calls strategy.reduce while rank 1 calls strategy.gather;
       fine:             both reduce (the value every scenario would give when paired right: 1 + 2).
     Writes $OUT/rank<r>.json: {scenario: {"value": ...} or {"error": "Type: message"}}.
@@ -52,7 +52,8 @@ def save_then_step(strategy):
 
 
 def shapes(strategy):
-    return strategy.reduce("SUM", dtape.ones([2 + rank]))
+    # a small reduction travels with its signature, a large one after it: the messages still pair
+    return strategy.reduce("SUM", dtape.ones([[2, 3000][rank]]))
 
 
 def dtypes(strategy):
