@@ -15,7 +15,9 @@ after glibc's malloc_trim: live memory, not the allocator's cache), (h) the
 charlm step vs the same transformer as a torch.nn.Module with torch.optim.Adam,
 (i) on the CPU, 2 torchrun workers (gloo) with dtape's MultiWorkerMirroredStrategy
 against 2 with torch DistributedDataParallel, for the MLP and charlm steps
-(scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden).
+(scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden),
+(j) the cost of checking every collective's signature across the 2 workers (check on / off:
+one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
 
   python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--json PATH]
 """
@@ -430,6 +432,16 @@ def multiworker_case(quick):
     return out
 
 
+# -- (j) the collective signature check, on and off -----------------------------------
+def collective_check_case(quick):
+    """scripts/bench_collective_check.py's launch (40 turns; --quick: 10); prints its table."""
+    import bench_collective_check
+    print("(j) the collective signature check on 2 torchrun workers (gloo), on vs off:")
+    res = bench_collective_check.measure(10 if quick else 40)
+    bench_collective_check.print_table(res)
+    return res
+
+
 # -- (d) counts: tape scope and Python calls per variable read -----------------------------
 def count_calls(fn):
     """Python function calls (sys.setprofile 'call' events, this thread) made by fn(), fn itself included."""
@@ -613,6 +625,8 @@ def main():
     if cpu and not args.no_multiworker:  # after the table: its launches take a while
         print()
         extra["multiworker"] = multiworker_case(q)
+        print()
+        extra["collective_check"] = collective_check_case(q)
     load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"load average at end {load_end}")
     if args.json:

@@ -28,7 +28,7 @@ Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
   once a wait passes one second, so fast steps cost no store traffic).
 * Collectives cannot pair wrong: before each one, the workers exchange its
   signature (sequence number, kind, the dtape call that issued it, dtype,
-  shape) in one small float64 all-reduce of a fixed size, and the payload is
+  shape) in one small float64 all-gather of a fixed size, and the payload is
   launched only when every worker's signature is the same. Otherwise every
   worker raises `CollectiveMismatchError` naming each worker's call
   ("rank 0 entered all_reduce #12 of checkpoint.save (float32[1]) while
@@ -53,7 +53,10 @@ dtape's calls.
 import builtins
 import contextlib
 import datetime
+import functools
 import json
+import math
+import operator
 import os
 import socket
 import sys
@@ -100,9 +103,11 @@ class CollectiveMismatchError(PeerFailure):
 # -- the collective ledger: signatures exchanged before each collective ----------------------------
 _KINDS = ("all_reduce", "all_gather", "broadcast", "barrier")   # signature code: index + 1
 _SIG_LEN = 12   # seq, kind, src, label, dtype, numel, ndim, four dims, shape hash
-# Every signature exchange is one float64 all-reduce of world * _SIG_LEN + _INLINE_MAX elements: always the
-# same size (gloo aborts on a size mismatch); floating all-reduces up to _INLINE_MAX elements ride in it.
+# Every signature exchange is one all-gather of _SIG_LEN + _INLINE_MAX float64 per worker: always the same
+# size (gloo aborts a process whose peer sends another size); floating all-reduces of up to _INLINE_MAX
+# elements ride in it. (An all-gather: one exchange, where gloo's all-reduce of the same bytes takes two.)
 _INLINE_MAX = 16
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # The dtape calls that issue collectives, known on every worker (a peer's label is named even when
 # this worker never made that call). `labelled` adds others.
@@ -159,10 +164,23 @@ def current_label(default=None):
 
 
 def _signature(seq, kind, t, src, label):
-    shape = tuple(t.shape)
+    """[seq, kind, src, label, dtype, numel, ndim, four dims, shape hash] of a collective on tensor `t`."""
+    return [seq, *_signature_tail(kind, src, label, t.dtype, tuple(t.shape))[0]]
+
+
+def _signed(seq, kind, t, src, label):
+    """(signature, description) of a collective; the parts that do not depend on `seq` are cached."""
+    tail, name, rest = _signature_tail(kind, src, label, t.dtype, tuple(t.shape))
+    return [seq, *tail], f"{name} #{seq}{rest}"
+
+
+@functools.lru_cache(maxsize=4096)   # a training loop has a few distinct collectives: computed once each
+def _signature_tail(kind, src, label, dtype, shape):
     dims = (list(shape) + [0] * 4)[:4]
-    return [seq, _KINDS.index(kind) + 1, src, _code(label) if label else 0, _code(str(t.dtype)), t.numel(),
-            len(shape), *dims, _code(repr(shape))]
+    tail = (_KINDS.index(kind) + 1, src, _code(label) if label else 0, _code(str(dtype)), math.prod(shape),
+            len(shape), *dims, _code(repr(shape)))
+    name, _, rest = describe_signature((0, *tail)).partition(" #0")
+    return tail, name, rest
 
 
 def describe_signature(row):
@@ -393,38 +411,35 @@ class Communicator:
         what = f"{kind} #{self._seq + 1}"
         self._raise_if_failed(what)
         self._seq += 1
-        self._signed = _signature(self._seq, kind, t, src, current_label(label))
-        what = self._entered = describe_signature(self._signed)
+        self._signed, what = _signed(self._seq, kind, t, src, current_label(label))
+        self._entered = what
         if self.check and check:
-            self._exchange_signatures(what, self._signed_message())
+            self._exchange_signatures(what, [])
         return what
 
-    def _signed_message(self):
-        """The fixed-size float64 message: a row per worker (this one's signature in its row), then
-        _INLINE_MAX payload slots, all zeros else (the others' rows and payloads are added by the SUM)."""
-        message = torch.zeros(self.world_size * _SIG_LEN + _INLINE_MAX, dtype=torch.float64, device=self.device)
-        message[self.rank * _SIG_LEN:(self.rank + 1) * _SIG_LEN] = torch.tensor(self._signed, dtype=torch.float64)
-        return message
-
-    def _exchange_signatures(self, what, message):
-        """Sums `message` over the workers and raises CollectiveMismatchError unless every row is ours."""
-        self._launch_and_wait(what, lambda: dist.all_reduce(message, dist.ReduceOp.SUM, group=self.group,
-                                                            async_op=True))
-        self._compare(message[:self.world_size * _SIG_LEN].view(self.world_size, _SIG_LEN))
-
-    def _compare(self, rows):
-        """Raises CollectiveMismatchError (on every worker: each sees every row) unless every row is ours."""
-        table = [[int(x) for x in row] for row in rows.tolist()]
-        if any(row != self._signed for row in table):
+    def _exchange_signatures(self, what, payload):
+        """Every worker's message (signature, then `payload` padded to _INLINE_MAX) as lists of floats, in
+        rank order; raises CollectiveMismatchError on every worker unless every signature is this one's."""
+        n = _SIG_LEN + _INLINE_MAX
+        message = torch.tensor(self._signed + payload + [0.0] * (_INLINE_MAX - len(payload)), dtype=torch.float64,
+                               device=self.device)
+        flat = torch.empty(self.world_size * n, dtype=torch.float64, device=self.device)  # gloo wants it 1-D
+        self._launch_and_wait(what, lambda: _all_gather_single(flat, message, group=self.group, async_op=True))
+        rows = flat.tolist()
+        rows = [rows[r * n:(r + 1) * n] for r in range(self.world_size)]
+        if any(row[:_SIG_LEN] != self._signed for row in rows):   # floats == ints: exact below 2**53
+            table = [[int(x) for x in row[:_SIG_LEN]] for row in rows]
             self._fail(CollectiveMismatchError(mismatch_message(self.rank, table)))
+        return rows
 
     def _sum(self, kind, out, label):
         """Sums `out` (on the collective device) over the workers, in place.
 
-        A small floating `out` travels with the signatures in one float64
-        all-reduce (signatures are integers below 2**53, exact in float64),
-        so the check costs no extra round trip; its sum is the float64 sum
-        of the workers' values rounded once to out's dtype (with 2 workers,
+        A small floating `out` travels with the signature in the same
+        float64 all-gather (signatures are integers below 2**53, exact in
+        float64), so the check costs no extra round trip; each worker then
+        sums the gathered values in float64 in rank order and rounds once
+        to out's dtype: the same on every worker (with 2 workers,
         bit-identical to a sum in out's dtype).
         """
         if not (self.check and out.is_floating_point() and out.numel() <= _INLINE_MAX):
@@ -432,11 +447,10 @@ class Communicator:
                                                                  async_op=True))
             return
         what = self._enter(kind, out, label, check=False)
-        head, n = self.world_size * _SIG_LEN, out.numel()
-        message = self._signed_message()
-        message[head:head + n] = out.reshape(-1)
-        self._exchange_signatures(what, message)
-        out.copy_(message[head:head + n].view(out.shape))
+        n = out.numel()
+        rows = self._exchange_signatures(what, out.reshape(-1).tolist())
+        sums = [functools.reduce(operator.add, column) for column in zip(*(row[_SIG_LEN:_SIG_LEN + n] for row in rows))]
+        out.copy_(torch.tensor(sums, dtype=torch.float64).view(out.shape))
 
     def _run(self, kind, t, label, launch, src=0):
         """Enters one collective (signature check), launches it and waits, failing fast and naming the failing rank."""
