@@ -265,6 +265,9 @@ class Communicator:
       prefix: store key prefix, identical on every worker, unique per
         strategy and per torchrun restart (so stale errors are never read).
       group: the torch.distributed process group (None: the default one).
+      check: whether each collective's signature is compared across the
+        workers first (None: DTAPE_CHECK_COLLECTIVES; the same on every
+        worker, else ValueError here).
     """
 
     def __init__(self, rank, world_size, store, timeout, device, prefix, group=None, check=None):

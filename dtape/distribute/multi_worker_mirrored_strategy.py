@@ -234,7 +234,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     Every worker must make the strategy, create the same variables in the
     same order, and call `run`, `reduce`, `gather`, checkpoint saves and
     cross-replica reads of SyncOnReadVariables in the same order: each is
-    a collective.
+    a collective. Each collective's signature (number, kind, the dtape call,
+    dtype, shape) is compared across the workers before it runs: workers
+    that differ (e.g. `if rank == 0: dtape.checkpoint.save(...)`) raise
+    `CollectiveMismatchError` on every worker naming each worker's call,
+    never a wrong value (`collective_ops`; DTAPE_CHECK_COLLECTIVES=0 turns
+    the check off, on every worker).
 
     Raises:
       ValueError: a partial torchrun environment, bad options, or an existing
