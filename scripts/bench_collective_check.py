@@ -10,9 +10,9 @@ and off, the two taking turns step by step:
     small round trip);
   * bench_multiworker.py's MLP step (784-1024-1024-10, SGD, global batch
     256) with GradientSync at its default buckets (the all-reduce overlapped
-    with the walk: 2 buckets per step) and with 0.25 MB buckets (about 30
-    all-reduces per step: an all-reduce-heavy step), plus the step's loss
-    reduction.
+    with the walk: 2 buckets per step), plus the step's loss reduction;
+  * an all-reduce-heavy step: a 24-layer MLP 128 wide with 0.1 MB buckets
+    (12 bucket all-reduces per step, each launched from the walk).
 
 Times are medians on rank 0 of wall times between two barriers, after
 warm-up. The check is switched per case through `communicator.check`
@@ -38,17 +38,15 @@ sys.path.insert(0, HERE)
 import bench_multiworker as mw  # noqa: E402
 
 
-def _mlp_step(strategy, rank, world, bucket_cap_mb):
-    """step(k): one MLP training step with GradientSync(bucket_cap_mb), and the loss reduced across workers."""
+def _mlp_step(strategy, rank, world, bucket_cap_mb, sizes=mw.SIZES):
+    """step(k): one step of an MLP of `sizes` (784 in, 10 out) with GradientSync(bucket_cap_mb), and the loss
+    reduced across workers."""
     import torch
     import dtape
-    params, data, labels = mw._init(torch)
+    _, data, labels = mw._init(torch)
     with strategy.scope():
-        layers = [dtape.layers.Dense(n, activation="relu" if i + 2 < len(mw.SIZES) else None, input_dim=m)
-                  for i, (m, n) in enumerate(zip(mw.SIZES[:-1], mw.SIZES[1:]))]
-        for k, layer in enumerate(layers):
-            layer.kernel.assign(params[2 * k])
-            layer.bias.assign(params[2 * k + 1])
+        layers = [dtape.layers.Dense(n, activation="relu" if i + 2 < len(sizes) else None, input_dim=m, seed=i)
+                  for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))]
         opt = dtape.optimizers.SGD(0.01)
     variables = [v for layer in layers for v in layer.trainable_variables]
     part = mw._slice(rank, world, mw.GLOBAL_BATCH)
@@ -89,7 +87,7 @@ def _worker(steps):
     rank, world = dist.get_rank(), dist.get_world_size()
     work = {"20 one-element reduces": _reduces(strategy),
             "MLP step, GradientSync default buckets": _mlp_step(strategy, rank, world, 25.0),
-            "MLP step, GradientSync 0.25 MB buckets": _mlp_step(strategy, rank, world, 0.25)}
+            "24-layer MLP step, 0.1 MB buckets": _mlp_step(strategy, rank, world, 0.1, (784,) + (128,) * 23 + (10,))}
     cases = [(name, check) for name in work for check in (True, False)]
     times = {c: [] for c in cases}
     launches = {}
