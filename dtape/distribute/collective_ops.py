@@ -95,7 +95,7 @@ class PeerFailure(RuntimeError):
 class CollectiveMismatchError(PeerFailure):
     """The workers entered different collectives at the same position (another call, kind, shape or dtype).
 
-    Raised on every worker, before the collective exchanges anything; the
+    Raised on every worker, before any value of the collective is returned; the
     message names each worker's call. The group is unusable afterwards.
     """
 
