@@ -61,3 +61,8 @@ DISTRIBUTE_TIMEOUT_S = _read_timeout("DTAPE_DISTRIBUTE_TIMEOUT", 300.0)
 
 # Default dtype for Python floats given to dtape.constant / convert_to_tensor.
 DEFAULT_FLOAT_DTYPE = _read_choice("DTAPE_DEFAULT_FLOAT_DTYPE", "float32", _VALID_FLOAT_DTYPES)
+
+# Whether MultiWorkerMirroredStrategy checks, before every collective, that every worker
+# entered the same one (sequence number, kind, caller, shape, dtype). "0" turns the check
+# off (benchmarks only; then a mismatch may pair wrong or abort). Must be the same on every worker.
+CHECK_COLLECTIVES = _read_choice("DTAPE_CHECK_COLLECTIVES", "1", ("0", "1")) == "1"

@@ -69,7 +69,7 @@ from dtape import _restore_hooks
 from dtape import distribute
 from dtape import tape as _tp
 from dtape.module import is_unique_name_base
-from dtape.distribute import SyncOnReadVariable
+from dtape.distribute import SyncOnReadVariable, collective_ops
 from dtape.tensor import Tensor, is_variable
 from dtape.variables import Variable, VariableAggregation
 
@@ -295,6 +295,7 @@ def _decode(node, tensors, path):
 
 # -- save -----------------------------------------------------------------------
 
+@collective_ops.labelled("checkpoint.save")   # under MultiWorkerMirroredStrategy its collectives are named after it
 def save(path, **objects):
     """Saves `objects` to the file `path`, atomically (a reader never sees a partial file).
 
@@ -636,6 +637,7 @@ def read(path):
 
 # -- restore --------------------------------------------------------------------
 
+@collective_ops.labelled("checkpoint.restore")
 def restore(path, *, strict=True, **objects):
     """Restores the variables of `objects` from `path`, all or nothing.
 

@@ -161,7 +161,8 @@ class Optimizer:
           TypeError: a gradient whose dtype is not its variable's.
           Either is raised before any variable is written.
         """
-        with profile_range("dtape.apply_gradients"):  # the optimizer update: a named range in torch.profiler traces
+        # the optimizer update: a named range in torch.profiler traces; its collectives are named after it
+        with profile_range("dtape.apply_gradients"), distribute.collective_ops.labelled("apply_gradients"):
             _check_not_cross_replica("apply_gradients")
             pairs = [(g, v) for g, v in grads_and_vars]
             for g, v in pairs:

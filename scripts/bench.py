@@ -19,6 +19,8 @@ against 2 with torch DistributedDataParallel, for the MLP and charlm steps
 GPT of scripts/tasks/torch_gpt.py through TorchModule + from_torch(AdamW): 2 workers against DDP, and
 MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch),
 (j) that GPT step in one process (one intra-op thread) against plain torch with the same AdamW.
+(k) the cost of checking every collective's signature across the 2 workers (check on / off:
+one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
 
   python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--gpt-only] [--json PATH]
 """
@@ -31,6 +33,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -41,6 +44,9 @@ import torch.nn.functional as F
 # This checkout's dtape, not an installed one (python puts scripts/ first on sys.path).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dtape  # noqa: E402
+
+import bench_collective_check  # noqa: E402  (scripts/, beside this file)
+import bench_multiworker  # noqa: E402
 
 
 def timer(device):
@@ -354,7 +360,6 @@ def rss_child(variant, steps=200):
 
 
 def rss_growth(variant):
-    import subprocess
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", variant],
                          capture_output=True, text=True, timeout=900, check=True).stdout
     return int(next(line for line in out.splitlines() if line.startswith("RSS_GROWTH")).split()[1])
@@ -428,7 +433,6 @@ def gpt_case(device):
     """One training step of scripts/tasks/torch_gpt.py's GPT (bench_multiworker.GPT_SHAPE, 32 sequences):
     dtape.layers.TorchModule with dtape.optimizers.from_torch(torch.optim.AdamW) against the same module
     copy with the same AdamW (nanoGPT's two parameter groups) in plain torch, on the same batches."""
-    import bench_multiworker
     module, make_adamw, data, labels = bench_multiworker._gpt(torch)
     data, labels = data.to(device), labels.to(device)
     net = copy.deepcopy(module).to(device)
@@ -487,12 +491,20 @@ def gpt_rows(run, quick):
 # -- (i) 2 torchrun workers: dtape against DistributedDataParallel ---------------------
 def multiworker_case(quick, launches=None):
     """scripts/bench_multiworker.py's launches (3 sets of 60 steps; --quick: 1 of 20); prints its ratios."""
-    import bench_multiworker
     repeat, steps = (1, 20) if quick else (3, 60)
     print(f"(i) 2 torchrun workers (gloo), dtape vs DistributedDataParallel: {repeat} set(s) of {steps} steps")
     out = bench_multiworker.measure(steps, repeat, verbose=False, launches=launches or bench_multiworker.LAUNCHES)
     bench_multiworker.print_summary(out["ratios"], repeat)
     return out
+
+
+# -- (k) the collective signature check, on and off -----------------------------------
+def collective_check_case(quick):
+    """scripts/bench_collective_check.py's launch (40 turns; --quick: 10); prints its table."""
+    print("(k) the collective signature check on 2 torchrun workers (gloo), on vs off:")
+    res = bench_collective_check.measure(10 if quick else 40)
+    bench_collective_check.print_table(res)
+    return res
 
 
 # -- (d) counts: tape scope and Python calls per variable read -----------------------------
@@ -684,6 +696,8 @@ def main():
     if cpu and not args.no_multiworker:  # after the table: its launches take a while
         print()
         extra["multiworker"] = multiworker_case(q)
+        print()
+        extra["collective_check"] = collective_check_case(q)
     load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"load average at end {load_end}")
     if args.json:

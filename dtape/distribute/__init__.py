@@ -13,7 +13,7 @@ from dtape.distribute.input_lib import InputContext  # noqa: F401
 from dtape.distribute.mirrored_strategy import MirroredStrategy  # noqa: F401
 from dtape.distribute.multi_worker_mirrored_strategy import (CommunicationOptions,  # noqa: F401
                                                              MultiWorkerMirroredStrategy, TorchrunClusterResolver)
-from dtape.distribute.collective_ops import WorkerError  # noqa: F401
+from dtape.distribute.collective_ops import CollectiveMismatchError, WorkerError  # noqa: F401
 from dtape.distribute.one_device_strategy import OneDeviceStrategy  # noqa: F401
 from dtape.distribute.reduce_util import CommunicationImplementation, ReduceOp  # noqa: F401
 from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica,  # noqa: F401
@@ -28,4 +28,4 @@ __all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_repl
            "DistributedValues", "PerReplica", "Mirrored", "MirroredVariable", "SyncOnReadVariable",
            "InputContext", "GradientSync", "GradientAccumulator", "compute_average_loss",
            "MultiWorkerMirroredStrategy", "CommunicationOptions", "TorchrunClusterResolver", "WorkerError",
-           "CommunicationImplementation", "ValueContext"]
+           "CommunicationImplementation", "ValueContext", "CollectiveMismatchError"]

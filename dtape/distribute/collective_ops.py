@@ -26,25 +26,49 @@ Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
 * A collective that does not finish in time raises `TimeoutError` naming the
   ranks that never reached it (ranks record their position in the store
   once a wait passes one second, so fast steps cost no store traffic).
+* Collectives cannot pair wrong: before each one, the workers exchange its
+  signature (sequence number, kind, the dtape call that issued it, dtype,
+  shape) in one small float64 all-gather of a fixed size, and the payload is
+  launched only when every worker's signature is the same. Otherwise every
+  worker raises `CollectiveMismatchError` naming each worker's call
+  ("rank 0 entered all_reduce #12 of checkpoint.save (float32[1]) while
+  rank 1 entered all_reduce #12 of apply_gradients (float32[3])"), before
+  any value is returned: never a value summed with another call's, nor
+  gloo's abort on a size mismatch (gloo aborts the process when a payload's
+  size differs, so a large payload waits for the check: one extra small
+  round trip). A small floating all-reduce (losses, metrics, barriers)
+  travels in the same fixed-size message as the signatures: no extra round
+  trip. The caller is named by `labelled` (outermost wins).
+  DTAPE_CHECK_COLLECTIVES=0 turns the check off (for benchmarks).
 
 Process-wide state: `_active` (the communicator of the process's strategy),
 set by `set_active`; one process group per process, so one communicator.
 Source: TF's CollectiveAllReduce (cross_device_ops.py) and
 `CommunicationOptions(timeout_seconds)`; the store-published error follows
-torch elastic's error files, carried in the rendezvous store instead.
+torch elastic's error files, carried in the rendezvous store instead; the
+signature check follows torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
+(ProcessGroupWrapper's collective fingerprints), always on and naming
+dtape's calls.
 """
 import builtins
+import contextlib
 import datetime
+import functools
 import json
+import math
+import operator
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
+import zlib
 
 import torch
 import torch.distributed as dist
 
+from dtape import _config
 from dtape._notes import add_note
 
 _POLL_MAX_S = 0.02          # longest slice a waiter sleeps between checks of the store
@@ -64,7 +88,126 @@ class WorkerError(RuntimeError):
 
 
 class PeerFailure(RuntimeError):
-    """Marker base of errors a worker raises because a *peer* failed (never republished as the cause)."""
+    """Marker base of errors a worker raises because a *peer* failed, or that every worker detects by itself
+    (never republished as the cause)."""
+
+
+class CollectiveMismatchError(PeerFailure):
+    """The workers entered different collectives at the same position (another call, kind, shape or dtype).
+
+    Raised on every worker, before any value of the collective is returned; the
+    message names each worker's call. The group is unusable afterwards.
+    """
+
+
+# -- the collective ledger: signatures exchanged before each collective ----------------------------
+_KINDS = ("all_reduce", "all_gather", "broadcast", "barrier")   # signature code: index + 1
+_SIG_LEN = 12   # seq, kind, src, label, dtype, numel, ndim, four dims, shape hash
+# Every signature exchange is one all-gather of _SIG_LEN + _INLINE_MAX float64 per worker: always the same
+# size (gloo aborts a process whose peer sends another size); floating all-reduces of up to _INLINE_MAX
+# elements ride in it. (An all-gather: one exchange, where gloo's all-reduce of the same bytes takes two.)
+_INLINE_MAX = 16
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# The dtape calls that issue collectives, known on every worker (a peer's label is named even when
+# this worker never made that call). `labelled` adds others.
+KNOWN_LABELS = ("MultiWorkerMirroredStrategy()", "variable creation", "strategy.reduce", "strategy.gather",
+                "get_rng_state", "ReplicaContext.all_reduce", "ReplicaContext.all_gather",
+                "the gradient of ReplicaContext.all_reduce/all_gather", "tape.gradient's GradientSync",
+                "apply_gradients", "checkpoint.save", "checkpoint.restore", "SyncOnReadVariable read",
+                "ONLY_FIRST_REPLICA variable write", "experimental_distribute_dataset's data check",
+                "strategy.extended.batch_reduce_to",
+                "collective_ops.all_reduce", "collective_ops.all_gather", "collective_ops.broadcast",
+                "collective_ops.barrier")
+# Calls that users guard with `if rank == 0` (a DDP habit): named in the mismatch message.
+_COLLECTIVE_APIS = {
+    "checkpoint.save": "checkpoint.save is collective: every worker must call it (rank 0 writes the file while "
+                       "the others wait for it to be complete, as in TF), not only rank 0 (`if rank == 0:`)",
+    "checkpoint.restore": "checkpoint.restore is collective: every worker must call it",
+    "SyncOnReadVariable read": "reading a SyncOnReadVariable (e.g. a metric's result()) outside strategy.run is "
+                               "collective: every worker must read it",
+}
+
+
+def _code(text):
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+_LABEL_NAMES = {_code(t): t for t in KNOWN_LABELS}   # process-wide, add-only (labelled registers new ones)
+_DTYPE_NAMES = {_code(str(d)): str(d).replace("torch.", "") for d in vars(torch).values()
+                if isinstance(d, torch.dtype)}
+_label = threading.local()   # per thread: the label of the outermost `labelled` block
+
+
+@contextlib.contextmanager
+def labelled(label):
+    """Names the collectives issued inside the block after `label` (e.g. "checkpoint.save").
+
+    The outermost block of a thread wins, so a reduction made by
+    `checkpoint.save` is named after it, not after the strategy method it
+    calls. Per thread; costs nothing without a MultiWorkerMirroredStrategy.
+    """
+    outer = getattr(_label, "current", None)
+    if outer is None:
+        _LABEL_NAMES.setdefault(_code(label), label)
+        _label.current = label
+    try:
+        yield
+    finally:
+        if outer is None:
+            _label.current = None
+
+
+def current_label(default=None):
+    """The label of the enclosing `labelled` block on this thread, else `default`."""
+    return getattr(_label, "current", None) or default
+
+
+def _signature(seq, kind, t, src, label):
+    """[seq, kind, src, label, dtype, numel, ndim, four dims, shape hash] of a collective on tensor `t`."""
+    return [seq, *_signature_tail(kind, src, label, t.dtype, tuple(t.shape))[0]]
+
+
+def _signed(seq, kind, t, src, label):
+    """(signature, description) of a collective; the parts that do not depend on `seq` are cached."""
+    tail, name, rest = _signature_tail(kind, src, label, t.dtype, tuple(t.shape))
+    return [seq, *tail], f"{name} #{seq}{rest}"
+
+
+@functools.lru_cache(maxsize=4096)   # a training loop has a few distinct collectives: computed once each
+def _signature_tail(kind, src, label, dtype, shape):
+    dims = (list(shape) + [0] * 4)[:4]
+    tail = (_KINDS.index(kind) + 1, src, _code(label) if label else 0, _code(str(dtype)), math.prod(shape),
+            len(shape), *dims, _code(repr(shape)))
+    name, _, rest = describe_signature((0, *tail)).partition(" #0")
+    return tail, name, rest
+
+
+def describe_signature(row):
+    """`row` (a signature) as words: "all_reduce #12 of checkpoint.save (float32[1])"."""
+    seq, kind, src, label, dtype, _, ndim = row[:7]
+    name = _KINDS[kind - 1] if 0 < kind <= len(_KINDS) else f"collective kind {kind}"
+    if name == "broadcast":
+        name += f" from rank {src}"
+    of = f" of {_LABEL_NAMES.get(label, f'a call labelled {label}')}" if label else ""
+    dims = [str(d) for d in row[7:7 + min(ndim, 4)]] + (["..."] if ndim > 4 else [])
+    dtype = _DTYPE_NAMES.get(dtype, f"dtype code {dtype}")
+    return f"{name} #{seq}{of} ({dtype}[{', '.join(dims)}])" if dims else f"{name} #{seq}{of} ({dtype} scalar)"
+
+
+def mismatch_message(rank, rows):
+    """What every worker says when the signatures `rows` (one per rank) differ."""
+    groups = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(r)
+    said = [f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} entered {describe_signature(row)}"
+            for row, rs in groups.items()]
+    same_call = len({row[1:4] for row in groups}) == 1
+    shapes = (" Hint: the same call got values of different shapes or dtypes on different workers: every worker "
+              "must pass the same shape and dtype (e.g. the same variables, in the same order).") if same_call else ""
+    return (f"rank {rank}: collectives out of step: {said[0]} while {', '.join(said[1:])}; every worker must issue "
+            f"the same collectives in the same order with the same shapes and dtypes. No value was returned; the "
+            f"group is unusable now: fix the program and restart the workers." + _hints(" ".join(said)) + shapes)
 
 
 def set_active(communicator):
@@ -92,22 +235,22 @@ def active():
 
 def all_reduce(t, op="sum"):
     """`active().all_reduce(t, op)`: the sum (or mean) of `t` over every worker. See Communicator.all_reduce."""
-    return active().all_reduce(t, op)
+    return active().all_reduce(t, op, label="collective_ops.all_reduce")
 
 
 def all_gather(t):
     """`active().all_gather(t)`: every worker's `t` stacked, [world, *t.shape]."""
-    return active().all_gather(t)
+    return active().all_gather(t, label="collective_ops.all_gather")
 
 
 def broadcast(t, src=0):
     """`active().broadcast(t, src)`: worker `src`'s `t` on every worker."""
-    return active().broadcast(t, src)
+    return active().broadcast(t, src, label="collective_ops.broadcast")
 
 
 def barrier():
     """`active().barrier()`: returns once every worker has called it."""
-    return active().barrier()
+    return active().barrier(label="collective_ops.barrier")
 
 
 class Communicator:
@@ -122,20 +265,43 @@ class Communicator:
       prefix: store key prefix, identical on every worker, unique per
         strategy and per torchrun restart (so stale errors are never read).
       group: the torch.distributed process group (None: the default one).
+      check: whether each collective's signature is compared across the
+        workers first (None: DTAPE_CHECK_COLLECTIVES; the same on every
+        worker, else ValueError here).
     """
 
-    def __init__(self, rank, world_size, store, timeout, device, prefix, group=None):
+    def __init__(self, rank, world_size, store, timeout, device, prefix, group=None, check=None):
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.device = torch.device(device)
         self.group = group
         self.store = dist.PrefixStore(prefix, store)
-        self._seq = 0            # collectives launched by this worker (same order on every worker)
+        # whether signatures are exchanged before each collective (the same on every worker: checked below)
+        self.check = (_config.CHECK_COLLECTIVES if check is None else bool(check)) and world_size > 1
+        self._seq = 0            # collectives entered by this worker (same order on every worker)
+        self._entered = ""       # the latest one, described (for timeout and exit messages)
+        self._signed = None      # the latest one's signature
         self._failed = None      # the error this worker reported, once it has one
         self._published = False  # whether this worker published the group's first error
         self.store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        if world_size > 1:
+            self._agree_on_check()
+
+    def _agree_on_check(self):
+        """Every worker must check signatures, or none: a check on one side would pair with a payload."""
+        self.store.set(f"check/{self.rank}", str(int(self.check)))
+        keys = [f"check/{r}" for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=max(self.timeout, 300.0)))
+        except RuntimeError as e:   # DistStoreError: a worker never started
+            raise TimeoutError(f"rank {self.rank}: not every worker started its collective group: {e}") from None
+        flags = [self.store.get(k).decode() for k in keys]
+        if len(set(flags)) > 1:
+            raise ValueError(f"DTAPE_CHECK_COLLECTIVES differs between workers (check on: "
+                             f"{[r for r, f in enumerate(flags) if f == '1']}, off: "
+                             f"{[r for r, f in enumerate(flags) if f == '0']}); set it the same on every worker")
 
     # -- collectives ----------------------------------------------------------------
-    def all_reduce(self, t, op="sum"):
+    def all_reduce(self, t, op="sum", label=None):
         """The elementwise sum (op "sum") or mean ("mean") of `t` over every worker.
 
         Args:
@@ -143,11 +309,15 @@ class Communicator:
             worker; on `self.device` (moved there if not; the result comes
             back on t's device). Not modified.
           op: "sum" or "mean" (or a ReduceOp with that name).
+          label: the dtape call this collective belongs to, named if the
+            workers' collectives differ (an enclosing `labelled` block wins).
 
         Returns:
           A new torch.Tensor, t's shape, dtype and device.
 
         Raises:
+          CollectiveMismatchError: another worker entered another collective
+            (or this one with another shape or dtype) at this position.
           The failing peer's exception (see the module docstring),
           TimeoutError, ValueError for an unknown op.
         """
@@ -155,69 +325,75 @@ class Communicator:
         if op not in ("sum", "mean"):
             raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
         out = self._staged(t)
-        self._run("all_reduce", lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._sum("all_reduce", out, label)
         if op == "mean":
             out = out / self.world_size if out.is_floating_point() else torch.div(out, self.world_size,
                                                                                   rounding_mode="floor")
         return out.to(t.device)
 
-    def all_reduce_async(self, t, scratch=False):
+    def all_reduce_async(self, t, scratch=False, label=None):
         """Launches the SUM of `t` over every worker; returns a pending result whose `wait()` gives it.
 
         Launch order must match on every worker (as every collective);
-        `wait()` fails fast, naming the failing rank, as `all_reduce` does.
+        the signature check runs before the launch (it raises
+        CollectiveMismatchError here); `wait()` fails fast, naming the
+        failing rank, as `all_reduce` does.
         `scratch=True`: the caller gives `t` away (a buffer it never reads
         again), so a contiguous `t` on the collective device is reduced in
         place instead of copied first (the result is then `t` itself).
         """
         out = t.detach() if scratch and _in_place_ok(t, self.device) else self._staged(t)
-        self._raise_if_failed("all_reduce")
-        self._seq += 1
-        what = f"all_reduce #{self._seq}"
+        what = self._enter("all_reduce", out, label)
         try:
             work = dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as e:
             self._fail_from_transport(what, e)
         return _Pending(self, work, out, t.device, what)
 
-    def all_gather(self, t):
+    def all_gather(self, t, label=None):
         """Every worker's `t`, stacked in rank order: [world_size, *t.shape], on t's device.
 
         `t` must have the same shape and dtype on every worker (see
-        `all_gather_uneven` for a first dimension that differs).
+        `all_gather_uneven` for a first dimension that differs); else
+        CollectiveMismatchError on every worker.
         """
         src = self._staged(t)
         parts = [torch.empty_like(src) for _ in range(self.world_size)]
-        self._run("all_gather", lambda: dist.all_gather(parts, src, group=self.group, async_op=True))
+        self._run("all_gather", src, label,
+                  lambda: dist.all_gather(parts, src, group=self.group, async_op=True))
         return torch.stack(parts).to(t.device)
 
-    def all_gather_uneven(self, t):
+    def all_gather_uneven(self, t, label=None):
         """Every worker's `t` concatenated along dim 0 in rank order; dim 0 may differ per worker.
 
         Args:
           t: torch.Tensor with ndim >= 1; dims after the first, and the
             dtype, identical on every worker.
+          label: as for `all_reduce`.
 
         Returns:
           [sum of every worker's t.shape[0], *t.shape[1:]] on t's device.
         """
-        sizes = self.all_gather(torch.tensor([t.shape[0]], dtype=torch.int64)).flatten().tolist()
+        sizes = self.all_gather(torch.tensor([t.shape[0]], dtype=torch.int64), label).flatten().tolist()
         longest = max(sizes)
         padded = torch.zeros((longest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         padded[:t.shape[0]] = t
-        gathered = self.all_gather(padded)
+        gathered = self.all_gather(padded, label)
         return torch.cat([gathered[i, :n] for i, n in enumerate(sizes)])
 
-    def broadcast(self, t, src=0):
+    def broadcast(self, t, src=0, label=None):
         """Worker `src`'s `t` on every worker (a new tensor on t's device; t's shape/dtype on every worker)."""
         out = self._staged(t)
-        self._run(f"broadcast from rank {src}",
-                  lambda: dist.broadcast(out, src, group=self.group, async_op=True))
+        self._run("broadcast", out, label,
+                  lambda: dist.broadcast(out, src, group=self.group, async_op=True), src)
         return out.to(t.device)
 
-    def barrier(self):
-        """Returns once every worker has reached it (a one-element all-reduce: works on gloo and NCCL)."""
-        self.all_reduce(torch.zeros(1, device=self.device))
+    def barrier(self, label=None):
+        """Returns once every worker has reached it (a one-element all-reduce: works on gloo and NCCL).
+
+        Its signature says "barrier", so it never pairs with a peer's one-element reduction.
+        """
+        self._sum("barrier", torch.zeros(1, device=self.device), label)
 
     def _staged(self, t):
         """A private contiguous copy of `t` on the collective device (collectives work in place)."""
@@ -225,18 +401,72 @@ class Communicator:
             raise TypeError(f"collectives take torch.Tensor values, got {type(t).__name__}")
         return t.detach().to(self.device, copy=True).contiguous()
 
-    # -- waiting ----------------------------------------------------------------------
-    def _run(self, what, launch):
-        """Launches one collective and waits for it, failing fast and naming the failing rank."""
-        self._seq += 1
-        what = f"{what} #{self._seq}"
+    # -- the ledger -------------------------------------------------------------------
+    def _enter(self, kind, t, label, src=0, check=True):
+        """Enters the next collective: its number, and (checking) the signature check with every worker.
+
+        Returns its description ("all_reduce #12 of checkpoint.save (float32[1])").
+        `check=False`: the caller exchanges the signature itself (`_sum`).
+
+        Raises:
+          CollectiveMismatchError: on every worker, when any signature differs.
+        """
+        what = f"{kind} #{self._seq + 1}"
         self._raise_if_failed(what)
+        self._seq += 1
+        self._signed, what = _signed(self._seq, kind, t, src, current_label(label))
+        self._entered = what
+        if self.check and check:
+            self._exchange_signatures(what, [])
+        return what
+
+    def _exchange_signatures(self, what, payload):
+        """Every worker's message (signature, then `payload` padded to _INLINE_MAX) as lists of floats, in
+        rank order; raises CollectiveMismatchError on every worker unless every signature is this one's."""
+        n = _SIG_LEN + _INLINE_MAX
+        message = torch.tensor(self._signed + payload + [0.0] * (_INLINE_MAX - len(payload)), dtype=torch.float64,
+                               device=self.device)
+        flat = torch.empty(self.world_size * n, dtype=torch.float64, device=self.device)  # gloo wants it 1-D
+        self._launch_and_wait(what, lambda: _all_gather_single(flat, message, group=self.group, async_op=True))
+        rows = flat.tolist()
+        rows = [rows[r * n:(r + 1) * n] for r in range(self.world_size)]
+        if any(row[:_SIG_LEN] != self._signed for row in rows):   # floats == ints: exact below 2**53
+            table = [[int(x) for x in row[:_SIG_LEN]] for row in rows]
+            self._fail(CollectiveMismatchError(mismatch_message(self.rank, table)))
+        return rows
+
+    def _sum(self, kind, out, label):
+        """Sums `out` (on the collective device) over the workers, in place.
+
+        A small floating `out` travels with the signature in the same
+        float64 all-gather (signatures are integers below 2**53, exact in
+        float64), so the check costs no extra round trip; each worker then
+        sums the gathered values in float64 in rank order and rounds once
+        to out's dtype: the same on every worker (with 2 workers,
+        bit-identical to a sum in out's dtype).
+        """
+        if not (self.check and out.is_floating_point() and out.numel() <= _INLINE_MAX):
+            self._run(kind, out, label, lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group,
+                                                                 async_op=True))
+            return
+        what = self._enter(kind, out, label, check=False)
+        n = out.numel()
+        rows = self._exchange_signatures(what, out.reshape(-1).tolist())
+        sums = [functools.reduce(operator.add, column) for column in zip(*(row[_SIG_LEN:_SIG_LEN + n] for row in rows))]
+        out.copy_(torch.tensor(sums, dtype=torch.float64).view(out.shape))
+
+    def _run(self, kind, t, label, launch, src=0):
+        """Enters one collective (signature check), launches it and waits, failing fast and naming the failing rank."""
+        self._launch_and_wait(self._enter(kind, t, label, src), launch)
+
+    def _launch_and_wait(self, what, launch):
         try:
             work = launch()
         except RuntimeError as e:
             self._fail_from_transport(what, e)
         self._wait(work, what)
 
+    # -- waiting ----------------------------------------------------------------------
     def _wait(self, work, what):
         start = checked = time.monotonic()
         # gloo's wait returns as soon as the work is done, so its first slice is the longest;
@@ -255,7 +485,7 @@ class Communicator:
                 checked = now
             waited = now - start
             if not marked and waited > _MARK_WAITING_AFTER_S:
-                self.store.set(f"at/{self.rank}", str(self._seq))
+                self.store.set(f"at/{self.rank}", f"{self._seq}\t{what}")
                 marked = True
             if waited > self.timeout:
                 self._fail(TimeoutError(self._timeout_message(what)))
@@ -319,11 +549,10 @@ class Communicator:
             "every rank launched as many collectives but it did not finish (a peer may be in another collective " \
             f"that is its #{self._seq}: the workers did not run the same steps)"
         return (f"rank {self.rank}: {what} did not finish within {self.timeout:g} s: {who}; raise "
-                "DTAPE_DISTRIBUTE_TIMEOUT or the strategy's timeout if the step is just slow")
+                "DTAPE_DISTRIBUTE_TIMEOUT or the strategy's timeout if the step is just slow" + _hints(what))
 
     def _reached(self, r):
-        key = f"at/{r}"
-        return self.store.check([key]) and int(self.store.get(key)) >= self._seq
+        return self._waiting_in(r)[0] >= self._seq
 
     def _fail(self, err, ack=False):
         """Marks this worker failed, tells the store (acknowledging a peer's error), and raises `err`."""
@@ -374,36 +603,37 @@ class Communicator:
           (the group can be destroyed); False after publishing such an error,
           after a peer's published error, or past the timeout.
         """
-        self.store.set(f"exit/{self.rank}", str(self._seq))
+        self.store.set(f"exit/{self.rank}", f"{self._seq}\t{self._entered}")
         keys = [f"exit/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.store.check(["error"]):
                 return False
             if self.store.check(keys):
-                counts = {r: int(self.store.get(k)) for r, k in enumerate(keys)}
-                if len(set(counts.values())) == 1:
+                last = [_position(self.store.get(k)) for k in keys]
+                if len({n for n, _ in last}) == 1:
                     return True
-                self._publish_left_early(f"the workers exited after different numbers of collectives "
-                                         f"({counts}, by rank)")
+                self._publish_left_early(", ".join(f"rank {r} exited after collective #{n} ({what or 'none'})"
+                                                   for r, (n, what) in enumerate(last)))
                 return False
-            ahead = {r: n for r in range(self.world_size) if r != self.rank
-                     and not self.store.check([keys[r]]) and (n := self._waiting_in(r)) > self._seq}
+            ahead = {r: at for r in range(self.world_size) if r != self.rank
+                     and not self.store.check([keys[r]]) and (at := self._waiting_in(r))[0] > self._seq}
             if ahead:
-                self._publish_left_early(", ".join(f"rank {r} waits in collective #{n}" for r, n in ahead.items()))
+                self._publish_left_early(", ".join(f"rank {r} waits in {what}" for r, (_, what) in ahead.items()))
                 return False
             time.sleep(_POLL_MAX_S)
         return False
 
     def _waiting_in(self, r):
-        """The collective rank `r` has been waiting in for over a second (0 when it marked none)."""
+        """(number, description) of the collective rank `r` has been waiting in for over a second ((0, "") if none)."""
         key = f"at/{r}"
-        return int(self.store.get(key)) if self.store.check([key]) else 0
+        return _position(self.store.get(key)) if self.store.check([key]) else (0, "")
 
     def _publish_left_early(self, why):
-        err = RuntimeError(f"rank {self.rank} left the program after collective #{self._seq} while {why}; every "
-                           f"worker must run the same steps and collectives (did rank {self.rank} leave its training "
-                           "loop early, e.g. sys.exit() or return outside strategy.run?)")
+        mine = f" ({self._entered})" if self._entered else ""
+        err = RuntimeError(f"rank {self.rank} left the program after collective #{self._seq}{mine} while {why}; "
+                           f"every worker must run the same steps and collectives (did rank {self.rank} leave its "
+                           "training loop early, e.g. sys.exit() or return outside strategy.run?)" + _hints(why))
         print(f"dtape: rank {self.rank}: exit: {err}", file=sys.stderr, flush=True)
         self.publish_error(err)
 
@@ -420,6 +650,17 @@ class Communicator:
                 time.sleep(0.01)
         except (RuntimeError, OSError):  # the store went with a dead worker: nothing left to coordinate
             pass
+
+
+def _position(value):
+    """(number, description) from a store value "12\tall_reduce #12 of checkpoint.save (float32[1])"."""
+    n, _, what = value.decode().partition("\t")
+    return int(n), what
+
+
+def _hints(text):
+    """" Hint: ..." for each call in `text` that users often make on one worker only."""
+    return "".join(f" Hint: {h}." for name, h in _COLLECTIVE_APIS.items() if f" of {name} (" in text)
 
 
 def _in_place_ok(t, device):
@@ -493,5 +734,6 @@ def _exception_class(module, qualname):
     return None
 
 
-__all__ = ["Communicator", "WorkerError", "PeerFailure", "all_reduce", "all_gather", "broadcast", "barrier",
+__all__ = ["Communicator", "WorkerError", "PeerFailure", "CollectiveMismatchError", "labelled", "current_label",
+           "KNOWN_LABELS", "describe_signature", "mismatch_message", "all_reduce", "all_gather", "broadcast", "barrier",
            "set_active", "active", "active_or_none", "error_payload", "peer_exception"]

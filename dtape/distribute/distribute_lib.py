@@ -7,7 +7,7 @@ import torch
 
 from dtape import nest, ops
 from dtape import tape as _tp
-from dtape.distribute import context, cross_device_ops, input_lib
+from dtape.distribute import collective_ops, context, cross_device_ops, input_lib
 from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.distribute.values import (DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
@@ -69,6 +69,7 @@ class ReplicaContext:
                 return select_replica(self._replica_id, merge_fn(self._strategy, *args, **kwargs))
         return self._coordinator.merge_call(self._replica_id, merge_fn, args, kwargs)
 
+    @collective_ops.labelled("ReplicaContext.all_reduce")
     def all_reduce(self, reduce_op, value, weight=None):
         """Reduces `value` (a nest of tensors or numbers) across replicas; differentiable.
 
@@ -113,6 +114,7 @@ class ReplicaContext:
             _record_collective(x, y, _AllReduceGrad(self._strategy, scale))
         return result
 
+    @collective_ops.labelled("ReplicaContext.all_gather")
     def all_gather(self, value, axis):
         """Concatenates every replica's `value` along `axis`, in replica order; differentiable.
 
@@ -200,6 +202,7 @@ def _record_collective(x, y, grad):
         _tp.record(grad, (x._id,), (x,), (y,), None)
 
 
+@collective_ops.labelled("the gradient of ReplicaContext.all_reduce/all_gather")
 def replica_all_reduce_sum(strategy, x):
     """The SUM over `strategy`'s replicas of `x` (a Tensor on this replica), recorded; its own transpose.
 

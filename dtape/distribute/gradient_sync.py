@@ -52,7 +52,7 @@ import torch
 from dtape import _config
 from dtape import tape as _tp
 from dtape.backprop import profile_range
-from dtape.distribute import context
+from dtape.distribute import collective_ops, context
 from dtape.distribute.cross_device_ops import accumulation_dtype
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.nn import compute_average_loss  # noqa: F401  (one function, public under both names)
@@ -210,6 +210,7 @@ def _unpack(bucket, reduced):
     return out
 
 
+@collective_ops.labelled("tape.gradient's GradientSync")   # apply_gradients' own reduction: its label wins
 def _launch(ext, bucket, grads_by_index):
     """Launches a bucket's all-reduce (SUM): its gradients, then one presence flag each; returns the handle.
 
@@ -289,6 +290,7 @@ class _Session:
         if self._learn is not None:
             self._agree_order()
 
+    @collective_ops.labelled("tape.gradient's GradientSync")
     def _agree_order(self):
         """Replica 0's readiness order, on every replica (one SUM all-reduce: the others add zeros)."""
         remember, key, replica_id = self._learn

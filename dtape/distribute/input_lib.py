@@ -164,7 +164,7 @@ def check_same_global_batch(comm, batch, dataset):
       dataset: what the batches come from (named in the message; a DataLoader's
         DistributedSampler is detected).
     """
-    prints = comm.all_gather(batch_fingerprint(batch))
+    prints = comm.all_gather(batch_fingerprint(batch), label="experimental_distribute_dataset's data check")
     # A tolerance, not equality, in case workers on different hardware sum in a different order.
     same = torch.isclose(prints, prints[0:1].expand_as(prints), rtol=1e-9, atol=0.0).all(dim=1)
     if bool(same.all()):

@@ -237,7 +237,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     Every worker must make the strategy, create the same variables in the
     same order, and call `run`, `reduce`, `gather`, checkpoint saves and
     cross-replica reads of SyncOnReadVariables in the same order: each is
-    a collective.
+    a collective. Each collective's signature (number, kind, the dtape call,
+    dtype, shape) is compared across the workers before it runs: workers
+    that differ (e.g. `if rank == 0: dtape.checkpoint.save(...)`) raise
+    `CollectiveMismatchError` on every worker naming each worker's call,
+    never a wrong value (`collective_ops`; DTAPE_CHECK_COLLECTIVES=0 turns
+    the check off, on every worker).
 
     Raises:
       ValueError: a partial torchrun environment, bad options, or an existing
@@ -276,7 +281,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if seed is not None:
             return replica_scope.check_seed(seed)
         drawn = torch.tensor([replica_scope.check_seed(None)], dtype=torch.int64)
-        return int(self._comm.broadcast(drawn, 0)[0])  # also the start-up barrier: every pid is registered
+        return int(self._comm.broadcast(drawn, 0, label="MultiWorkerMirroredStrategy()")[0])  # also the start-up barrier: every pid is registered
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -307,7 +312,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def get_rng_state(self):
         """Every worker's generator state, in rank order (uint8 CPU tensors); a collective (call on every worker)."""
         state = self._generator.get_state()
-        return list(self._comm.all_gather(state).unbind(0))
+        return list(self._comm.all_gather(state, label="get_rng_state").unbind(0))
 
     def set_rng_state(self, states):
         """Restores this worker's generator from `get_rng_state()`'s list (its rank's entry).
@@ -335,7 +340,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         component = next_creator(**dict(kwargs, initial_value=init, device=self._device,
                                          name=f"{name}/replica_{self._resolver.rank}"))
         with _tp.stop_recording():
-            component.assign(self._comm.broadcast(component.torch(), 0))
+            component.assign(self._comm.broadcast(component.torch(), 0, label="variable creation"))
         sync = kwargs.get("synchronization")
         cls = _WorkerSyncOnReadVariable if sync == VariableSynchronization.ON_READ else _WorkerMirroredVariable
         return cls(self, [component], kwargs.get("aggregation"))
@@ -398,7 +403,10 @@ class MultiWorkerMirroredStrategy(Strategy):
           accumulated in float32), identical on every worker. Not recorded
           on tapes.
         """
-        reduce_op = check_reduce_op(reduce_op)
+        with collective_ops.labelled("strategy.reduce"):
+            return self._reduce_across(check_reduce_op(reduce_op), value, axis, weights)
+
+    def _reduce_across(self, reduce_op, value, axis, weights):
         if weights is not None:  # this worker's weight: sum_r(w_r v_r) / sum_r(w_r) across workers
             return self._weighted_mean(reduce_op, value, axis, weights)
         if axis is None:
@@ -429,7 +437,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if local.ndim == 0:
             raise ValueError("gather needs values with at least one dimension; got a scalar")
         moved = torch.movedim(local.torch(), axis, 0)
-        return Tensor(torch.movedim(self._comm.all_gather_uneven(moved), 0, axis))
+        return Tensor(torch.movedim(self._comm.all_gather_uneven(moved, label="strategy.gather"), 0, axis))
 
     def experimental_distribute_dataset(self, dataset):
         """This worker's slice of every global batch of `dataset` (the split MirroredStrategy uses).
@@ -528,7 +536,8 @@ class _WorkerExtended(StrategyExtended):
                 write()
             except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
                 error = e
-        status = self._strategy._comm.all_reduce(torch.tensor([0.0 if error is None else 1.0]))
+        status = self._strategy._comm.all_reduce(torch.tensor([0.0 if error is None else 1.0]),
+                                                 label="checkpoint.save")
         if error is not None:
             raise error
         if status[0] > 0:
@@ -583,7 +592,7 @@ class _WorkerExtended(StrategyExtended):
         scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
         for dtype, idx in by_dtype.items():
             flat = torch.cat([locals_[i].torch().to(self._torch_devices[0], dtype).flatten() for i in idx])
-            flat = self._strategy._comm.all_reduce(flat)
+            flat = self._strategy._comm.all_reduce(flat, label="strategy.extended.batch_reduce_to")
             if scale is not None:
                 flat = flat * scale
             for i, part in zip(idx, flat.split([locals_[i].torch().numel() for i in idx])):
@@ -634,7 +643,8 @@ class _WorkerMirroredVariable(MirroredVariable):
     def _write_from_replica(self, method, value):
         if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
             strategy = self._distribute_strategy
-            value = Tensor(strategy._comm.broadcast(convert_to_tensor(value).torch(), 0))
+            value = Tensor(strategy._comm.broadcast(convert_to_tensor(value).torch(), 0,
+                                                    label="ONLY_FIRST_REPLICA variable write"))
             with context.enter_mode(strategy, None):
                 return self._write_all(method, value)
         return super()._write_from_replica(method, value)
@@ -656,7 +666,8 @@ class _WorkerSyncOnReadVariable(SyncOnReadVariable):
         if self._aggregation in (VariableAggregation.ONLY_FIRST_REPLICA, VariableAggregation.NONE):
             return comps[0]
         op = ReduceOp.MEAN if self._aggregation == VariableAggregation.MEAN else ReduceOp.SUM
-        return self._distribute_strategy.extended._reduce(op, convert_to_tensor(comps[0]))
+        with collective_ops.labelled("SyncOnReadVariable read"):
+            return self._distribute_strategy.extended._reduce(op, convert_to_tensor(comps[0]))
 
     def _write(self, method, value):
         strategy = self._distribute_strategy

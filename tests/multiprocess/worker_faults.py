@@ -31,10 +31,10 @@ if failing and FAULT == "grad_allreduce":
     comm = strategy.communicator
     real_all_reduce = comm.all_reduce
 
-    def all_reduce(t, op="sum"):
+    def all_reduce(t, op="sum", **kw):
         if step_no == 2 and t.numel() > 1:
             raise ArithmeticError("injected in the gradient all-reduce")
-        return real_all_reduce(t, op)
+        return real_all_reduce(t, op, **kw)
     real_all_reduce_async = comm.all_reduce_async
 
     def all_reduce_async(t, **kw):  # apply_gradients' bucketed all-reduce

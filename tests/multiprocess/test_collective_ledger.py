@@ -1,0 +1,114 @@
+"""Collectives cannot pair wrong across torchrun workers: each worker's call is checked against the others'
+before anything is exchanged (tests/multiprocess/worker_ledger.py on 2 workers, gloo)."""
+import json
+import os
+
+import pytest
+
+import _launch
+
+SAVE_IS_COLLECTIVE = "Hint: checkpoint.save is collective: every worker must call it"
+
+
+def _launch_ledger(tmp_path, mode):
+    args = _launch.torchrun_args(tmp_path / "logs") + [os.path.join(_launch.HERE, "worker_ledger.py"),
+                                                      str(tmp_path), mode]
+    rc, output, _ = _launch.run(args, _launch.worker_env(timeout=20), timeout=150)
+    logs = _launch.rank_logs(tmp_path / "logs")
+    assert rc == 0, f"torchrun failed ({rc}):\n{output[-3000:]}\n{logs}"
+    results = []
+    for r in range(2):
+        assert f"rank {r}: done" in logs[r], logs[r][-3000:]
+        path = tmp_path / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    return results
+
+
+def _error(result, scenario):
+    assert "value" not in result[scenario], f"{scenario}: a value instead of an error: {result[scenario]}"
+    return result[scenario]["error"]
+
+
+@pytest.mark.multiprocess
+def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path):
+    results = _launch_ledger(tmp_path, "scenarios")
+    for r, res in enumerate(results):
+        said = f"CollectiveMismatchError: rank {r}: collectives out of step: "
+        # rank 0 saves alone; rank 1's next reduction would have been summed with the save's barrier
+        err = _error(res, "save_then_reduce")
+        assert err.startswith(said), err
+        assert ("rank 0 entered all_reduce #2 of checkpoint.save (float32[1]) while rank 1 entered all_reduce #2 "
+                "of strategy.reduce (float32 scalar)") in err, err
+        assert SAVE_IS_COLLECTIVE in err and "not only rank 0" in err
+        err = _error(res, "save_then_step")
+        assert ("rank 0 entered all_reduce #2 of checkpoint.save (float32[1]) while rank 1 entered all_reduce #2 "
+                "of apply_gradients (float32[3])") in err and SAVE_IS_COLLECTIVE in err, err
+        err = _error(res, "shapes")
+        assert ("rank 0 entered all_reduce #1 of strategy.reduce (float32[2]) while rank 1 entered all_reduce #1 "
+                "of strategy.reduce (float32[3000])") in err and "different shapes or dtypes" in err, err
+        err = _error(res, "dtypes")
+        assert "(float32[2]) while rank 1 entered all_reduce #1 of strategy.reduce (float64[2])" in err, err
+        err = _error(res, "order")
+        assert ("rank 0 entered all_reduce #1 of strategy.reduce (float32[1]) while rank 1 entered all_gather #1 of "
+                "strategy.gather (int64[1])") in err and "Hint" not in err, err
+        # a new strategy on the same process group works: the mismatch left no collective half-done
+        assert res["fine"] == {"value": 3.0}, res["fine"]
+
+
+@pytest.mark.multiprocess
+def test_rank0_only_save_while_rank1_exits_fails_rank0_saying_save_is_collective(tmp_path):
+    rank0, _ = _launch_ledger(tmp_path, "save_then_exit")
+    err = _error(rank0, "rank0_saves")
+    assert err.startswith("RuntimeError: rank 1 left the program after collective #1"), err
+    assert "while rank 0 waits in all_reduce #2 of checkpoint.save (float32[1])" in err and SAVE_IS_COLLECTIVE in err
+    logs = _launch.rank_logs(tmp_path / "logs")
+    assert "dtape: rank 1: exit: rank 1 left the program" in logs[1] and SAVE_IS_COLLECTIVE in logs[1], logs[1]
+
+
+# -- in one process: the signatures and their words --------------------------------------------
+import threading  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dtape.distribute import collective_ops  # noqa: E402
+
+
+def test_the_outermost_label_names_the_collective_and_unknown_labels_are_registered():
+    assert collective_ops.current_label("inner") == "inner"
+    with collective_ops.labelled("checkpoint.save"):
+        with collective_ops.labelled("strategy.reduce"):
+            assert collective_ops.current_label("SyncOnReadVariable read") == "checkpoint.save"
+    assert collective_ops.current_label() is None
+    with collective_ops.labelled("my_eval_loop"):
+        sig = collective_ops._signature(7, "broadcast", torch.zeros(2, 3, 4, 5, 6, dtype=torch.int32), 1,
+                                        collective_ops.current_label())
+    assert collective_ops.describe_signature(sig) == "broadcast from rank 1 #7 of my_eval_loop (int32[2, 3, 4, 5, ...])"
+
+
+def test_mismatch_message_groups_ranks_and_names_each_call():
+    t = torch.zeros(4)
+    rows = [collective_ops._signature(3, "all_reduce", t, 0, "apply_gradients"),
+            collective_ops._signature(3, "barrier", torch.zeros(1), 0, None),
+            collective_ops._signature(3, "all_reduce", t, 0, "apply_gradients")]
+    msg = collective_ops.mismatch_message(1, rows)
+    assert msg.startswith("rank 1: collectives out of step: ranks 0, 2 entered all_reduce #3 of apply_gradients "
+                          "(float32[4]) while rank 1 entered barrier #3 (float32[1]);"), msg
+    assert "Hint" not in msg
+
+
+def test_workers_that_disagree_on_checking_refuse_to_start():
+    store, errors = dist.HashStore(), {}
+
+    def make(rank, check):
+        try:
+            collective_ops.Communicator(rank, 2, store, 5.0, "cpu", "ledger_test/", check=check)
+        except ValueError as e:
+            errors[rank] = str(e)
+    threads = [threading.Thread(target=make, args=(r, r == 0)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sorted(errors) == [0, 1], errors
+    assert "DTAPE_CHECK_COLLECTIVES differs between workers (check on: [0], off: [1])" in errors[0]

@@ -1,0 +1,91 @@
+"""Worker script for test_collective_ledger.py: collectives that the workers enter differently (2 torchrun
+workers, gloo) must raise on every worker, naming each worker's call, and never hand out a wrong value.
+
+argv: out_dir, mode.
+  "scenarios": one fresh MultiWorkerMirroredStrategy per scenario (the process group outlives a mismatch:
+    nothing but the signatures was exchanged), in sequence:
+      save_then_reduce: rank 0 alone calls checkpoint.save, then both call strategy.reduce;
+      save_then_step:   rank 0 alone calls checkpoint.save, then both run a training step (apply_gradients);
+      shapes, dtypes:   strategy.reduce of a [2] vs a [3000] value; of float32 vs float64;
+      order:            rank 0 calls strategy.reduce while rank 1 calls strategy.gather;
+      fine:             both reduce (the value every scenario would give when paired right: 1 + 2).
+    Writes $OUT/rank<r>.json: {scenario: {"value": ...} or {"error": "Type: message"}}.
+  "save_then_exit": rank 0 alone calls checkpoint.save while rank 1 leaves the program.
+"""
+import json
+import os
+import sys
+
+import dtape
+import dtape.checkpoint
+import dtape.distribute as dd
+
+out, mode = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+results = {}
+
+
+def rank0_saves(strategy, v=None):
+    if v is None:
+        with strategy.scope():
+            v = dtape.Variable([1.0, 2.0])
+    if rank == 0:   # the DDP habit: save on rank 0 only
+        dtape.checkpoint.save(os.path.join(out, "ckpt"), v=v)
+    return v
+
+
+def save_then_reduce(strategy):
+    rank0_saves(strategy)
+    return strategy.reduce("SUM", dtape.constant(float(rank + 1)))
+
+
+def save_then_step(strategy):
+    v = rank0_saves(strategy)
+    opt = dtape.optimizers.SGD(0.5)
+
+    def step():
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(v * float(rank + 1))
+        opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+    strategy.run(step)
+    return v.read_value()
+
+
+def shapes(strategy):
+    # a small reduction travels with its signature, a large one after it: the messages still pair
+    return strategy.reduce("SUM", dtape.ones([[2, 3000][rank]]))
+
+
+def dtypes(strategy):
+    return strategy.reduce("SUM", dtape.ones([2], dtype=["float32", "float64"][rank]))
+
+
+def order(strategy):
+    x = dtape.constant([float(rank + 1)])
+    return strategy.reduce("SUM", x) if rank == 0 else strategy.gather(x, 0)
+
+
+def fine(strategy):
+    return strategy.reduce("SUM", dtape.constant(float(rank + 1)))
+
+
+def attempt(fn, strategy=None, *args):
+    strategy = strategy or dd.MultiWorkerMirroredStrategy(seed=0)
+    try:
+        results[fn.__name__] = {"value": dtape.convert_to_tensor(fn(strategy, *args)).numpy().tolist()}
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        results[fn.__name__] = {"error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if mode == "scenarios":
+    for scenario in (save_then_reduce, save_then_step, shapes, dtypes, order, fine):
+        attempt(scenario)
+else:
+    strategy = dd.MultiWorkerMirroredStrategy(seed=0)
+    with strategy.scope():
+        variable = dtape.Variable([1.0, 2.0])
+    if rank == 0:
+        attempt(rank0_saves, strategy, variable)
+print(f"rank {rank}: done", flush=True)
