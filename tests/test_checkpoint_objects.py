@@ -428,3 +428,28 @@ def test_lazy_layer_values_wait_in_one_merge_call_of_every_replica(tmp_path, mon
     _, _, _, status, _ = _run(str(tmp_path), 1, strategy)
     assert sorted(calls) == [0, 0, 1, 1] and contexts == [True, True]      # 2 layers: both replicas, each once
     status.assert_consumed()
+
+
+@pytest.mark.xfail(strict=True, reason="deferred slot values are matched to slots by position (and default names by "
+                   "rank), not by the variable each slot belongs to: when the resumed run's first step creates the "
+                   "slots of a subset of the variables (a None gradient) or in another order, one variable's saved "
+                   "Adam moments go to another's slots silently (TF matches slots through their variable)")
+def test_deferred_slots_follow_their_variable_when_the_first_step_creates_only_some(tmp_path):
+    def make():
+        return dtape.Variable([1.0, 2.0]), dtape.Variable([3.0, -1.0]), optimizers.Adam(0.1)
+
+    def grads(a, b, both):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(b ** 3) + (dtape.reduce_sum(a ** 2) if both else 0.0)
+        return tape.gradient(loss, [a, b])
+    a, b, opt = make()
+    opt.apply_gradients(zip(grads(a, b, True), [a, b]))
+    path = Checkpoint(a=a, b=b, opt=opt).save(str(tmp_path / "c"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # "Gradients do not exist for variables": a's gradient is None
+        opt.apply_gradients(zip(grads(a, b, False), [a, b]))
+        expected = b.numpy().copy()
+        a, b, opt = make()
+        Checkpoint(a=a, b=b, opt=opt).restore(path)
+        opt.apply_gradients(zip(grads(a, b, False), [a, b]))   # creates b's slots only: they get a's moments
+    np.testing.assert_allclose(b.numpy(), expected, rtol=0, atol=1e-6)
