@@ -335,12 +335,15 @@ def save(path, **objects):
     return save_objects(path, objects)
 
 
-def save_objects(path, objects, make_folder=False, after=None):
+def save_objects(path, objects, make_folder=False, after=None, waiting=None):
     """`save(path, **objects)` with the objects as a dict; the folder is created first if `make_folder`.
 
     `after()` runs where the file is written (rank 0 under
     MultiWorkerMirroredStrategy), once it is in place and before the other
     workers go on (CheckpointManager deletes old checkpoints there).
+    `waiting`: name -> `_Waiting` of a restore whose values still wait for
+    that object's variables; they are written in their place, so a save
+    between a restore and the first step loses nothing.
     Returns `path` (str).
     """
     path = os.fspath(path)
@@ -359,6 +362,8 @@ def save_objects(path, objects, make_folder=False, after=None):
         every += pairs
         for key, var in pairs:
             tensors[key] = _saved_value(var)
+        if waiting and name in waiting:
+            stored[name] = _with_waiting(name, stored[name], waiting[name], tensors)
     def write():
         if make_folder and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -367,6 +372,22 @@ def save_objects(path, objects, make_folder=False, after=None):
             after()
     _writer(every).write(write)
     return path
+
+
+def _with_waiting(name, entries, waiting, tensors):
+    """An object's entries with the values still waiting for its variables put where they were in the file
+    restored (after the variables that exist, before the `tail`), renumbered; `tensors` is updated."""
+    head = len(entries) - waiting.tail
+    if head != waiting.done:    # variables made without announcing them: the positions are unknown
+        return entries
+    rows = [(n, tensors[k]) for k, n in entries[:head]]
+    rows += [(n, waiting.tensors[k]) for k, n in waiting._waiting()]
+    rows += [(n, tensors[k]) for k, n in entries[head:]]
+    out = []
+    for i, (stored_name, value) in enumerate(rows):
+        tensors[f"{name}/{i}"] = value
+        out.append([f"{name}/{i}", stored_name])
+    return out
 
 
 def _serialize(tensors, stored, data, states=()):
@@ -815,7 +836,8 @@ class Checkpoint:
     do not exist yet (an optimizer's slots and `iterations` before its first
     step, a layer's before its first call) wait and are assigned when they
     are created, before they are used (TF's deferred restoration): restore,
-    then train one step, gives the uninterrupted run's next step. (Only
+    then train one step, gives the uninterrupted run's next step; a save
+    before that step writes the waiting values in their place. (Only
     layer builds and optimizer steps say they created variables: a custom
     Module creating variables in its own `__call__` is called once first.)
     Source: tf.train.Checkpoint (by key and position, not object graph).
@@ -877,8 +899,9 @@ class Checkpoint:
 
     def write_then(self, file_prefix, after=None):
         """`write`, then `after()` where the file was written (rank 0), before the others go on."""
-        return save_objects(file_prefix, {**self._flat(), _COUNTER: self.save_counter}, make_folder=True,
-                            after=after)
+        objects = {**self._flat(), _COUNTER: self.save_counter}
+        return save_objects(file_prefix, objects, make_folder=True, after=after,
+                            waiting=_still_waiting(self._outcomes, objects))
 
     def save(self, file_prefix):
         """Adds 1 to `save_counter` and writes `<file_prefix>-<save_counter>`.
@@ -977,6 +1000,16 @@ def _restore_objects(path, objects):
         _restore_hooks.wait(w)
     unused = sorted(n for n in set(stored) | set(data) if n not in objects and n != _COUNTER)
     return _Outcome(path, unused, missing, waiting, matched=matched)
+
+
+def _still_waiting(outcomes, objects):
+    """name -> the `_Waiting` of the latest restore whose values still wait for `objects[name]`'s variables."""
+    found = {}
+    for outcome in outcomes:
+        for w in outcome.waiting:
+            if w.pending and objects.get(w.name) is w._obj():
+                found[w.name] = w
+    return found
 
 
 def _matched(entries, n, tail):

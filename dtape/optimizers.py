@@ -163,8 +163,8 @@ class Optimizer:
         """
         # the optimizer update: a named range in torch.profiler traces; its collectives are named after it
         with profile_range("dtape.apply_gradients"), distribute.collective_ops.labelled("apply_gradients"):
-            _check_not_cross_replica("apply_gradients")
             pairs = [(g, v) for g, v in grads_and_vars]
+            _check_not_cross_replica("apply_gradients", [v for _, v in pairs])
             for g, v in pairs:
                 _check_gradient(g, v)
             ctx = distribute.get_replica_context()
@@ -282,7 +282,8 @@ class Optimizer:
 
         Source: tf.keras.optimizers.Optimizer.minimize.
         """
-        _check_not_cross_replica("minimize")
+        # a callable or iterator var_list is checked by apply_gradients, still before any write
+        _check_not_cross_replica("minimize", var_list if isinstance(var_list, (list, tuple)) else ())
         if not callable(loss):
             if tape is None:
                 raise ValueError("`tape` is required when a `Tensor` loss is passed; pass a callable "
@@ -311,20 +312,31 @@ class Optimizer:
         return float(lr)
 
 
-def _check_not_cross_replica(method):
+def _check_not_cross_replica(method, variables=()):
     """TF's guard: no update from the cross-replica context of a strategy with several replicas in sync.
 
     There one call would hold one replica's gradients (or a non-distributed
     value) for every copy; TF refuses it, and so, before any write, do we.
     With one replica in sync (OneDeviceStrategy, the default strategy) the
-    update is unambiguous and allowed.
+    update is unambiguous and allowed. Variables of a several-replica
+    strategy updated where another strategy is current (outside its scope,
+    or on a thread that never entered it) are refused too: the update would
+    run with the wrong strategy and write only the first copy.
     """
-    if distribute.in_cross_replica_context() and distribute.get_strategy().num_replicas_in_sync > 1:
+    strategy = distribute.get_strategy()
+    if distribute.in_cross_replica_context() and strategy.num_replicas_in_sync > 1:
         raise RuntimeError(
             f"`{method}()` cannot be called in cross-replica context. Use `dtape.distribute.Strategy.run` to enter "
             f"replica context: call it inside the function given to `strategy.run` (here "
-            f"{distribute.get_strategy().num_replicas_in_sync} replicas in sync), as TF requires. Nothing was "
-            "updated.")
+            f"{strategy.num_replicas_in_sync} replicas in sync), as TF requires. Nothing was updated.")
+    for var in variables:
+        owner = getattr(var, "distribute_strategy", None)
+        if owner is not None and owner is not strategy and owner.num_replicas_in_sync > 1:
+            raise RuntimeError(
+                f"`{method}()`: variable {getattr(var, 'name', '?')!r} was created under a {type(owner).__name__} "
+                f"scope ({owner.num_replicas_in_sync} replicas in sync) but this call runs under "
+                f"{type(strategy).__name__} (outside that strategy's scope, or on a thread that did not enter "
+                "it). Call it inside the function given to that strategy's `run`. Nothing was updated.")
 
 
 def _check_learning_rate(lr):

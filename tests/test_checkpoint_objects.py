@@ -109,6 +109,26 @@ def test_tutorial_restore_then_train_under_mirrored_strategy(tmp_path, built):
     status.assert_consumed()
 
 
+@pytest.mark.parametrize("built", [False, True], ids=["lazy", "built"])
+def test_a_save_between_restore_and_first_step_keeps_the_waiting_values(tmp_path, built):
+    """A run restored, saved at once (a manager saving on start, an interrupted run) and resumed from that save
+    still equals the uninterrupted run. Broken on purpose: without `_still_waiting` in Checkpoint.write_then the
+    new file held no slots (and, lazily built, no model weights) and the run resumed from it trained from
+    fresh Adam moments (and fresh weights) while its restore status passed assert_consumed."""
+    whole, _, _, _, whole_losses = _run(str(tmp_path / "whole"), 3, built=built)
+    _run(str(tmp_path / "cut"), 2, built=built)
+    model, opt = _model(built), optimizers.Adam(0.05)
+    ckpt = Checkpoint(step=dtape.Variable(0, dtype=torch.int64), optimizer=opt, model=model)
+    manager = CheckpointManager(ckpt, str(tmp_path / "cut"), max_to_keep=2)
+    ckpt.restore(manager.latest_checkpoint).expect_partial()
+    assert len(opt.variables()) == 1 and len(model.variables) == (4 if built else 0)
+    manager.save()                              # before the slots (and a lazy model's weights) exist
+    model, ckpt, _, status, resumed_losses = _run(str(tmp_path / "cut"), 1, built=built)
+    assert resumed_losses == whole_losses[2:]
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(_components(model), _components(whole)))
+    status.assert_consumed()
+
+
 def test_waiting_values_fail_assert_consumed_until_the_first_step(tmp_path):
     model, opt = _model(True), optimizers.Adam(0.05)
     _step(model, opt)
@@ -428,3 +448,28 @@ def test_lazy_layer_values_wait_in_one_merge_call_of_every_replica(tmp_path, mon
     _, _, _, status, _ = _run(str(tmp_path), 1, strategy)
     assert sorted(calls) == [0, 0, 1, 1] and contexts == [True, True]      # 2 layers: both replicas, each once
     status.assert_consumed()
+
+
+@pytest.mark.xfail(strict=True, reason="deferred slot values are matched to slots by position (and default names by "
+                   "rank), not by the variable each slot belongs to: when the resumed run's first step creates the "
+                   "slots of a subset of the variables (a None gradient) or in another order, one variable's saved "
+                   "Adam moments go to another's slots silently (TF matches slots through their variable)")
+def test_deferred_slots_follow_their_variable_when_the_first_step_creates_only_some(tmp_path):
+    def make():
+        return dtape.Variable([1.0, 2.0]), dtape.Variable([3.0, -1.0]), optimizers.Adam(0.1)
+
+    def grads(a, b, both):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(b ** 3) + (dtape.reduce_sum(a ** 2) if both else 0.0)
+        return tape.gradient(loss, [a, b])
+    a, b, opt = make()
+    opt.apply_gradients(zip(grads(a, b, True), [a, b]))
+    path = Checkpoint(a=a, b=b, opt=opt).save(str(tmp_path / "c"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # "Gradients do not exist for variables": a's gradient is None
+        opt.apply_gradients(zip(grads(a, b, False), [a, b]))
+        expected = b.numpy().copy()
+        a, b, opt = make()
+        Checkpoint(a=a, b=b, opt=opt).restore(path)
+        opt.apply_gradients(zip(grads(a, b, False), [a, b]))   # creates b's slots only: they get a's moments
+    np.testing.assert_allclose(b.numpy(), expected, rtol=0, atol=1e-6)

@@ -120,6 +120,18 @@ def test_numpy_array_on_the_left_of_a_comparison(op, expected):
         np.testing.assert_array_equal(out.numpy(), expected)
 
 
+def test_comparing_with_none_is_unequal_as_tfs_tensors(strategy):
+    """TF 2's Tensor.__eq__ returns False for None (and __ne__ True), so `x == None` and `x in (None,)` work.
+    Broken on purpose: with `__eq__`/`__ne__` as plain `equal`/`not_equal` they raised TypeError ("equal()
+    missing its tensor argument 'y'")."""
+    for x in (dtape.constant([1.0, 2.0]), *_variables(strategy, [1.0, 2.0])):
+        assert (x == None) is False and (x != None) is True     # noqa: E711 - the operators are under test
+        assert (None == x) is False and (None != x) is True     # noqa: E711
+        assert x not in (None,) and dtape.constant(3) in (None, 3)
+        np.testing.assert_array_equal((x == [1.0, 3.0]).numpy(), [True, False])
+        np.testing.assert_array_equal((x != [1.0, 3.0]).numpy(), [False, True])
+
+
 def test_numpy_scalars_and_ufunc_calls_are_recorded():
     w = dtape.Variable([1.0, 2.0])
     with dtape.GradientTape(persistent=True) as tape:

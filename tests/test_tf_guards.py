@@ -1,5 +1,7 @@
 """TF's guards: loss reductions under several replicas, updates from the cross-replica context, dtype
 policies (mixed precision) and the strategy attributes TF code reads."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -149,6 +151,50 @@ def test_apply_gradients_in_the_cross_replica_context_raises_before_any_write(na
         assert torch.equal(v.values[0].torch(), v.values[1].torch())
     assert int(opt.iterations.numpy()) == 2
 
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_mirrored_variables_updated_outside_their_strategy_raise_before_any_write(name):
+    """Outside `strategy.scope()`, or on a thread that never entered it, the default strategy is current: the
+    update ran with it, wrote the first copy of each MirroredVariable and then raised IndexError (the copies
+    diverged: [0, 1] and [1, 2]). Broken on purpose: without the variables' strategy check in
+    `_check_not_cross_replica` this failed with IndexError and unequal components."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        variables = [dtape.Variable([1.0, -2.0], name="a"), dtape.Variable([[0.5], [3.0]], name="b")]
+        opt = OPTIMIZERS[name](variables)
+
+    def step():
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(variables[0] ** 2) + dtape.reduce_sum(variables[1] * 3.0)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    strategy.run(step)
+    before = _components(opt, variables)
+    grads = [dtape.constant([1.0, 1.0]), dtape.constant([[1.0], [1.0]])]
+    errors = []
+
+    def on_a_thread():
+        try:
+            opt.apply_gradients(zip(grads, variables))
+        except RuntimeError as e:
+            errors.append(e)
+    with strategy.scope():      # the scope is per thread: the new thread runs under the default strategy
+        worker = threading.Thread(target=on_a_thread)
+        worker.start()
+        worker.join(60)
+    assert not worker.is_alive() and len(errors) == 1 and "was created under a MirroredStrategy" in str(errors[0])
+    for attempt in (lambda: opt.apply_gradients(zip(grads, variables)),
+                    lambda: opt.minimize(lambda: dtape.reduce_sum(variables[0]), variables),
+                    lambda: opt.minimize(lambda: dtape.reduce_sum(variables[0]), lambda: variables)):
+        with pytest.raises(RuntimeError, match=r"variable 'a' was created under a MirroredStrategy scope \(2 "
+                                               r"replicas in sync\).*Nothing was updated"):
+            attempt()
+    after = _components(opt, variables)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    strategy.run(step)
+    for v in variables:
+        assert torch.equal(v.values[0].torch(), v.values[1].torch())
+    assert int(opt.iterations.numpy()) == 2
 
 def test_one_replica_in_sync_may_update_from_the_cross_replica_context():
     for strategy in (ds.OneDeviceStrategy("cpu"), mirrored(1)):

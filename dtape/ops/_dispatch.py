@@ -413,9 +413,10 @@ def install_operators(ops):
     for name, fn in binary.items():
         table[f"__{name}__"] = fn  # the op itself: `x * y` is `multiply(x, y)`, one Python call
         table[f"__r{name}__"] = _rmethod(fn)
-    for name, fn in {"lt": ops.less, "le": ops.less_equal, "gt": ops.greater,
-                     "ge": ops.greater_equal, "eq": ops.equal, "ne": ops.not_equal}.items():
+    for name, fn in {"lt": ops.less, "le": ops.less_equal, "gt": ops.greater, "ge": ops.greater_equal}.items():
         table[f"__{name}__"] = _method(fn)
+    table["__eq__"] = _equality(ops.equal, False)
+    table["__ne__"] = _equality(ops.not_equal, True)
     table["__neg__"] = lambda self: ops.negative(self)
     table["__pos__"] = lambda self: self
     table["__abs__"] = lambda self: ops.abs(self)
@@ -512,6 +513,16 @@ def _torch_attribute(self, name):
 
 def _method(fn):
     def method(self, other):
+        return fn(self, other)
+    return method
+
+
+def _equality(fn, if_none):
+    """`x == y` / `x != y` as TF 2's Tensor: elementwise, but None compares unequal (`if_none`, a Python bool)
+    instead of raising, so `x in (None, y)` and `x == None` work as in TF."""
+    def method(self, other):
+        if other is None:
+            return if_none
         return fn(self, other)
     return method
 
