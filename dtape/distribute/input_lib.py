@@ -120,6 +120,10 @@ def slice_batch(batch, index, count, device):
 FINGERPRINT_SIZE = 7
 
 
+# elements of a leaf converted to float64 at a time by batch_fingerprint (8 MiB)
+FINGERPRINT_CHUNK = 1 << 20
+
+
 def batch_fingerprint(batch):
     """A few float64 numbers that differ, in practice, between two different global batches.
 
@@ -128,7 +132,8 @@ def batch_fingerprint(batch):
     flat position, offset by its leaf's index) tell a permutation of the
     same examples apart, which sums alone do not. `batch=None` (a worker
     whose dataset is empty) gives batch size -1 and last entry 0.
-    Computed in float64 on the CPU, so identical batches give identical numbers.
+    Computed in float64 on the CPU, a chunk of FINGERPRINT_CHUNK elements at a
+    time (memory stays bounded), so identical batches give identical numbers.
     """
     if batch is None:
         return torch.tensor([0, -1, 0, 0, 0, 0, 0], dtype=torch.float64)
@@ -137,11 +142,14 @@ def batch_fingerprint(batch):
     signature = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in leaves).encode()
     total = squares = weighted = 0.0
     for i, t in enumerate(leaves):
-        flat = t.reshape(-1).to("cpu", torch.float64)
-        position = torch.arange(flat.numel(), dtype=torch.float64) / max(flat.numel(), 1) + i + 1
-        total += float(flat.sum())
-        squares += float(flat.square().sum())
-        weighted += float(flat.mul(position).sum())
+        flat, n = t.reshape(-1), t.numel()
+        # chunks: a float64 copy of a whole image batch would be hundreds of MB on the host
+        for start in range(0, n, FINGERPRINT_CHUNK):
+            part = flat[start:start + FINGERPRINT_CHUNK].to("cpu", torch.float64)
+            position = torch.arange(start, start + part.numel(), dtype=torch.float64) / max(n, 1) + i + 1
+            total += float(part.sum())
+            squares += float(part.square().sum())
+            weighted += float(part.mul(position).sum())
     return torch.tensor([len(leaves), sizes[0] if sizes else 0, zlib.crc32(signature), total, squares, weighted, 1],
                         dtype=torch.float64)
 

@@ -37,7 +37,7 @@ class _TwoWorkers:
     def __init__(self, other):
         self.other, self.calls = other, 0
 
-    def all_gather(self, t):
+    def all_gather(self, t, label=None):
         self.calls += 1
         return torch.stack([t, input_lib.batch_fingerprint(self.other)])
 
@@ -56,3 +56,14 @@ def test_worker_dataset_checks_once_per_epoch_and_names_the_cause():
         list(input_lib.WorkerDataset(sharded, 0, 2, "cpu", comm=comm))
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\]"):   # an empty epoch here still joins the check
         list(input_lib.WorkerDataset([], 0, 2, "cpu", comm=comm))
+
+
+def test_fingerprint_in_chunks_equals_one_pass(monkeypatch):
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(7)
+    whole = input_lib.batch_fingerprint((x, y))
+    monkeypatch.setattr(input_lib, "FINGERPRINT_CHUNK", 4)   # 35 and 7 elements: uneven last chunks
+    chunked = input_lib.batch_fingerprint((x, y))
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(input_lib, "FINGERPRINT_CHUNK", 3)
+    assert input_lib.batch_fingerprint((x[[1, 0, 2, 3, 4, 5, 6]], y))[5] != chunked[5]
