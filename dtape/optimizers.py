@@ -155,6 +155,8 @@ class Optimizer:
             strategy with more than one replica in sync, as TF: the gradients
             of one replica cannot update every copy consistently. Raised
             before anything is written (no variable, slot or `iterations`).
+            Also outside any scope for variables of such a strategy (no
+            `strategy.run`): the copies would be updated one by one.
           ValueError: a gradient whose shape is not its variable's; (under a
             strategy) a gradient that is the same object on every replica
             (not distributed) cannot be summed.
@@ -164,6 +166,7 @@ class Optimizer:
         with profile_range("dtape.apply_gradients"):  # the optimizer update: a named range in torch.profiler traces
             _check_not_cross_replica("apply_gradients")
             pairs = [(g, v) for g, v in grads_and_vars]
+            _check_outside_strategy("apply_gradients", [v for _, v in pairs])
             for g, v in pairs:
                 _check_gradient(g, v)
             ctx = distribute.get_replica_context()
@@ -324,6 +327,23 @@ def _check_not_cross_replica(method):
             f"replica context: call it inside the function given to `strategy.run` (here "
             f"{distribute.get_strategy().num_replicas_in_sync} replicas in sync), as TF requires. Nothing was "
             "updated.")
+
+
+def _check_outside_strategy(method, variables):
+    """No update of a several-replica strategy's variables from outside that strategy (no scope, no run).
+
+    There the default strategy would update the copies one by one with one
+    undistributed gradient each, and stop at the second (replica 0's copy
+    alone changed); as for the cross-replica guard, refuse before any write.
+    """
+    strategy = distribute.get_strategy()
+    for var in variables:
+        if (isinstance(var, distribute.DistributedValues) and len(var.values) > 1
+                and getattr(var, "distribute_strategy", strategy) is not strategy):
+            raise RuntimeError(
+                f"`{method}()` was called outside the strategy that owns variable {getattr(var, 'name', '?')!r} "
+                f"({len(var.values)} replicas): call it inside the function given to `strategy.run` (replica "
+                f"context), as TF requires. Nothing was updated.")
 
 
 def _check_learning_rate(lr):

@@ -150,6 +150,34 @@ def test_apply_gradients_in_the_cross_replica_context_raises_before_any_write(na
     assert int(opt.iterations.numpy()) == 2
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_apply_gradients_outside_the_owning_strategy_raises_before_any_write(name):
+    # no scope and no run: the default strategy would update the copies one by one with one gradient
+    # (replica 0's copy changed, then an IndexError); it must refuse before writing, as in the scope
+    strategy = mirrored(2)
+    with strategy.scope():
+        variables = [dtape.Variable([1.0, -2.0], name="a"), dtape.Variable([[0.5], [3.0]], name="b")]
+        opt = OPTIMIZERS[name](variables)
+    before = _components(opt, variables)
+    grads = [dtape.constant([1.0, 1.0]), dtape.constant([[1.0], [1.0]])]
+    with pytest.raises(RuntimeError, match=r"`apply_gradients\(\)` was called outside the strategy that owns "
+                                           r"variable 'a' \(2 replicas\).*strategy\.run.*Nothing was updated"):
+        opt.apply_gradients(zip(grads, variables))
+    after = _components(opt, variables)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    assert int(opt.iterations.numpy()) == 0
+
+    def step():
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(variables[0] ** 2) + dtape.reduce_sum(variables[1] * 3.0)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    strategy.run(step)    # inside run the update reaches both copies alike
+    for v in variables:
+        assert torch.equal(v.values[0].torch(), v.values[1].torch())
+    assert not torch.equal(variables[0].values[0].torch(), torch.tensor([1.0, -2.0]))
+    assert int(opt.iterations.numpy()) == 1
+
+
 def test_one_replica_in_sync_may_update_from_the_cross_replica_context():
     for strategy in (ds.OneDeviceStrategy("cpu"), mirrored(1)):
         with strategy.scope():
