@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dtape
+from tests._strategies import mirrored
 
 D = torch.float64
 
@@ -431,3 +432,25 @@ def test_transformer_tutorial_masks_and_positional_slice_port_literally():
     assert tuple(x.shape) == (2, 4, 4) and float(x[1, 3, 0]) == 12.0
     match = (seq == seq) & (seq != 0)
     assert float(dtape.reduce_sum(dtape.cast(match, dtape.float32)) / dtape.reduce_sum(dtape.cast(seq != 0, dtape.float32))) == 1.0
+
+
+@pytest.mark.usefixtures("closes_strategies")
+def test_random_set_seed_repeats_draws_initializers_and_strategy_generators():
+    def draws():
+        dtape.random.set_seed(1234)
+        layer = dtape.keras.layers.Dense(3)
+        layer.build([None, 2])
+        strategy = mirrored(2)
+        per = strategy.run(lambda: dtape.random.uniform([2]))
+        rep = [t.numpy() for t in strategy.experimental_local_results(per)]
+        return [dtape.random.normal([4]).numpy(), layer.kernel.numpy()] + rep
+    first, second = draws(), draws()
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first[2], first[3])                      # replicas still draw apart
+    dtape.random.set_seed(5)
+    a = dtape.random.normal([4]).numpy()
+    torch.manual_seed(5)
+    np.testing.assert_array_equal(a, torch.randn(4).numpy())           # it is torch's global seed
+    with pytest.raises(TypeError, match="seed must be an int"):
+        dtape.random.set_seed(1.5)
