@@ -5,6 +5,8 @@ registry tests (tests/test_op_gradients.py: finite differences, second
 order, special points against TF's composite in torch); here they are
 checked against torch.autograd of independent torch programs in float64.
 """
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -454,3 +456,22 @@ def test_random_set_seed_repeats_draws_initializers_and_strategy_generators():
     np.testing.assert_array_equal(a, torch.randn(4).numpy())           # it is torch's global seed
     with pytest.raises(TypeError, match="seed must be an int"):
         dtape.random.set_seed(1.5)
+
+
+def test_every_tf_op_takes_tfs_name_argument_and_ignores_it():
+    # TF ops all take `name=` (the autodiff guide writes tf.constant(3.0, name="x3")); eager TF ignores it
+    public = [n for n in dtape.ops.__all__ if callable(getattr(dtape, n)) and n not in ("getitem", "to_device")]
+    public += [f"nn.{n}" for n in ("dropout", "embedding_lookup", "relu", "softmax")]
+    for n in public:
+        fn = dtape.nn if n.startswith("nn.") else dtape
+        fn = getattr(fn, n.split(".")[-1])
+        assert "name" in inspect.signature(fn).parameters, n
+    x = dtape.constant([[1.0, 2.0], [3.0, 4.0]], name="x")
+    v = dtape.Variable(3.0, name="x0")
+    with dtape.GradientTape() as tape:
+        y = dtape.reduce_sum(dtape.matmul(x, x, name="m") * v, axis=0, name="s")
+        z = dtape.add_n([y, dtape.zeros([2], name="z")], name="a") + dtape.nn.relu(y, name="r")
+    assert z.numpy().tolist() == [2 * 3.0 * 22.0, 2 * 3.0 * 32.0]
+    assert float(tape.gradient(z, v)) == 2 * (22.0 + 32.0)
+    assert dtape.convert_to_tensor([1, 2], name="c").numpy().tolist() == [1, 2]
+    assert int(dtape.size(x, name="n")) == 4 and dtape.range(3, name="r").numpy().tolist() == [0, 1, 2]

@@ -645,7 +645,7 @@ def _(dy, ans, operands, equation, needs=None):
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def einsum(equation, *inputs):
+def einsum(equation, *inputs, name=None):
     """Einstein summation, e.g. einsum('ij,jk->ik', a, b). Source: tf.einsum.
 
     Without '->' the output is numpy's and torch's implicit one: the
@@ -1141,7 +1141,7 @@ def _convert(t):
     return t._dtape_read() if is_variable(t) else convert_to_tensor(t)
 
 
-def clip_by_norm(t, clip_norm, axes=None):
+def clip_by_norm(t, clip_norm, axes=None, name=None):
     """`t * clip_norm / max(l2norm(t), clip_norm)`: rescales t so its L2 norm (over `axes`) is at most clip_norm.
 
     Args:
@@ -1164,7 +1164,7 @@ def clip_by_norm(t, clip_norm, axes=None):
     return t * clip / maximum(l2norm, clip)
 
 
-def global_norm(t_list):
+def global_norm(t_list, name=None):
     """`sqrt(sum of sum(|t| ** 2) over t_list)` (None entries skipped), in float32 at least.
 
     Returns:
@@ -1185,7 +1185,7 @@ def global_norm(t_list):
     return sqrt(add_n(sums) if len(sums) > 1 else sums[0])
 
 
-def clip_by_global_norm(t_list, clip_norm, use_norm=None):
+def clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
     """Scales every tensor by `clip_norm / max(global_norm, clip_norm)`; returns (clipped list, global_norm).
 
     Args:
