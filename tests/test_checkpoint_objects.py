@@ -428,3 +428,18 @@ def test_lazy_layer_values_wait_in_one_merge_call_of_every_replica(tmp_path, mon
     _, _, _, status, _ = _run(str(tmp_path), 1, strategy)
     assert sorted(calls) == [0, 0, 1, 1] and contexts == [True, True]      # 2 layers: both replicas, each once
     status.assert_consumed()
+
+
+def test_a_checkpoint_inside_a_checkpoint_is_refused_with_the_way_to_read_one_value(tmp_path):
+    # the TF guide restores net.l1.bias alone through Checkpoint(net=Checkpoint(l1=Checkpoint(bias=v)))
+    net = layers.Dense(5, input_dim=1, bias_initializer="ones")
+    path = Checkpoint(net=net).save(tmp_path / "ckpt")
+    to_restore = dtape.Variable(dtape.zeros([5]))
+    fake_layer = Checkpoint(bias=to_restore)
+    with pytest.raises(TypeError, match=r"'l1' is a Checkpoint; a Checkpoint inside a Checkpoint .* not supported.*"
+                                        r"dtape\.checkpoint\.read\(path\)\[key\]"):
+        Checkpoint(l1=fake_layer)
+    with pytest.raises(TypeError, match="a Checkpoint inside a Checkpoint"):
+        Checkpoint(nets=[fake_layer])
+    to_restore.assign(checkpoint.read(path)["net/1"])    # what the message offers instead
+    assert to_restore.numpy().tolist() == [1.0] * 5
