@@ -391,7 +391,7 @@ TF_MATH = """abs add add_n argmax argmin cos divide equal exp floordiv floormod 
 less_equal log log1p log_softmax logical_and logical_not logical_or logical_xor maximum minimum multiply negative
 not_equal pow reduce_logsumexp reduce_max reduce_mean reduce_min reduce_prod reduce_sum rsqrt sigmoid sign sin
 softmax softplus sqrt square subtract tanh""".split()
-TF_LINALG = "band_part einsum eye global_norm matmul norm".split()
+TF_LINALG = "band_part einsum eye global_norm matmul norm solve".split()
 
 
 @pytest.mark.parametrize("name", TF_MATH)
@@ -404,7 +404,7 @@ def test_dtape_math_name_is_the_op_itself(name):
 @pytest.mark.parametrize("name", TF_LINALG)
 def test_dtape_linalg_name_is_the_op_itself(name):
     assert name in dtape.linalg.__all__
-    assert name == "band_part" or getattr(dtape.linalg, name) is getattr(dtape, name)
+    assert name in ("band_part", "solve") or getattr(dtape.linalg, name) is getattr(dtape, name)
 
 
 def test_namespaces_import_with_from_statements():
@@ -475,3 +475,18 @@ def test_every_tf_op_takes_tfs_name_argument_and_ignores_it():
     assert float(tape.gradient(z, v)) == 2 * (22.0 + 32.0)
     assert dtape.convert_to_tensor([1, 2], name="c").numpy().tolist() == [1, 2]
     assert int(dtape.size(x, name="n")) == 4 and dtape.range(3, name="r").numpy().tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_linalg_solve_value_and_gradient_match_torch_autograd(adjoint):
+    # the advanced-autodiff guide's Newton step: solve(hessian + eps * I, gradient), batched here too
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 4, 4, generator=g, dtype=D) + 4 * torch.eye(4, dtype=D)
+    b = torch.randn(2, 4, 3, generator=g, dtype=D)
+    got, got_g = _grad(lambda m, r: dtape.linalg.solve(m, r, adjoint=adjoint), a, b)
+    want, want_g = _torch_grad(lambda m, r: torch.linalg.solve(m.mT if adjoint else m, r), a, b)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for x, y in zip(got_g, want_g):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"solve: matrix must be \[\.\.\., m, m\].*\(2, 4, 4\) and \(4, 3\)"):
+        dtape.linalg.solve(dtape.constant(a), dtape.constant(b[0]))
