@@ -1117,6 +1117,12 @@ def _entries(name, value):
             _check_name(f"{key}")
             out.update(_entries(f"{name}.{key}", item))
         return out
+    if isinstance(value, Checkpoint):
+        # TF's hand-built object graph (Checkpoint(l1=Checkpoint(bias=v))): ours matches top-level names by position
+        raise TypeError(f"Checkpoint: {name!r} is a Checkpoint; a Checkpoint inside a Checkpoint (TF's hand-built "
+                        f"object graph, to restore single variables) is not supported: dtape matches each top-level "
+                        f"object's variables by position. Restore into the real objects (Checkpoint(net=net)) or read "
+                        f"one value with dtape.checkpoint.read(path)[key] (keys like 'net/0')")
     if not (_has_state_dict(value) or _named_variables(name, value) is not None):
         raise TypeError(f"Checkpoint: {name!r} is a {type(value).__name__}, not a variable, module, optimizer or "
                         f"object with state_dict()/load_state_dict() (plain data cannot be restored in place: keep "

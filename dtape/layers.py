@@ -49,7 +49,7 @@ from dtape.variables import Variable, VariableAggregation, current_read_hook, re
 
 __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "BatchNormalization", "Dropout",
            "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "Flatten", "Reshape",
-           "Sequential", "get_activation", "get_initializer"]
+           "Sequential", "Activation", "get_activation", "get_initializer"]
 
 
 # -- activations -------------------------------------------------------------
@@ -954,6 +954,31 @@ class GlobalMaxPooling2D(_GlobalPooling2D):
     """Max over height and width: [batch, h, w, c] -> [batch, c]. Source: tf.keras.layers.GlobalMaxPooling2D."""
 
     _reduce = staticmethod(_math.reduce_max)
+
+
+class Activation(Layer):
+    """Applies an activation elementwise (softmax on the last axis); no variables.
+
+    Args:
+      activation: a name (`"relu"`, `"softmax"`, `"linear"`, ... as `get_activation`) or a callable.
+      dtype: its policy; `dtype="float32"` after half-precision layers casts their output to float32
+        before the activation (the mixed-precision guide's float32 softmax output).
+
+    Shapes: any -> the same shape; dtype: the layer's compute dtype (floating inputs are cast to it).
+    Raises:
+      ValueError: an unknown activation name.
+    Source: tf.keras.layers.Activation.
+    """
+
+    def __init__(self, activation, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.activation = get_activation(activation)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def call(self, x):
+        return self.activation(x)
 
 
 class Flatten(Layer):

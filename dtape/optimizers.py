@@ -155,6 +155,8 @@ class Optimizer:
             strategy with more than one replica in sync, as TF: the gradients
             of one replica cannot update every copy consistently. Raised
             before anything is written (no variable, slot or `iterations`).
+            Also outside any scope for variables of such a strategy (no
+            `strategy.run`): the copies would be updated one by one.
           ValueError: a gradient whose shape is not its variable's; (under a
             strategy) a gradient that is the same object on every replica
             (not distributed) cannot be summed.

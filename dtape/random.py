@@ -127,10 +127,32 @@ def categorical(logits, num_samples, dtype=torch.int64, seed=None):
     return Tensor(out.to(as_dtype(dtype)))
 
 
+def set_seed(seed):
+    """Seeds the global random state: torch's default generators on every device (`torch.manual_seed`).
+
+    Draws outside a strategy, layer initializers and every strategy built afterwards (its replica
+    generators are seeded from the default generator when no `seed=` is given) then repeat from run to
+    run. Replica generators of a strategy that already exists are not re-seeded (give it `seed=`).
+
+    Args:
+      seed: int in [0, 2**63 - 1].
+
+    Raises:
+      TypeError: if `seed` is not an int (a 0-d integer tensor is accepted).
+
+    Source: tf.random.set_seed (global seed; TF's per-op seeds map to the `seed=` arguments above).
+    """
+    if isinstance(seed, Tensor):
+        seed = seed.torch().item()
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__}")
+    torch.manual_seed(seed)
+
+
 def bernoulli_mask(shape, keep_prob, dtype, device):
     """A raw torch mask of `shape`: 1/keep_prob with probability keep_prob, else 0 (dropout's)."""
     keep = torch.rand(_shape(shape), device=device, generator=get_generator(device)) < keep_prob
     return keep.to(dtype) / keep_prob
 
 
-__all__ = ["uniform", "normal", "categorical", "get_generator", "generator_scope"]
+__all__ = ["uniform", "normal", "categorical", "set_seed", "get_generator", "generator_scope"]

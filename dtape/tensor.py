@@ -415,7 +415,7 @@ def normalize_device(device):
     return torch.device(name)
 
 
-def constant(value, dtype=None, shape=None, device=None):
+def constant(value, dtype=None, shape=None, device=None, *, name=None):
     """Creates a dtape.Tensor holding a copy of `value`.
 
     Args:
@@ -425,6 +425,7 @@ def constant(value, dtype=None, shape=None, device=None):
       shape: optional shape; a scalar value is broadcast to it.
       device: torch device or name ('cpu', 'cuda:0'); default: a torch.Tensor's
         own device, else the current `dtape.device` scope's, else the CPU.
+      name: accepted and ignored, as TF's eager tensors have no name (every op takes it).
 
     Returns:
       A Tensor that shares no memory with `value`.
@@ -444,7 +445,7 @@ def constant(value, dtype=None, shape=None, device=None):
     return Tensor(t)
 
 
-def convert_to_tensor(value, dtype=None, device=None):
+def convert_to_tensor(value, dtype=None, device=None, *, name=None):
     """Returns `value` as a dtape.Tensor (no copy when it already is one or is a torch.Tensor).
 
     Accepts Tensor, Variable (read: recorded, notifies tapes), torch.Tensor,

@@ -473,3 +473,18 @@ def test_deferred_slots_follow_their_variable_when_the_first_step_creates_only_s
         Checkpoint(a=a, b=b, opt=opt).restore(path)
         opt.apply_gradients(zip(grads(a, b, False), [a, b]))   # creates b's slots only: they get a's moments
     np.testing.assert_allclose(b.numpy(), expected, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_inside_a_checkpoint_is_refused_with_the_way_to_read_one_value(tmp_path):
+    # the TF guide restores net.l1.bias alone through Checkpoint(net=Checkpoint(l1=Checkpoint(bias=v)))
+    net = layers.Dense(5, input_dim=1, bias_initializer="ones")
+    path = Checkpoint(net=net).save(tmp_path / "ckpt")
+    to_restore = dtape.Variable(dtape.zeros([5]))
+    fake_layer = Checkpoint(bias=to_restore)
+    with pytest.raises(TypeError, match=r"'l1' is a Checkpoint; a Checkpoint inside a Checkpoint .* not supported.*"
+                                        r"dtape\.checkpoint\.read\(path\)\[key\]"):
+        Checkpoint(l1=fake_layer)
+    with pytest.raises(TypeError, match="a Checkpoint inside a Checkpoint"):
+        Checkpoint(nets=[fake_layer])
+    to_restore.assign(checkpoint.read(path)["net/1"])    # what the message offers instead
+    assert to_restore.numpy().tolist() == [1.0] * 5

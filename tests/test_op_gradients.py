@@ -427,6 +427,8 @@ REFERENCES = {
         & ((num_upper < 0) | (np.subtract.outer(np.arange(input.shape[-1]), np.arange(input.shape[-2])).T <= num_upper)),
         _np(input), 0.0),
     "linspace": lambda start, stop, num, axis=0: np.linspace(_np(start), _np(stop), num, axis=axis),
+    "solve": lambda matrix, rhs, adjoint=False: np.linalg.solve(
+        np.swapaxes(_np(matrix), -1, -2) if adjoint else _np(matrix), _np(rhs)),
 }
 # Transposes of gather/getitem: their values are the gradients of their primal
 # op, which the finite-difference test above checks.
@@ -489,6 +491,8 @@ EMPTY_BATCH = {  # ops whose batch is not simply the leading dim of their larges
     "reshape": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(0, 2, 3))),
     # mirror padding of an empty dimension is refused (TF): pad the other dimensions only
     "pad": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, paddings=[[0, 0]] + list(attrs["paddings"][1:]))),
+    # a matrix's rows are not a batch: an empty batch of matrices and right-hand sides
+    "solve": lambda op, args, attrs: (tuple(_slice0(a if a.ndim > 2 else a[None]) for a in args), attrs),
 }
 
 

@@ -298,6 +298,31 @@ def test_float32_output_layer_takes_half_inputs_and_normalization_keeps_float32_
     np.testing.assert_allclose(bn.moving_mean.numpy(), 0.01 * ln_out.float().mean(0).numpy(), atol=1e-4)
 
 
+def test_float32_activation_output_after_half_layers_value_and_gradient_match_torch(restore_policy):
+    # the mixed-precision guide's output: Dense in float16, then Activation("softmax", dtype="float32")
+    set_global_policy("mixed_float16")
+    dense = dtape.keras.layers.Dense(3, seed=0)
+    act = dtape.keras.layers.Activation("softmax", dtype="float32")
+    relu = dtape.keras.layers.Activation(dtape.nn.relu)
+    x = np.random.default_rng(3).normal(size=(4, 5)).astype(np.float32)
+    with dtape.GradientTape() as tape:
+        h = dense(x)
+        y = act(h)
+        loss = dtape.reduce_sum(y * dtape.constant([[1.0, -2.0, 0.5]]))
+    g = tape.gradient(loss, dense.kernel)
+    k, b = (torch.tensor(v.numpy(), requires_grad=True) for v in (dense.kernel, dense.bias))
+    ref_h = torch.tensor(x).half() @ k.half() + b.half()
+    ref = torch.softmax(ref_h.float(), dim=-1)
+    (ref * torch.tensor([[1.0, -2.0, 0.5]])).sum().backward()
+    assert (h.dtype, y.dtype, relu(h).dtype) == (torch.float16, torch.float32, torch.float16)
+    torch.testing.assert_close(y.torch(), ref.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(g.torch(), k.grad, rtol=1e-3, atol=1e-4)
+    assert torch.equal(relu(h).torch(), torch.relu(ref_h.detach()))
+    assert len(act.variables) == 0 and act.compute_output_shape((None, 3)) == (None, 3)
+    with pytest.raises(ValueError, match="unknown activation 'softmx'"):
+        dtape.keras.layers.Activation("softmx")
+
+
 def test_mixed_batch_normalization_reads_its_moving_statistics_in_float32():
     bn = dtape.layers.BatchNormalization(input_shape=(1,), dtype="mixed_float16", epsilon=1e-3)
     x16 = torch.tensor([[0.125]], dtype=torch.float16)

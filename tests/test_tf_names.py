@@ -5,11 +5,14 @@ registry tests (tests/test_op_gradients.py: finite differences, second
 order, special points against TF's composite in torch); here they are
 checked against torch.autograd of independent torch programs in float64.
 """
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 import dtape
+from tests._strategies import mirrored
 
 D = torch.float64
 
@@ -388,7 +391,7 @@ TF_MATH = """abs add add_n argmax argmin cos divide equal exp floordiv floormod 
 less_equal log log1p log_softmax logical_and logical_not logical_or logical_xor maximum minimum multiply negative
 not_equal pow reduce_logsumexp reduce_max reduce_mean reduce_min reduce_prod reduce_sum rsqrt sigmoid sign sin
 softmax softplus sqrt square subtract tanh""".split()
-TF_LINALG = "band_part einsum eye global_norm matmul norm".split()
+TF_LINALG = "band_part einsum eye global_norm matmul norm solve".split()
 
 
 @pytest.mark.parametrize("name", TF_MATH)
@@ -401,7 +404,7 @@ def test_dtape_math_name_is_the_op_itself(name):
 @pytest.mark.parametrize("name", TF_LINALG)
 def test_dtape_linalg_name_is_the_op_itself(name):
     assert name in dtape.linalg.__all__
-    assert name == "band_part" or getattr(dtape.linalg, name) is getattr(dtape, name)
+    assert name in ("band_part", "solve") or getattr(dtape.linalg, name) is getattr(dtape, name)
 
 
 def test_namespaces_import_with_from_statements():
@@ -431,3 +434,59 @@ def test_transformer_tutorial_masks_and_positional_slice_port_literally():
     assert tuple(x.shape) == (2, 4, 4) and float(x[1, 3, 0]) == 12.0
     match = (seq == seq) & (seq != 0)
     assert float(dtape.reduce_sum(dtape.cast(match, dtape.float32)) / dtape.reduce_sum(dtape.cast(seq != 0, dtape.float32))) == 1.0
+
+
+@pytest.mark.usefixtures("closes_strategies")
+def test_random_set_seed_repeats_draws_initializers_and_strategy_generators():
+    def draws():
+        dtape.random.set_seed(1234)
+        layer = dtape.keras.layers.Dense(3)
+        layer.build([None, 2])
+        strategy = mirrored(2)
+        per = strategy.run(lambda: dtape.random.uniform([2]))
+        rep = [t.numpy() for t in strategy.experimental_local_results(per)]
+        return [dtape.random.normal([4]).numpy(), layer.kernel.numpy()] + rep
+    first, second = draws(), draws()
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first[2], first[3])                      # replicas still draw apart
+    dtape.random.set_seed(5)
+    a = dtape.random.normal([4]).numpy()
+    torch.manual_seed(5)
+    np.testing.assert_array_equal(a, torch.randn(4).numpy())           # it is torch's global seed
+    with pytest.raises(TypeError, match="seed must be an int"):
+        dtape.random.set_seed(1.5)
+
+
+def test_every_tf_op_takes_tfs_name_argument_and_ignores_it():
+    # TF ops all take `name=` (the autodiff guide writes tf.constant(3.0, name="x3")); eager TF ignores it
+    public = [n for n in dtape.ops.__all__ if callable(getattr(dtape, n)) and n not in ("getitem", "to_device")]
+    public += [f"nn.{n}" for n in ("dropout", "embedding_lookup", "relu", "softmax")]
+    for n in public:
+        fn = dtape.nn if n.startswith("nn.") else dtape
+        fn = getattr(fn, n.split(".")[-1])
+        assert "name" in inspect.signature(fn).parameters, n
+    x = dtape.constant([[1.0, 2.0], [3.0, 4.0]], name="x")
+    v = dtape.Variable(3.0, name="x0")
+    with dtape.GradientTape() as tape:
+        y = dtape.reduce_sum(dtape.matmul(x, x, name="m") * v, axis=0, name="s")
+        z = dtape.add_n([y, dtape.zeros([2], name="z")], name="a") + dtape.nn.relu(y, name="r")
+    assert z.numpy().tolist() == [2 * 3.0 * 22.0, 2 * 3.0 * 32.0]
+    assert float(tape.gradient(z, v)) == 2 * (22.0 + 32.0)
+    assert dtape.convert_to_tensor([1, 2], name="c").numpy().tolist() == [1, 2]
+    assert int(dtape.size(x, name="n")) == 4 and dtape.range(3, name="r").numpy().tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_linalg_solve_value_and_gradient_match_torch_autograd(adjoint):
+    # the advanced-autodiff guide's Newton step: solve(hessian + eps * I, gradient), batched here too
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 4, 4, generator=g, dtype=D) + 4 * torch.eye(4, dtype=D)
+    b = torch.randn(2, 4, 3, generator=g, dtype=D)
+    got, got_g = _grad(lambda m, r: dtape.linalg.solve(m, r, adjoint=adjoint), a, b)
+    want, want_g = _torch_grad(lambda m, r: torch.linalg.solve(m.mT if adjoint else m, r), a, b)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for x, y in zip(got_g, want_g):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"solve: matrix must be \[\.\.\., m, m\].*\(2, 4, 4\) and \(4, 3\)"):
+        dtape.linalg.solve(dtape.constant(a), dtape.constant(b[0]))

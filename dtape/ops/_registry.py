@@ -245,7 +245,7 @@ def _pop_input(opdef, attrs, i):
 def _make_unary(opdef):
     fwd = opdef.forward
 
-    def call(x=None, *args, **attrs):
+    def call(x=None, *args, name=None, **attrs):  # noqa: ARG001 - TF's op name: eager TF ignores it too
         if type(x) is not Tensor:
             if x is None:
                 x = _pop_input(opdef, attrs, 0)
@@ -265,7 +265,7 @@ def _make_unary(opdef):
 def _make_binary(opdef):
     fwd = opdef.forward
 
-    def call(x=None, y=None, *args, **attrs):
+    def call(x=None, y=None, *args, name=None, **attrs):  # noqa: ARG001 - TF's op name, ignored
         if type(x) is not Tensor:
             x = as_input(_pop_input(opdef, attrs, 0) if x is None else x)
         if type(y) is not Tensor:
@@ -308,7 +308,7 @@ def _finish_multi(opdef, out, inputs, attrs):
 def _make_nary(opdef):
     fwd, n, listed = opdef.forward, opdef.n_in, opdef.list_input
 
-    def call(*args, **attrs):
+    def call(*args, name=None, **attrs):  # noqa: ARG001 - TF's op name, ignored
         if len(args) < (1 if listed else n) and any(k in attrs for k in opdef.in_names):
             args = _keyword_inputs(opdef, args, attrs)
         if listed:

@@ -277,25 +277,25 @@ def _creation_dtype(dtype):
     return DEFAULT_FLOAT_DTYPE if dtype is None else as_dtype(dtype)
 
 
-def zeros(shape, dtype=None, device=None):
+def zeros(shape, dtype=None, device=None, *, name=None):
     """A tensor of zeros of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.zeros."""
     return Tensor(torch.zeros(shape_values(shape, "zeros", scalar=True), dtype=_creation_dtype(dtype),
                               device=default_device(device)))
 
 
-def ones(shape, dtype=None, device=None):
+def ones(shape, dtype=None, device=None, *, name=None):
     """A tensor of ones of `shape` (default float32, on the `dtape.device` scope's device). Source: tf.ones."""
     return Tensor(torch.ones(shape_values(shape, "ones", scalar=True), dtype=_creation_dtype(dtype),
                              device=default_device(device)))
 
 
-def zeros_like(input, dtype=None):  # noqa: A002
+def zeros_like(input, dtype=None, name=None):  # noqa: A002
     """Zeros with input's shape, dtype (unless given) and device. Source: tf.zeros_like."""
     t = _like(input)
     return Tensor(torch.zeros_like(t, dtype=as_dtype(dtype) or t.dtype))
 
 
-def ones_like(input, dtype=None):  # noqa: A002
+def ones_like(input, dtype=None, name=None):  # noqa: A002
     """Ones with input's shape, dtype (unless given) and device. Source: tf.ones_like."""
     t = _like(input)
     return Tensor(torch.ones_like(t, dtype=as_dtype(dtype) or t.dtype))
@@ -679,7 +679,7 @@ def _(dy, ans, value, dims):
     return torch.sum(dy)
 
 
-def fill(dims, value):
+def fill(dims, value, name=None):
     """A tensor of shape `dims` filled with the scalar `value` (differentiable in `value`).
 
     Args:
@@ -694,7 +694,7 @@ def fill(dims, value):
     return _fill(value, dims=shape_values(dims, "fill", "dims", scalar=True))
 
 
-def range(start, limit=None, delta=1, dtype=None):  # noqa: A001 - TF's name
+def range(start, limit=None, delta=1, dtype=None, name=None):  # noqa: A001 - TF's name
     """Numbers from `start` (inclusive) to `limit` (exclusive) by `delta`; `range(n)` is 0..n-1.
 
     Args:
@@ -758,7 +758,7 @@ def to_device(x, device):
 newaxis = None  # x[:, dtape.newaxis] inserts a dimension, as tf.newaxis (and numpy's)
 
 
-def shape(input, out_type=torch.int32):  # noqa: A002 - TF's argument name
+def shape(input, out_type=torch.int32, name=None):  # noqa: A002 - TF's argument name
     """The shape of `input` as a 1-D integer tensor (no gradient).
 
     Args:
@@ -780,17 +780,17 @@ def shape(input, out_type=torch.int32):  # noqa: A002 - TF's argument name
     return Tensor(torch.tensor(tuple(_like(input).shape), dtype=as_dtype(out_type)))
 
 
-def size(input, out_type=torch.int32):  # noqa: A002
+def size(input, out_type=torch.int32, name=None):  # noqa: A002
     """The number of elements of `input` as a 0-d integer tensor of `out_type` on the CPU. Source: tf.size."""
     return Tensor(torch.tensor(_like(input).numel(), dtype=as_dtype(out_type)))
 
 
-def rank(input):  # noqa: A002
+def rank(input, name=None):  # noqa: A002
     """The number of dimensions of `input` as a 0-d int32 tensor on the CPU. Source: tf.rank."""
     return Tensor(torch.tensor(_like(input).ndim, dtype=torch.int32))
 
 
-def eye(num_rows, num_columns=None, batch_shape=None, dtype=None):
+def eye(num_rows, num_columns=None, batch_shape=None, dtype=None, name=None):
     """Identity matrices: ones on the main diagonal, zeros elsewhere (no gradient).
 
     Args:

@@ -504,6 +504,43 @@ def _(t, ans, a, b, transpose_a=False, transpose_b=False):
                        None if t[1] is None else matmul(a, t[1], transpose_a, transpose_b))
 
 
+def _solve_samples(rng):
+    def well_conditioned(*shape):   # a random square matrix plus n*I: far from singular
+        return S.randn(rng, *shape) + shape[-1] * torch.eye(shape[-1], dtype=torch.float64)
+    return [((well_conditioned(3, 3), S.randn(rng, 3, 2)), {}),
+            ((well_conditioned(2, 3, 3), S.randn(rng, 2, 3, 1)), {}),
+            ((well_conditioned(3, 3), S.randn(rng, 3, 4)), {"adjoint": True})]
+
+
+@defop(n_in=2, samples=_solve_samples)
+def solve(matrix, rhs, adjoint=False):
+    """Solves `matrix @ x = rhs` (or `adjoint(matrix) @ x = rhs`) for x: [..., m, m], [..., m, k] -> [..., m, k].
+
+    Both inputs have one floating dtype, rank >= 2 and the same batch dims (no broadcasting, as TF).
+    Gradients (TF's rule): rhs gets solve(matrix, dy, adjoint=not adjoint); matrix gets
+    -grad_rhs @ x^T (adjoint: -x @ grad_rhs^T).
+
+    Raises:
+      ValueError: a matrix that is not square, rhs whose rows or batch dims differ.
+      torch.linalg.LinAlgError: a singular matrix (TF: InvalidArgumentError).
+
+    Source: tf.linalg.solve (tf.linalg.matrix_solve); exported as dtape.linalg.solve.
+    """
+    if (matrix.ndim < 2 or rhs.ndim < 2 or matrix.shape[-1] != matrix.shape[-2]
+            or matrix.shape[:-1] != rhs.shape[:-1]):
+        raise ValueError(f"solve: matrix must be [..., m, m] and rhs [..., m, k] with the same batch dims, got "
+                         f"shapes {tuple(matrix.shape)} and {tuple(rhs.shape)}")
+    return torch.linalg.solve(matrix.transpose(-1, -2) if adjoint else matrix, rhs)
+
+
+@solve.grad
+def _(dy, ans, matrix, rhs, adjoint=False):
+    grad_rhs = solve.any(matrix, dy, adjoint=not adjoint)
+    if adjoint:
+        return -matmul.any(ans, grad_rhs, transpose_b=True), grad_rhs
+    return -matmul.any(grad_rhs, ans, transpose_b=True), grad_rhs
+
+
 def _shared_weight_grad(dy, a, transpose_b):
     """Gradient of a 2-D `b` shared by every batch of `a @ b` (a: [..., m, k]): one matmul with the
     batch dims folded into rows (as torch's autograd does), not a batched product then a sum."""
@@ -645,7 +682,7 @@ def _(dy, ans, operands, equation, needs=None):
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def einsum(equation, *inputs):
+def einsum(equation, *inputs, name=None):
     """Einstein summation, e.g. einsum('ij,jk->ik', a, b). Source: tf.einsum.
 
     Without '->' the output is numpy's and torch's implicit one: the
@@ -1141,7 +1178,7 @@ def _convert(t):
     return t._dtape_read() if is_variable(t) else convert_to_tensor(t)
 
 
-def clip_by_norm(t, clip_norm, axes=None):
+def clip_by_norm(t, clip_norm, axes=None, name=None):
     """`t * clip_norm / max(l2norm(t), clip_norm)`: rescales t so its L2 norm (over `axes`) is at most clip_norm.
 
     Args:
@@ -1164,7 +1201,7 @@ def clip_by_norm(t, clip_norm, axes=None):
     return t * clip / maximum(l2norm, clip)
 
 
-def global_norm(t_list):
+def global_norm(t_list, name=None):
     """`sqrt(sum of sum(|t| ** 2) over t_list)` (None entries skipped), in float32 at least.
 
     Returns:
@@ -1185,7 +1222,7 @@ def global_norm(t_list):
     return sqrt(add_n(sums) if len(sums) > 1 else sums[0])
 
 
-def clip_by_global_norm(t_list, clip_norm, use_norm=None):
+def clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
     """Scales every tensor by `clip_norm / max(global_norm, clip_norm)`; returns (clipped list, global_norm).
 
     Args:

@@ -296,7 +296,7 @@ def _(dy, ans, t):
     return dy * t
 
 
-def dropout(x, rate, noise_shape=None, seed=None):
+def dropout(x, rate, noise_shape=None, seed=None, name=None):
     """Zeroes each element with probability `rate`, scales kept ones by 1 / (1 - rate).
 
     The mask is sampled here and enters as a constant input of one
@@ -685,7 +685,7 @@ def _layer_norm_kernel(dy, x, gamma, beta, epsilon, needs, stash):
     return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta, list(needs))
 
 
-def embedding_lookup(params, ids, max_norm=None):
+def embedding_lookup(params, ids, max_norm=None, name=None):
     """Rows of `params` at `ids` (tf.gather on axis 0).
 
     Args:
