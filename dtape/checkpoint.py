@@ -15,7 +15,11 @@ with `load_state_dict`.
 
 File format: a safetensors file (an 8-byte header length, a JSON header, raw
 tensor bytes) whose `__metadata__` holds the format tag, the stored objects
-and variable names, the plain data as a JSON tree, and a SHA-256 of the whole
+and variable names, the plain data as a JSON tree, `dtape.slots` (for each
+optimizer offering `_checkpoint_slots`, each slot's entry, the key of its
+variable and its slot name: slots are restored through their variable, as
+TF's object graph links slot -> optimizer + variable; files without it, and
+optimizers saved without their variables, match slots by position), and a SHA-256 of the whole
 file (computed with the digest's own 64 hex digits set to "0"). Loading
 checks the checksum before it uses anything, so a flipped bit is refused
 instead of loading different weights.
@@ -737,6 +741,10 @@ def restore(path, *, strict=True, **objects):
         `Variable_7` matches `Variable_3` when each is the first unnamed
         variable of its object. With `strict=False` names may differ
         (restore by position);
+      * an optimizer's slots, when the file records their variables, are
+        matched through their variable's key instead (the slot of `w`
+        takes the value saved for `w`'s slot of that name, whatever order
+        `build` created them in); every slot must find its value;
       * shape and dtype must be equal (no cast; as TF's restore, which
         refuses a dtype mismatch), whatever `strict` is.
 
@@ -965,7 +973,11 @@ class Checkpoint:
     before that step writes the waiting values in their place. (Only
     layer builds and optimizer steps say they created variables: a custom
     Module creating variables in its own `__call__` is called once first.)
-    Source: tf.train.Checkpoint (by key and position, not object graph).
+    An optimizer's slots are matched through the key of their variable
+    when the file records it (see the module docstring), so the first step
+    may create them in any order or only some of them.
+    Source: tf.train.Checkpoint (by key and position; slots through their
+    variable's key, as its object graph links them).
 
     Example:
       >>> ckpt = dtape.checkpoint.Checkpoint(model=model, optimizer=opt)
