@@ -15,7 +15,11 @@ with `load_state_dict`.
 
 File format: a safetensors file (an 8-byte header length, a JSON header, raw
 tensor bytes) whose `__metadata__` holds the format tag, the stored objects
-and variable names, the plain data as a JSON tree, and a SHA-256 of the whole
+and variable names, the plain data as a JSON tree, `dtape.slots` (for each
+optimizer offering `_checkpoint_slots`, each slot's entry, the key of its
+variable and its slot name: slots are restored through their variable, as
+TF's object graph links slot -> optimizer + variable; files without it, and
+optimizers saved without their variables, match slots by position), and a SHA-256 of the whole
 file (computed with the digest's own 64 hex digits set to "0"). Loading
 checks the checksum before it uses anything, so a flipped bit is refused
 instead of loading different weights.
@@ -347,7 +351,7 @@ def save_objects(path, objects, make_folder=False, after=None, waiting=None):
     Returns `path` (str).
     """
     path = os.fspath(path)
-    tensors, stored, data, every, states = {}, {}, {}, [], []
+    tensors, stored, data, every, states, slots, pairs_of = {}, {}, {}, [], [], {}, {}
     for name, obj in objects.items():
         _check_name(name)
         if _has_state_dict(obj):
@@ -360,18 +364,60 @@ def save_objects(path, objects, make_folder=False, after=None, waiting=None):
             continue
         stored[name] = [[key, _var_name(var, key)] for key, var in pairs]
         every += pairs
+        pairs_of[name] = pairs
         for key, var in pairs:
             tensors[key] = _saved_value(var)
+    keys = _keys_by_identity(every)
+    for name, pairs in pairs_of.items():
+        rows = _slot_rows(objects[name], pairs, keys)
         if waiting and name in waiting:
-            stored[name] = _with_waiting(name, stored[name], waiting[name], tensors)
+            stored[name], rows = waiting[name].merged(name, stored[name], rows, tensors)
+        if rows is not None:
+            slots[name] = rows
     def write():
         if make_folder and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_atomically(path, _serialize(tensors, stored, data, states))
+        _write_atomically(path, _serialize(tensors, stored, data, states, slots))
         if after is not None:
             after()
     _writer(every).write(write)
     return path
+
+
+def _identity(var):
+    """What stays the same for a variable across containers and reads: its (primary) component's id."""
+    return id(_components(var)[0])
+
+
+def _keys_by_identity(pairs):
+    """_identity(variable) -> [its checkpoint keys], in the order of `pairs`."""
+    keys = {}
+    for key, var in pairs:
+        keys.setdefault(_identity(var), []).append(key)
+    return keys
+
+
+def _slots_of(obj):
+    """{id(slot variable): (its variable, slot name)} of an optimizer (`_checkpoint_slots`), else None."""
+    found = getattr(obj, "_checkpoint_slots", None)
+    return found() if callable(found) and not is_variable(obj) else None
+
+
+def _slot_rows(obj, pairs, keys):
+    """[[entry key, key of the slot's variable, slot name]] for each slot of an optimizer among `pairs` (the
+    file's `dtape.slots`); None for an object without slots, and for an optimizer saved without some of its
+    slots' variables (its slots are then matched by position, as in files without the table)."""
+    slots = _slots_of(obj)
+    if slots is None:
+        return None
+    rows = []
+    for key, var in pairs:
+        if id(var) in slots:
+            primary, slot_name = slots[id(var)]
+            if _identity(primary) not in keys:
+                return None
+            rows.append([key, keys[_identity(primary)][0], slot_name])
+    return rows
 
 
 def _with_waiting(name, entries, waiting, tensors):
@@ -390,12 +436,14 @@ def _with_waiting(name, entries, waiting, tensors):
     return out
 
 
-def _serialize(tensors, stored, data, states=()):
+def _serialize(tensors, stored, data, states=(), slots=None):
     """The file's bytes: safetensors with our metadata, the checksum filled in last."""
     metadata = {"dtape.format": _FORMAT, "dtape.objects": json.dumps(stored), "dtape.data": json.dumps(data),
                 _SHA_KEY: _ZERO_DIGEST}
     if states:  # names of `data` entries that are objects' state dicts (absent: none, as older files)
         metadata["dtape.states"] = json.dumps(list(states))
+    if slots:   # optimizer name -> its slots' variables (absent in older files: slots matched by position)
+        metadata["dtape.slots"] = json.dumps(slots)
     try:
         payload = bytearray(safetensors.torch.save(tensors, metadata=metadata))
     except (ValueError, TypeError, safetensors.SafetensorError) as e:
@@ -606,7 +654,7 @@ def _load(path):
 
 
 def _load_all(path):
-    """`_load(path)` and the names of the data entries that are objects' state dicts."""
+    """`_load(path)`, the names of the data entries that are objects' state dicts, and the slot table."""
     path = os.fspath(path)
     raw = _read_bytes(path)
     metadata = _parse_header(path, raw)
@@ -619,11 +667,26 @@ def _load_all(path):
         states = json.loads(metadata.get("dtape.states", "[]"))
         if not (isinstance(states, list) and all(isinstance(n, str) and n in data for n in states)):
             raise ValueError(f"state dict names {states!r:.80} are not all data entries")
+        slots = _checked_slots(json.loads(metadata.get("dtape.slots", "{}")), stored)
     except CheckpointError:
         raise
     except Exception as e:     # a checksummed but inconsistent file: crafted, or a bug
         raise CheckpointError(f"checkpoint {path!r} is corrupt: {type(e).__name__}: {e}") from None
-    return tensors, stored, data, states
+    return tensors, stored, data, states, slots
+
+
+def _checked_slots(slots, stored):
+    """The file's `dtape.slots` (optimizer name -> [[entry key, key of its variable or None, slot name]]) once
+    every row names an entry of that optimizer; raises ValueError otherwise."""
+    if not isinstance(slots, dict):
+        raise ValueError("the slot table is not a JSON object")
+    for name, rows in slots.items():
+        keys = {key for key, _ in stored[name]}
+        for row in rows if isinstance(rows, list) else [None]:
+            if not (isinstance(row, list) and len(row) == 3 and row[0] in keys and isinstance(row[2], str)
+                    and (row[1] is None or isinstance(row[1], str))):
+                raise ValueError(f"bad slot row {row!r:.80} for {name!r}")
+    return slots
 
 
 def _check_stored(path, stored, tensors):
@@ -678,6 +741,10 @@ def restore(path, *, strict=True, **objects):
         `Variable_7` matches `Variable_3` when each is the first unnamed
         variable of its object. With `strict=False` names may differ
         (restore by position);
+      * an optimizer's slots, when the file records their variables, are
+        matched through their variable's key instead (the slot of `w`
+        takes the value saved for `w`'s slot of that name, whatever order
+        `build` created them in); every slot must find its value;
       * shape and dtype must be equal (no cast; as TF's restore, which
         refuses a dtype mismatch), whatever `strict` is.
 
@@ -710,9 +777,9 @@ def restore(path, *, strict=True, **objects):
     (the folder must be visible to all of them).
     Source: tf.train.Checkpoint.restore.
     """
-    tensors, stored, data, states = _load_all(path)
+    tensors, stored, data, states, slots = _load_all(path)
     path = os.fspath(path)
-    plan, loads = [], []
+    plan, loads, pairs_of = [], [], {}
     for name, obj in objects.items():
         _check_name(name)
         if _has_state_dict(obj):
@@ -722,11 +789,14 @@ def restore(path, *, strict=True, **objects):
                                  f"{sorted(set(data) - set(states))}")
             loads.append((obj, data[name]))
             continue
-        pairs = _named_variables(name, obj)
-        if pairs is None:
+        pairs_of[name] = _named_variables(name, obj)
+        if pairs_of[name] is None:
             raise TypeError(f"restore: {name!r} is a {type(obj).__name__}, not a variable, module or optimizer; "
                             f"plain data comes back in restore()'s return value")
-        plan += _plan_restore(path, name, pairs, stored, tensors, data, strict)
+    keys = _keys_by_identity(pair for pairs in pairs_of.values() for pair in pairs)
+    for name, pairs in pairs_of.items():
+        by_slot = (objects[name], slots[name], keys) if name in slots and _slots_of(objects[name]) else None
+        plan += _plan_restore(path, name, pairs, stored, tensors, data, strict, by_slot)
     for obj, state in loads:  # before any variable is assigned: a state dict that does not fit raises first
         obj.load_state_dict(state)
     for var, value in plan:
@@ -734,7 +804,67 @@ def restore(path, *, strict=True, **objects):
     return {name: value for name, value in data.items() if name not in states}
 
 
-def _plan_restore(path, name, pairs, stored, tensors, data, strict):
+def _slot_plan_all(path, name, obj, pairs, entries, rows, keys, tensors):
+    """`_by_slot`'s plan when it matches every variable and every entry of the optimizer, else ValueError."""
+    plan, missing, left = _by_slot(path, name, obj, pairs, entries, rows, keys, tensors)
+    if missing or left:
+        raise ValueError(f"restore: the slots of {name!r} do not match checkpoint {path} by variable: "
+                         f"{missing or 'none'} have no saved value, saved values {[k for k, _ in left] or 'none'} "
+                         f"belong to no slot here (variables missing from this restore, or slots of other "
+                         f"variables: restore the model's variables together with the optimizer, and build the "
+                         f"optimizer for the same variables)")
+    return plan
+
+
+def _by_slot(path, name, obj, pairs, entries, rows, keys, tensors):
+    """Matches an optimizer's variables with a file that records each slot's variable (`dtape.slots`).
+
+    A slot takes the saved value of the same slot name whose variable is
+    stored under a key the slot's variable has now (TF matches slot ->
+    optimizer + variable in its object graph); the other variables
+    (`iterations`, a loss scale) match the other entries by position, names
+    checked. Returns (plan [(variable, value)], descriptions of slots with no
+    saved value, saved slot entries [[key, name]] no slot takes yet).
+    Raises ValueError: a different number of non-slot variables, a name,
+    shape or dtype that differs.
+    """
+    slots, row_of = _slots_of(obj), {key: (pk, sn) for key, pk, sn in rows}
+    fixed = [(key, var) for key, var in pairs if id(var) not in slots]
+    fixed_entries = [entry for entry in entries if entry[0] not in row_of]
+    if len(fixed) != len(fixed_entries):
+        raise ValueError(f"restore: {name!r} has {len(fixed)} variables besides its slots but checkpoint {path} "
+                         f"holds {len(fixed_entries)} (a different optimizer)")
+    _check_names(path, name, fixed, fixed_entries, hint="")
+    plan = [(var, _checked_value(path, key, var, stored_name, tensors[entry]))
+            for (key, var), (entry, stored_name) in zip(fixed, fixed_entries)]
+    found, missing, left = _slot_plan(path, slots, pairs, [e for e in entries if e[0] in row_of], row_of, keys,
+                                      tensors)
+    return plan + found, missing, left
+
+
+def _slot_plan(path, slots, pairs, entries, row_of, keys, tensors):
+    """(plan, slots with no saved value, saved entries no slot takes): each slot among `pairs` (`slots`: as
+    `_slots_of`) takes the entry whose row (`row_of`: entry key -> (key of its variable, slot name)) names its
+    slot name and a key its variable has now (`keys`: as `_keys_by_identity`)."""
+    saved = {row_of[key]: (key, stored_name) for key, stored_name in entries if row_of[key][0] is not None}
+    plan, missing, taken = [], [], set()
+    for key, var in pairs:
+        if id(var) not in slots:
+            continue
+        primary, slot_name = slots[id(var)]
+        entry = next((saved[(k, slot_name)] for k in keys.get(_identity(primary), ()) if (k, slot_name) in saved),
+                     None)
+        if entry is None:
+            missing.append(f"{key} ({_var_name(var, key)!r})")
+            continue
+        taken.add(entry[0])
+        plan.append((var, _checked_value(path, key, var, entry[1], tensors[entry[0]])))
+    return plan, missing, [entry for entry in entries if entry[0] not in taken]
+
+
+def _plan_restore(path, name, pairs, stored, tensors, data, strict, by_slot=None):
+    """[(variable, value)] for one object; `by_slot`: (optimizer, its slot rows, keys by identity) when the
+    file says which variable each of its slots belongs to (then slots match by variable, not position)."""
     entries = stored.get(name)
     if entries is None:
         raise ValueError(f"restore: no {name!r} in checkpoint {path}; it holds variables for "
@@ -742,6 +872,9 @@ def _plan_restore(path, name, pairs, stored, tensors, data, strict):
     if [k for k, _ in pairs] != [k for k, _ in entries]:
         raise ValueError(f"restore: {name!r} has {len(pairs)} variables but checkpoint {path} holds {len(entries)} "
                          f"for it (an optimizer creates its slots on first use: build or apply it before restore)")
+    if by_slot is not None:
+        obj, rows, keys = by_slot
+        return _slot_plan_all(path, name, obj, pairs, entries, rows, keys, tensors)
     if strict:
         _check_names(path, name, pairs, entries)
     plan = []
@@ -840,7 +973,11 @@ class Checkpoint:
     before that step writes the waiting values in their place. (Only
     layer builds and optimizer steps say they created variables: a custom
     Module creating variables in its own `__call__` is called once first.)
-    Source: tf.train.Checkpoint (by key and position, not object graph).
+    An optimizer's slots are matched through the key of their variable
+    when the file records it (see the module docstring), so the first step
+    may create them in any order or only some of them.
+    Source: tf.train.Checkpoint (by key and position; slots through their
+    variable's key, as its object graph links them).
 
     Example:
       >>> ckpt = dtape.checkpoint.Checkpoint(model=model, optimizer=opt)
@@ -969,9 +1106,10 @@ class Checkpoint:
 
 def _restore_objects(path, objects):
     """Assigns what exists now, registers what waits; returns the _Outcome."""
-    tensors, stored, data, states = _load_all(path)
+    tensors, stored, data, states, slots = _load_all(path)
     path = os.fspath(path)
     plan, loads, waiting, missing, matched = [], [], [], [], False
+    keys = _current_keys(objects)
     for name, obj in objects.items():
         if _has_state_dict(obj):
             if name in states:
@@ -987,9 +1125,16 @@ def _restore_objects(path, objects):
                 missing += described or [f"{name} (no variables yet)"]
             continue
         entries = stored[name]
+        matched = matched or name != _COUNTER
+        if name in slots and _slots_of(obj) is not None:
+            now, unmatched, left = _by_slot(path, name, obj, pairs, entries, slots[name], keys, tensors)
+            plan, missing = plan + now, missing + unmatched
+            if left:
+                waiting.append(_WaitingSlots(path, name, obj, left, slots[name], tensors, objects))
+            continue
+        _refuse_ambiguous_slots(path, name, obj, pairs, entries)
         tail = _tail(path, name, pairs, entries)
         plan += _planned(path, name, pairs, entries, tensors, tail, range(len(pairs)))
-        matched = matched or name != _COUNTER
         if len(pairs) < len(entries):
             waiting.append(_Waiting(path, name, obj, entries, tensors, len(pairs) - tail, tail))
     for obj, state in loads:
@@ -1000,6 +1145,35 @@ def _restore_objects(path, objects):
         _restore_hooks.wait(w)
     unused = sorted(n for n in set(stored) | set(data) if n not in objects and n != _COUNTER)
     return _Outcome(path, unused, missing, waiting, matched=matched)
+
+
+def _current_keys(objects):
+    """_identity(variable) -> [its keys] over the variables `objects` have now (state-dict objects have none)."""
+    pairs = (pair for name, obj in objects.items() if not _has_state_dict(obj)
+             for pair in _named_variables(name, obj) or ())
+    return _keys_by_identity(pairs)
+
+
+def _refuse_ambiguous_slots(path, name, obj, pairs, entries):
+    """Raises ValueError when a file without a slot table (an older dtape's) would give an optimizer's slots
+    values by position while only some of them exist and their names cannot tell whose they are.
+
+    With every slot present the position rule is checked by names (default
+    names by the order their variables were created); with only some, the
+    ranks of default names shift and one variable's moments would go to
+    another's slots.
+    """
+    slots = _slots_of(obj)
+    present = [_var_name(var, key) for key, var in pairs if id(var) in (slots or ())]
+    if not present or len(pairs) >= len(entries):
+        return
+    if any(_auto_numbered(part) for n in present for part in n.split("/")[1:]):
+        raise ValueError(
+            f"restore: checkpoint {path} does not record which variable each slot of {name!r} belongs to (written "
+            f"by an older dtape), and only {len(pairs)} of its {len(entries)} variables exist now, with default "
+            f"names that cannot tell whose values are whose ({present[:4]}); create every slot first, "
+            f"`{name}.build(model.trainable_variables)`, then restore (or restore before the first step and "
+            f"build before it), and save again to record it")
 
 
 def _still_waiting(outcomes, objects):
@@ -1089,8 +1263,15 @@ class _Waiting:
                 self._assign(obj)
         return not self._waiting()
 
+    def merged(self, name, entries, rows, tensors):
+        """(entries, slot rows) of a save of the object: the waiting values where they were in the file restored;
+        no slot rows then (that file had none: positions keep their meaning)."""
+        out = _with_waiting(name, entries, self, tensors)
+        return out, rows if out is entries else None
+
     def _assign(self, obj):
         pairs = _named_variables(self.name, obj)
+        _refuse_ambiguous_slots(self.path, self.name, obj, pairs, self.entries)
         head = len(pairs) - self.tail
         if head <= self.done:
             return
@@ -1103,6 +1284,79 @@ class _Waiting:
         for key, _ in self.entries[self.done:head]:
             del self.tensors[key]
         self.done = head
+
+
+class _WaitingSlots:
+    """Saved slot values of an optimizer waiting for their slots, each for the slot of its own variable.
+
+    Called as `_Waiting`; a slot takes the value saved for its slot name and
+    its variable (by the variable's key among the objects restored with the
+    optimizer, looked up when the slot appears: a layer built later counts).
+    """
+
+    def __init__(self, path, name, obj, left, rows, tensors, objects):
+        self.path, self.name, self.left = path, name, [list(entry) for entry in left]
+        self.rows = {key: (pk, sn) for key, pk, sn in rows}
+        self.tensors = {key: tensors[key] for key, _ in self.left}
+        self._obj, self._objects = _weak(obj), {n: _weak(o) for n, o in objects.items()}
+        self._seen = self._slot_ids(obj)    # slots present at restore: they took their values then
+
+    @property
+    def pending(self):
+        """Keys still waiting for their slot."""
+        return [key for key, _ in self.left] if self._obj() is not None else []
+
+    def __call__(self, owner):
+        obj = self._obj()
+        if obj is None:
+            return True
+        if self._slot_ids(obj) <= self._seen:     # no new slot (another object announced its variables)
+            return False
+        ctx = distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:    # one assignment while every replica waits
+            ctx.merge_call(lambda _strategy: self._assign(obj, owner))
+        else:
+            self._assign(obj, owner)
+        return not self.left
+
+    def _assign(self, obj, owner):
+        objects = {n: o for n, ref in self._objects.items() if (o := ref()) is not None}
+        plan, _, left = _slot_plan(self.path, _slots_of(obj), _named_variables(self.name, obj), self.left,
+                                   self.rows, _current_keys(objects), self.tensors)
+        self._seen = self._slot_ids(obj)
+        if not plan:
+            return
+        announced = {id(v) for v in _variables_of(owner) or ()}
+        if any(id(var) not in announced for var, _ in plan):
+            raise RuntimeError(f"checkpoint {self.path}: slots of {self.name!r} appeared without their optimizer "
+                               f"announcing them, so they may have been used before their restored values arrived")
+        for var, value in plan:
+            _assign_all(var, value)
+        self.left = left
+        self.tensors = {key: self.tensors[key] for key, _ in left}
+
+    def _slot_ids(self, obj):
+        """Never-reused ids (`Variable._id`) of the optimizer's slots now."""
+        slots = _slots_of(obj)
+        return {getattr(_components(var)[0], "_id", id(var)) for _, var in _named_variables(self.name, obj)
+                if id(var) in slots}
+
+    def merged(self, name, entries, rows, tensors):
+        """(entries, slot rows) of a save of the optimizer: the waiting values added after its variables."""
+        entries, rows = [list(e) for e in entries], list(rows or [])
+        for i, (key, stored_name) in enumerate(self.left, start=len(entries)):
+            tensors[f"{name}/{i}"] = self.tensors[key]
+            entries.append([f"{name}/{i}", stored_name])
+            rows.append([f"{name}/{i}", *self.rows[key]])
+        return entries, rows
+
+
+def _weak(obj):
+    """A weak reference to `obj`, or a callable returning it where it takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _entries(name, value):

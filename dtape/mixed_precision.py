@@ -121,6 +121,10 @@ class LossScaleOptimizer(Optimizer):
         """The inner optimizer's variables, then the loss scale and the dynamic counter."""
         return self._inner.variables() + [self._loss_scale, self._counter]
 
+    def _checkpoint_slots(self):
+        """The inner optimizer's slots and their variables (see Optimizer._checkpoint_slots)."""
+        return self._inner._checkpoint_slots()
+
     # -- scaling ----------------------------------------------------------------
     @property
     def loss_scale(self):

@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import math
+import re
 import sys
 import warnings
 import weakref
@@ -37,6 +38,7 @@ from dtape.backprop import GradientTape, profile_range
 from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
+from dtape.module import is_unique_name_base
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation, update_together
 
@@ -80,6 +82,7 @@ class Optimizer:
         self.name = name
         self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(clipnorm, clipvalue, global_clipnorm)
         self._slots = {}          # _slot_key(var) -> {slot name: variable}, in creation order
+        self._slot_primary = {}   # _slot_key(var) -> weak reference to var, the variable those slots belong to
         self._iterations = None
 
     @property
@@ -103,6 +106,7 @@ class Optimizer:
             slots = {n: self._make_variable(self._slot_initial.get(n, 0), None, var, f"{var.name}/{n}")
                      for n in self._slot_names}
             self._slots[key] = slots
+            self._slot_primary[key] = weakref.ref(var)
             # The key is never reused, so a new variable never inherits these;
             # dropping the variable frees them (the finalizer holds no optimizer).
             weakref.finalize(var, _forget_slots, weakref.ref(self), key).atexit = False
@@ -126,6 +130,17 @@ class Optimizer:
         out = [self.iterations]
         for slots in self._slots.values():
             out.extend(slots.values())
+        return out
+
+    def _checkpoint_slots(self):
+        """{id(slot variable): (its variable, slot name)}: what a checkpoint records so that a slot's saved value
+        goes back to the slot of the same variable, whatever order or subset of slots exists (TF's object graph
+        links slot -> optimizer + variable the same way)."""
+        out = {}
+        for key, slots in list(self._slots.items()):
+            primary = self._slot_primary.get(key, lambda: None)()
+            if primary is not None:
+                out.update((id(slot), (primary, name)) for name, slot in slots.items())
         return out
 
     def apply_gradients(self, grads_and_vars):
@@ -546,6 +561,7 @@ def _forget_slots(optimizer_ref, key):
     optimizer = optimizer_ref()
     if optimizer is not None:
         optimizer._slots.pop(key, None)
+        optimizer._slot_primary.pop(key, None)
 
 
 def _drop_missing(pairs):
@@ -874,7 +890,7 @@ class TorchOptimizer(Optimizer):
         # Not Optimizer.__init__: the learning rate is the torch optimizer's (its param_groups).
         self.name = name or type(torch_optimizer).__name__
         self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(None, None, global_clipnorm)
-        self._slots = {}
+        self._slots, self._slot_primary = {}, {}
         self._iterations = None
         self.torch_optimizer = torch_optimizer
         self._slot_of = {}       # _slot_key(variable) -> (group index, position): where it is in param_groups
@@ -888,6 +904,7 @@ class TorchOptimizer(Optimizer):
         # reference to the user's tensor: the optimizer holding it would make a write before the first step
         # (a checkpoint restore) copy the variable's tensor, which then no longer matches.
         self._pending = {}       # (group index, position) -> (weakref to the user's tensor, its _memory_key)
+        self._saved_names = {}   # (group index, position) -> the variable name a loaded state dict had there
         for g, group in enumerate(torch_optimizer.param_groups):
             params = group["params"]
             for i, p in enumerate(params):
@@ -919,20 +936,72 @@ class TorchOptimizer(Optimizer):
         return [self.iterations]
 
     def state_dict(self):
-        """The torch optimizer's `state_dict()` (its tensors, not copies), plus `iterations` (an int)."""
+        """The torch optimizer's `state_dict()` (its tensors, not copies), plus `iterations` (an int) and
+        `dtape.params`: per group, per position, [name of the variable there or None, its shape or None]."""
         out = self.torch_optimizer.state_dict()
         out["iterations"] = int(self.iterations.numpy())
+        out[_PARAMS_KEY] = [[[getattr(self._var_at.get((g, i)), "name", None), self._param_shape(g, i, p)]
+                             for i, p in enumerate(group["params"])]
+                            for g, group in enumerate(self.torch_optimizer.param_groups)]
         return out
 
     def load_state_dict(self, state_dict):
         """Loads a torch optimizer state dict (as `torch.optim.Optimizer.load_state_dict`) into every replica's
-        optimizer; `iterations` too when present (a dict from `state_dict()`)."""
+        optimizer; `iterations` too when present (a dict from `state_dict()`).
+
+        torch matches the saved state to parameters by their position in
+        `param_groups`; a dict from `state_dict()` also says which variable
+        (name, shape) was at each position, and a parameter listed in another
+        order raises ValueError: a shape that differs here, before anything
+        is loaded; a name that differs (its default-numbered parts aside) here
+        or, for a variable not matched yet, at the first `build` or
+        `apply_gradients`, before the step.
+        """
         state_dict = dict(state_dict)
         iterations = state_dict.pop("iterations", None)
+        params = state_dict.pop(_PARAMS_KEY, None)
+        saved_names = {} if params is None else {(g, i): row[0] for g, rows in enumerate(params)
+                                                  for i, row in enumerate(rows) if row[0] is not None}
+        if params is not None:      # before torch loads anything: a mismatch leaves the optimizer as it was
+            self._check_shapes(params)
+            self._check_names(list(self._var_at.items()), saved_names)
         self.torch_optimizer.load_state_dict(state_dict)
+        self._saved_names = saved_names
         if iterations is not None:
             with _tp.stop_recording(), _scope(getattr(self.iterations, "distribute_strategy", None)):
                 self.iterations.assign(int(iterations))
+
+    def _param_shape(self, g, i, p):
+        """The shape (list) of the parameter at (g, i): its variable's, the user's tensor's; None if it is gone."""
+        var = self._var_at.get((g, i))
+        if var is not None:
+            return list(var.shape)
+        ref, _ = self._pending.get((g, i), (None, None))
+        tensor = p if ref is None else ref()
+        return None if tensor is None else list(tensor.shape)
+
+    def _check_shapes(self, params):
+        """Raises ValueError when a saved parameter's shape differs from the one at its position here."""
+        for g, group in enumerate(self.torch_optimizer.param_groups[:len(params)]):
+            for i, (p, row) in enumerate(zip(group["params"], params[g])):
+                here = self._param_shape(g, i, p)
+                if here is not None and row[1] is not None and list(row[1]) != here:
+                    raise ValueError(
+                        f"{self.name}.load_state_dict: parameter {i} of group {g} has shape {tuple(here)} here "
+                        f"but {tuple(row[1])} in the saved state ({row[0] or 'unnamed'}); torch matches state by "
+                        f"position, so build the torch optimizer over the parameters in the order of the run "
+                        f"that saved it (e.g. model.parameters())")
+
+    def _check_names(self, placed, saved_names):
+        """Raises ValueError when a variable at (g, i) (`placed`: [((g, i), variable)]) is not the one the state
+        was saved for (`saved_names`: (g, i) -> name; names compared without their default-numbered parts)."""
+        for (g, i), var in placed:
+            saved = saved_names.get((g, i))
+            if saved is not None and _stable_name(saved) != _stable_name(var.name):
+                raise ValueError(
+                    f"{self.name}: the loaded state of parameter {i} of group {g} was saved for variable "
+                    f"{saved!r}, but {var.name!r} is there now; torch matches state by position, so build the "
+                    f"torch optimizer over the parameters in the order of the run that saved it")
 
     def _clip_gradients(self, pairs):
         return pairs  # clipped per replica index in `_step_index`, by torch.nn.utils.clip_grad_norm_
@@ -997,6 +1066,7 @@ class TorchOptimizer(Optimizer):
                 f"is their tensor or has its memory). Build the torch optimizer over the variables' own tensors "
                 f"(a TorchModule's parameters(), or [v.torch() for v in variables]), not over copies or the "
                 f"tensors of another module")
+        self._check_names([(found[_slot_key(var)], var) for var in todo], self._saved_names)
         for var in todo:
             slot = found[_slot_key(var)]
             self._slot_of[_slot_key(var)] = slot
@@ -1071,6 +1141,22 @@ class TorchOptimizer(Optimizer):
             update_together(comps, step)
         finally:  # the optimizer's parameters: what the variables hold now (also if the step failed)
             _bind(opt, entries, [c.torch() for c in comps], saved)
+
+
+_PARAMS_KEY = "dtape.params"
+_VARIABLE_DEFAULT = re.compile(r"Variable_\d+")
+_NUMBERED = re.compile(r"(.+)_(\d+)")
+
+
+def _stable_name(name):
+    """`name` with its default-numbered components (`Variable_3`, `torch_module_2`, `dense`) as "*": their
+    numbers depend on what else the process created (dtape.checkpoint compares names the same way)."""
+    def stable(part):
+        numbered = _NUMBERED.fullmatch(part)
+        default = _VARIABLE_DEFAULT.fullmatch(part) or is_unique_name_base(part) or (
+            numbered is not None and is_unique_name_base(numbered.group(1)))
+        return "*" if default else part
+    return "/".join(stable(part) for part in name.split("/"))
 
 
 def _copies_stale(optimizer_ref, torch_optimizer):

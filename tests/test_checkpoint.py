@@ -190,6 +190,20 @@ def test_checksummed_but_inconsistent_files_are_refused(tmp_path):
             checkpoint.read(path)
 
 
+def test_a_checksummed_but_inconsistent_slot_table_is_refused(tmp_path):
+    """The optimizer slot table names entries of its optimizer; anything else is a corrupt file. Broken on
+    purpose: without the table check every one of these files was read as sound."""
+    tensors = {"opt/0": torch.zeros(()), "v": torch.zeros(2)}
+    stored = {"opt": [["opt/0", "Adam/iterations"]], "v": [["v", "v"]]}
+    for slots in ({"opt": [["v", "v", "m"]]}, {"opt": [["opt/0", 3, "m"]]}, {"other": []}, {"opt": "x"},
+                  {"opt": [["opt/0"]]}):
+        path = str(tmp_path / "f")
+        with open(path, "wb") as f:
+            f.write(checkpoint._serialize(tensors, stored, {}, (), slots))
+        with pytest.raises(CheckpointError, match="corrupt"):
+            checkpoint.read(path)
+
+
 def _flip_bits(path, raw, count, seed):
     """Writes `count` copies of `raw` with one random bit flipped each; returns the refused count."""
     rnd, refused = random.Random(seed), 0

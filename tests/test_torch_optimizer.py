@@ -295,3 +295,66 @@ def test_checkpoint_stores_objects_with_a_state_dict(tmp_path):
     assert torch.equal(other.state_dict()["state"][0]["momentum_buffer"], torch.ones(2))
     with pytest.raises(ValueError, match="no state dict 'sched' in checkpoint"):
         dtape.checkpoint.restore(path, sched=sched)
+
+
+def _saved_torch_sgd(tmp_path, shapes):
+    """Variables w1, w2 of `shapes`, one momentum SGD step through from_torch, saved; returns the path."""
+    w1, w2 = (dtape.Variable(torch.ones(s), name=n) for n, s in zip(("w1", "w2"), shapes))
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([w1.torch(), w2.torch()], lr=0.1, momentum=0.9))
+    opt.apply_gradients([(dtape.ones(shapes[0]), w1), (2 * dtape.ones(shapes[1]), w2)])
+    return dtape.checkpoint.save(tmp_path / "ckpt", w1=w1, w2=w2, optimizer=opt)
+
+
+@pytest.mark.parametrize("when", ["before the first step", "after the first step"])
+def test_torch_state_restored_into_parameters_listed_in_another_order_raises(tmp_path, when):
+    """torch's state dict is keyed by position in param_groups: a resumed run listing w2 before w1 would give
+    w2 w1's momentum. Same shapes: the variable names saved with the state refuse it (at the first step when the
+    variables are matched then, else at restore, before torch loads anything); other shapes: restore refuses.
+    Broken on purpose: without the name check the step ran with the momenta swapped; without the shape check
+    torch loaded the (2,) momentum for the (3,) parameter without a word."""
+    path = _saved_torch_sgd(tmp_path, [(2,), (2,)])
+    w1, w2 = dtape.Variable(torch.ones(2), name="w1"), dtape.Variable(torch.ones(2), name="w2")
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([w2.torch(), w1.torch()], lr=0.1, momentum=0.9))
+    pairs = [(dtape.ones([2]), w1), (dtape.ones([2]), w2)]
+    if when == "after the first step":
+        opt.apply_gradients(pairs)
+        with pytest.raises(ValueError, match=r"parameter (0|1) of group 0 was saved for variable 'w(1|2)', but 'w(2|1)' is there now"):
+            dtape.checkpoint.restore(path, optimizer=opt)
+        assert opt.torch_optimizer.state_dict()["state"][0]["momentum_buffer"].tolist() == [1.0, 1.0]  # unchanged
+    else:
+        dtape.checkpoint.restore(path, optimizer=opt)
+        with pytest.raises(ValueError, match=r"parameter (0|1) of group 0 was saved for variable 'w(1|2)', but 'w(2|1)' is there now"):
+            opt.apply_gradients(pairs)
+        assert w1.numpy().tolist() == [1.0, 1.0] and w2.numpy().tolist() == [1.0, 1.0]
+    path = _saved_torch_sgd(tmp_path, [(2,), (3,)])
+    w1, w2 = dtape.Variable(torch.ones(2), name="w1"), dtape.Variable(torch.ones(3), name="w2")
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([w2.torch(), w1.torch()], lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"parameter 0 of group 0 has shape \(3,\) here but \(2,\) in the saved"):
+        dtape.checkpoint.restore(path, optimizer=opt)
+    assert opt.torch_optimizer.state_dict()["state"] == {}
+
+
+def test_torch_state_restored_in_the_same_order_continues_the_run(tmp_path):
+    """The checks let the ordinary resume through: default-numbered names (another TorchModule number) agree."""
+    def make():
+        tm = dtape.layers.TorchModule(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+        with torch.no_grad():
+            for i, v in enumerate(tm.trainable_variables):
+                v.assign(torch.full(tuple(v.shape), 0.1 * (i + 1)))
+        opt = dtape.optimizers.from_torch(torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9))
+        return tm, opt
+
+    def step(tm, opt):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(tm(dtape.ones([1, 2])) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, tm.trainable_variables), tm.trainable_variables))
+    tm, opt = make()
+    step(tm, opt)
+    path = dtape.checkpoint.save(tmp_path / "ckpt", model=tm, optimizer=opt)
+    step(tm, opt)
+    tm2, opt2 = make()
+    assert tm2.name != tm.name
+    dtape.checkpoint.restore(path, model=tm2, optimizer=opt2)
+    step(tm2, opt2)
+    for a, b in zip(tm.variables, tm2.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
