@@ -38,7 +38,12 @@ Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
   size differs, so a large payload waits for the check: one extra small
   round trip). A small floating all-reduce (losses, metrics, barriers)
   travels in the same fixed-size message as the signatures: no extra round
-  trip. The caller is named by `labelled` (outermost wins).
+  trip. A checked all-reduce may announce the all-reduces that follow it
+  (a step's gradient buckets: `all_reduce_async(announce=...)`); those skip
+  their own exchange, and a worker that enters anything else instead first
+  sends a poison of each announced size, so a peer inside one raises
+  CollectiveMismatchError at its wait (see `_POISON`). The caller is named
+  by `labelled` (outermost wins).
   DTAPE_CHECK_COLLECTIVES=0 turns the check off (for benchmarks).
 
 Process-wide state: `_active` (the communicator of the process's strategy),

@@ -23,6 +23,10 @@ How the overlap works (DDP's reducer, on the tape):
   one collective each; CPU replica threads sum them as they are) and the walk
   goes on. Buckets are launched in bucket order on every
   replica, so the k-th collective of every replica is the same bucket.
+  Across workers the first bucket's signature check announces the later
+  buckets' sizes (`_ledger`), so they start without a check round trip
+  each (collective_ops: a worker that enters something else instead still
+  makes every worker raise CollectiveMismatchError).
 * A source with no gradient on this replica (None: not connected here)
   goes into its bucket as zeros, with a presence flag of 0. Each bucket
   carries one presence flag per member, summed with it: a variable is
