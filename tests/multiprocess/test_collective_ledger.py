@@ -65,6 +65,14 @@ def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path
                     f"checked all-reduce) while rank 1 entered all_reduce #3 of strategy.reduce ({other})") in err, err
         # both workers enter the same other collective between the announced ones: it is checked, all values right
         assert res["announced_both_leave"] == {"value": sums + [3.0]}, res["announced_both_leave"]
+        # the same through GradientSync: rank 1's backward walk alone issues a collective between the buckets
+        err = _error(res, "walk_one")
+        assert err.startswith(said) and "of tape.gradient's GradientSync (float32[" in err, err
+        assert "(announced by an earlier checked all-reduce) while rank 1 entered all_reduce #" in err, err
+        # on both (the same collective at the same point): no error, the same step as without GradientSync:
+        # v2 -= 2 * 27, v1 -= 2 * 15 * 9, v0 -= 15 * 3 * 2 * (1 + 2), summed over the 2 workers
+        walked = [-269.0, -268.0, -267.0, -50.0, -49.0, -48.0]
+        assert res["walk_both"] == {"value": walked * 2}, res["walk_both"]
 
 
 @pytest.mark.multiprocess
