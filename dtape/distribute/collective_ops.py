@@ -308,6 +308,7 @@ class Communicator:
         self._signed = None      # the latest one's signature
         self._announced = collections.deque()  # [(signature, dtype, numel)] announced and still to come
         self._plans = True       # whether announcements are taken (off once every worker left one at once)
+        self.exchanges = 0       # signature exchanges made (benchmarks: checks per collective)
         self._failed = None      # the error this worker reported, once it has one
         self._published = False  # whether this worker published the group's first error
         self.store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
@@ -493,6 +494,7 @@ class Communicator:
         """Every worker's message (signature, then `payload` padded to _INLINE_MAX) as lists of floats, in
         rank order; raises CollectiveMismatchError on every worker unless every signature is this one's."""
         n = _SIG_LEN + _INLINE_MAX
+        self.exchanges += 1
         message = torch.tensor(self._signed + payload + [0.0] * (_INLINE_MAX - len(payload)), dtype=torch.float64,
                                device=self.device)
         flat = torch.empty(self.world_size * n, dtype=torch.float64, device=self.device)  # gloo wants it 1-D
