@@ -1,8 +1,9 @@
 """The cost of the collective signature check (MultiWorkerMirroredStrategy), on 2 torchrun workers (gloo).
 
 Every collective dtape issues across workers first exchanges a signature (a
-fixed-size int64 all-reduce) and launches its payload only when every
-worker's matches (`dtape.distribute.collective_ops`). This measures, inside
+fixed-size float64 all-gather) and launches its payload only when every
+worker's matches (`dtape.distribute.collective_ops`); a step's gradient
+buckets are checked together by the first one's exchange. This measures, inside
 one launch and under the same machine load, the same work with the check on
 and off, the two taking turns step by step:
 
@@ -90,27 +91,30 @@ def _worker(steps):
             "24-layer MLP step, 0.1 MB buckets": _mlp_step(strategy, rank, world, 0.1, (784,) + (128,) * 23 + (10,))}
     cases = [(name, check) for name in work for check in (True, False)]
     times = {c: [] for c in cases}
-    launches = {}
+    launches, exchanges = {}, {}
     for k in range(steps):
         for name, check in cases[k % len(cases):] + cases[:k % len(cases)]:  # rotate: none always first
             comm.check = check   # the same on both workers, at the same point: they never disagree
             dist.barrier()
-            before, t0 = comm._seq, time.perf_counter()
+            before, checks, t0 = comm._seq, getattr(comm, "exchanges", 0), time.perf_counter()
             work[name](k)
             dist.barrier()
             times[(name, check)].append(time.perf_counter() - t0)
             launches[name] = comm._seq - before
+            if check:
+                exchanges[name] = getattr(comm, "exchanges", 0) - checks
     comm.check = True
     out = {name: {"on_s": statistics.median(times[(name, True)][steps // 5:]),
                   "off_s": statistics.median(times[(name, False)][steps // 5:]),
-                  "collectives_per_step": launches[name]} for name in work}
+                  "collectives_per_step": launches[name], "checks_per_step": exchanges[name]} for name in work}
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
 def measure(steps=40):
-    """{case: {"on_s", "off_s", "collectives_per_step"}} from one 2-worker launch."""
+    """{case: {"on_s", "off_s", "collectives_per_step", "checks_per_step"}} from one 2-worker launch (checks:
+    signature exchanges with the check on)."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                "--worker", "--steps", str(steps), "--out", out.name]
@@ -121,10 +125,11 @@ def measure(steps=40):
 
 
 def print_table(res):
-    print(f"{'case (2 torchrun workers, gloo)':42s} {'check on':>10s} {'off':>10s} {'on/off':>7s} {'colls':>6s}")
+    print(f"{'case (2 torchrun workers, gloo)':42s} {'check on':>10s} {'off':>10s} {'on/off':>7s} {'colls':>6s} "
+          f"{'checks':>6s}")
     for name, r in res.items():
         print(f"{name:42s} {r['on_s'] * 1e3:8.2f}ms {r['off_s'] * 1e3:8.2f}ms {r['on_s'] / r['off_s']:7.2f} "
-              f"{r['collectives_per_step']:6d}")
+              f"{r['collectives_per_step']:6d} {r['checks_per_step']:6d}")
 
 
 def main():

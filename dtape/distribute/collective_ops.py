@@ -38,7 +38,12 @@ Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
   size differs, so a large payload waits for the check: one extra small
   round trip). A small floating all-reduce (losses, metrics, barriers)
   travels in the same fixed-size message as the signatures: no extra round
-  trip. The caller is named by `labelled` (outermost wins).
+  trip. A checked all-reduce may announce the all-reduces that follow it
+  (a step's gradient buckets: `all_reduce_async(announce=...)`); those skip
+  their own exchange, and a worker that enters anything else instead first
+  sends a poison of each announced size, so a peer inside one raises
+  CollectiveMismatchError at its wait (see `_POISON`). The caller is named
+  by `labelled` (outermost wins).
   DTAPE_CHECK_COLLECTIVES=0 turns the check off (for benchmarks).
 
 Process-wide state: `_active` (the communicator of the process's strategy),
@@ -51,6 +56,7 @@ signature check follows torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
 dtape's calls.
 """
 import builtins
+import collections
 import contextlib
 import datetime
 import functools
@@ -102,7 +108,14 @@ class CollectiveMismatchError(PeerFailure):
 
 # -- the collective ledger: signatures exchanged before each collective ----------------------------
 _KINDS = ("all_reduce", "all_gather", "broadcast", "barrier")   # signature code: index + 1
-_SIG_LEN = 12   # seq, kind, src, label, dtype, numel, ndim, four dims, shape hash
+_SIG_LEN = 15   # seq, kind, src, label, dtype, numel, ndim, four dims, shape hash, then the plan: count, two digests
+# A checked all-reduce may announce the all-reduces its caller issues right after it (a gradient step's buckets):
+# those skip their own exchange. A worker that is about to enter anything else first sends, for each announced
+# all-reduce still to come, an all-reduce of its size filled with _POISON, so a peer inside an announced
+# all-reduce pairs with a collective of the size it expects (gloo aborts on another size) and finds a negative
+# sum in the last element, where an announced all-reduce's callers put 0 or 1 (a presence flag).
+_POISON = -float(2 ** 20)
+_PLAN_LEFT = -1   # plan count of a worker whose announced all-reduce met a poison (never a real plan's count)
 # Every signature exchange is one all-gather of _SIG_LEN + _INLINE_MAX float64 per worker: always the same
 # size (gloo aborts a process whose peer sends another size); floating all-reduces of up to _INLINE_MAX
 # elements ride in it. (An all-gather: one exchange, where gloo's all-reduce of the same bytes takes two.)
@@ -164,14 +177,23 @@ def current_label(default=None):
 
 
 def _signature(seq, kind, t, src, label):
-    """[seq, kind, src, label, dtype, numel, ndim, four dims, shape hash] of a collective on tensor `t`."""
-    return [seq, *_signature_tail(kind, src, label, t.dtype, tuple(t.shape))[0]]
+    """[seq, kind, src, label, dtype, numel, ndim, four dims, shape hash, 0, 0, 0] of a collective on tensor `t`."""
+    return [seq, *_signature_tail(kind, src, label, t.dtype, tuple(t.shape))[0], 0, 0, 0]
 
 
 def _signed(seq, kind, t, src, label):
     """(signature, description) of a collective; the parts that do not depend on `seq` are cached."""
     tail, name, rest = _signature_tail(kind, src, label, t.dtype, tuple(t.shape))
-    return [seq, *tail], f"{name} #{seq}{rest}"
+    return [seq, *tail, 0, 0, 0], f"{name} #{seq}{rest}"
+
+
+def _plan(seq, label, specs):
+    """(plan fields [count, two digests], [(signature, dtype, numel)]) of the all-reduces `specs` ((dtype, numel)
+    each) announced to follow collective #seq, with the same label."""
+    entries = [([seq + 1 + i, *_signature_tail("all_reduce", 0, label, dtype, (numel,))[0], 0, 0, 0], dtype, numel)
+               for i, (dtype, numel) in enumerate(specs)]
+    text = repr([e[0][1:12] for e in entries]).encode()
+    return [len(entries), zlib.crc32(text) & 0x7FFFFFFF, zlib.adler32(text) & 0x7FFFFFFF], entries
 
 
 @functools.lru_cache(maxsize=4096)   # a training loop has a few distinct collectives: computed once each
@@ -192,7 +214,11 @@ def describe_signature(row):
     of = f" of {_LABEL_NAMES.get(label, f'a call labelled {label}')}" if label else ""
     dims = [str(d) for d in row[7:7 + min(ndim, 4)]] + (["..."] if ndim > 4 else [])
     dtype = _DTYPE_NAMES.get(dtype, f"dtype code {dtype}")
-    return f"{name} #{seq}{of} ({dtype}[{', '.join(dims)}])" if dims else f"{name} #{seq}{of} ({dtype} scalar)"
+    plan = row[12] if len(row) > 12 else 0
+    then = (f" announcing {plan} more all-reduce{'s' * (plan > 1)}" if plan > 0 else
+            " (announced by an earlier checked all-reduce)" if plan == _PLAN_LEFT else "")
+    return (f"{name} #{seq}{of} ({dtype}[{', '.join(dims)}]){then}" if dims else
+            f"{name} #{seq}{of} ({dtype} scalar){then}")
 
 
 def mismatch_message(rank, rows):
@@ -280,6 +306,9 @@ class Communicator:
         self._seq = 0            # collectives entered by this worker (same order on every worker)
         self._entered = ""       # the latest one, described (for timeout and exit messages)
         self._signed = None      # the latest one's signature
+        self._announced = collections.deque()  # [(signature, dtype, numel)] announced and still to come
+        self._plans = True       # whether announcements are taken (off once every worker left one at once)
+        self.exchanges = 0       # signature exchanges made (benchmarks: checks per collective)
         self._failed = None      # the error this worker reported, once it has one
         self._published = False  # whether this worker published the group's first error
         self.store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
@@ -331,7 +360,7 @@ class Communicator:
                                                                                   rounding_mode="floor")
         return out.to(t.device)
 
-    def all_reduce_async(self, t, scratch=False, label=None):
+    def all_reduce_async(self, t, scratch=False, label=None, announce=None, announced=False):
         """Launches the SUM of `t` over every worker; returns a pending result whose `wait()` gives it.
 
         Launch order must match on every worker (as every collective);
@@ -341,14 +370,21 @@ class Communicator:
         `scratch=True`: the caller gives `t` away (a buffer it never reads
         again), so a contiguous `t` on the collective device is reduced in
         place instead of copied first (the result is then `t` itself).
+        `announce`: [(torch.dtype, numel)] of the 1-D all-reduces the caller
+        launches next, each with `announced=True` and the same label, whose
+        last element is 0 or 1 on every worker (e.g. a presence flag): the
+        check of this one covers them, so they skip their own. Anything else
+        entered instead, on any worker, still raises CollectiveMismatchError
+        on every worker before any value is returned (from `wait()` where a
+        worker was already inside an announced one).
         """
         out = t.detach() if scratch and _in_place_ok(t, self.device) else self._staged(t)
-        what = self._enter("all_reduce", out, label)
+        what, unchecked = self._enter("all_reduce", out, label, announce=announce, announced=announced)
         try:
             work = dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as e:
             self._fail_from_transport(what, e)
-        return _Pending(self, work, out, t.device, what)
+        return _Pending(self, work, out, t.device, what, self._signed if unchecked else None)
 
     def all_gather(self, t, label=None):
         """Every worker's `t`, stacked in rank order: [world_size, *t.shape], on t's device.
@@ -402,28 +438,63 @@ class Communicator:
         return t.detach().to(self.device, copy=True).contiguous()
 
     # -- the ledger -------------------------------------------------------------------
-    def _enter(self, kind, t, label, src=0, check=True):
+    def _enter(self, kind, t, label, src=0, check=True, announce=None, announced=False):
         """Enters the next collective: its number, and (checking) the signature check with every worker.
 
-        Returns its description ("all_reduce #12 of checkpoint.save (float32[1])").
-        `check=False`: the caller exchanges the signature itself (`_sum`).
+        Returns (its description, e.g. "all_reduce #12 of checkpoint.save (float32[1])", and whether an
+        earlier check announced it: then nothing is exchanged). `check=False`: the caller exchanges the
+        signature itself (`_sum`). `announce`, `announced`: see `all_reduce_async`.
 
         Raises:
           CollectiveMismatchError: on every worker, when any signature differs.
         """
         what = f"{kind} #{self._seq + 1}"
         self._raise_if_failed(what)
+        signed, what = _signed(self._seq + 1, kind, t, src, current_label(label))
+        if self._announced:
+            if announced and signed == self._announced[0][0]:
+                self._announced.popleft()
+                self._seq, self._signed, self._entered = self._seq + 1, signed, what
+                return what, True
+            self._poison_announced(what)   # then this collective's own check pairs with every worker's
         self._seq += 1
-        self._signed, what = _signed(self._seq, kind, t, src, current_label(label))
-        self._entered = what
+        self._signed, self._entered = signed, what
+        entries = []
+        if announce and self.check and self._plans:
+            self._signed[12:], entries = _plan(self._seq, current_label(label), announce)
+            what = self._entered = describe_signature(self._signed)
         if self.check and check:
             self._exchange_signatures(what, [])
-        return what
+            self._announced.extend(entries)
+        return what, False
+
+    def _poison_announced(self, what):
+        """Before entering `what` instead of an announced all-reduce: one poison per announced one still to come,
+        each of its size (a peer inside one gets a negative last element, see `_Pending.wait`)."""
+        left, self._announced = list(self._announced), collections.deque()
+        for _, dtype, numel in left:
+            poison = torch.full((numel,), _POISON, dtype=dtype, device=self.device)
+            self._launch_and_wait(what, lambda p=poison: dist.all_reduce(p, dist.ReduceOp.SUM, group=self.group,
+                                                                          async_op=True))
+        # every worker that poisons checks what it enters next; the checks pass only where every worker left the
+        # plan at the same point for the same collective: then stop announcing (it would cost poisons every step)
+        self._plans = False
+
+    def _announced_poisoned(self, signed, what):
+        """A peer entered something else where this worker's announced all-reduce `signed` was: poisons the
+        announced ones still to come, then names every worker's call in one check (it always differs)."""
+        self._raise_if_failed(what)
+        self._poison_announced(what)
+        self._signed = signed[:12] + [_PLAN_LEFT, 0, 0]
+        self._exchange_signatures(what, [])
+        self._fail(CollectiveMismatchError(f"rank {self.rank}: collectives out of step: a peer entered another "
+                                           f"collective where {what} was announced; no value was returned"))
 
     def _exchange_signatures(self, what, payload):
         """Every worker's message (signature, then `payload` padded to _INLINE_MAX) as lists of floats, in
         rank order; raises CollectiveMismatchError on every worker unless every signature is this one's."""
         n = _SIG_LEN + _INLINE_MAX
+        self.exchanges += 1
         message = torch.tensor(self._signed + payload + [0.0] * (_INLINE_MAX - len(payload)), dtype=torch.float64,
                                device=self.device)
         flat = torch.empty(self.world_size * n, dtype=torch.float64, device=self.device)  # gloo wants it 1-D
@@ -449,7 +520,7 @@ class Communicator:
             self._run(kind, out, label, lambda: dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group,
                                                                  async_op=True))
             return
-        what = self._enter(kind, out, label, check=False)
+        what, _ = self._enter(kind, out, label, check=False)
         n = out.numel()
         rows = self._exchange_signatures(what, out.reshape(-1).tolist())
         sums = [functools.reduce(operator.add, column) for column in zip(*(row[_SIG_LEN:_SIG_LEN + n] for row in rows))]
@@ -457,7 +528,7 @@ class Communicator:
 
     def _run(self, kind, t, label, launch, src=0):
         """Enters one collective (signature check), launches it and waits, failing fast and naming the failing rank."""
-        self._launch_and_wait(self._enter(kind, t, label, src), launch)
+        self._launch_and_wait(self._enter(kind, t, label, src)[0], launch)
 
     def _launch_and_wait(self, what, launch):
         try:
@@ -670,13 +741,16 @@ def _in_place_ok(t, device):
 class _Pending:
     """One launched collective: `wait()` waits once (with the communicator's checks), then returns its tensor."""
 
-    def __init__(self, comm, work, out, device, what):
+    def __init__(self, comm, work, out, device, what, announced=None):
         self._comm, self._work, self._out, self._device, self._what = comm, work, out, device, what
+        self._announced = announced   # its signature when it skipped its check (announced by an earlier one)
         self._waited = False
 
     def wait(self):
         if not self._waited:
             self._comm._wait(self._work, self._what)
+            if self._announced is not None and self._out.reshape(-1)[-1].real.item() < 0:   # a peer's poison
+                self._comm._announced_poisoned(self._announced, self._what)
             self._waited = True
         return self._out.to(self._device)
 

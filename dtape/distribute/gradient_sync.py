@@ -23,6 +23,10 @@ How the overlap works (DDP's reducer, on the tape):
   one collective each; CPU replica threads sum them as they are) and the walk
   goes on. Buckets are launched in bucket order on every
   replica, so the k-th collective of every replica is the same bucket.
+  Across workers the first bucket's signature check announces the later
+  buckets' sizes (`_ledger`), so they start without a check round trip
+  each (collective_ops: a worker that enters something else instead still
+  makes every worker raise CollectiveMismatchError).
 * A source with no gradient on this replica (None: not connected here)
   goes into its bucket as zeros, with a presence flag of 0. Each bucket
   carries one presence flag per member, summed with it: a variable is
@@ -211,7 +215,7 @@ def _unpack(bucket, reduced):
 
 
 @collective_ops.labelled("tape.gradient's GradientSync")   # apply_gradients' own reduction: its label wins
-def _launch(ext, bucket, grads_by_index):
+def _launch(ext, bucket, grads_by_index, ledger=None):
     """Launches a bucket's all-reduce (SUM): its gradients, then one presence flag each; returns the handle.
 
     Across processes and devices the gradients are first copied into one
@@ -230,7 +234,18 @@ def _launch(ext, bucket, grads_by_index):
         parts.append(torch.tensor(flags, dtype=bucket.dtype, device=bucket.device))
         if not ext._flat_buckets:
             return ext._all_reduce_flat_async(ReduceOp.SUM, parts)
-        return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True)
+        return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True, **(ledger or {}))
+
+
+def _ledger(ext, buckets, b):
+    """How bucket b's all-reduce is checked across workers (strategies that check collectives,
+    `ext._announces`): the first announces the step's later buckets (their sizes end with the presence
+    flags, 0 or 1), so they skip their own signature exchange; {} elsewhere."""
+    if not getattr(ext, "_announces", False) or len(buckets) < 2:
+        return {}
+    if b > 0:
+        return {"announced": True}
+    return {"announce": [(bucket.dtype, bucket.size()) for bucket in buckets[1:]]}
 
 
 def _float_items(values_and_refs, order=None):
@@ -274,7 +289,8 @@ class _Session:
         self._left[b] -= 1
         while self._next < len(self._buckets) and self._left[self._next] == 0:
             b = self._next
-            self._handles[b] = _launch(self._ext, self._buckets[b], self._grads[b])
+            ledger = _ledger(self._ext, self._buckets, b)
+            self._handles[b] = _launch(self._ext, self._buckets[b], self._grads[b], ledger)
             self._grads[b] = {j: None for j in self._grads[b]}  # the buffer holds the values now
             self._next += 1
 
@@ -370,7 +386,8 @@ def _reduce_fresh(ext, pairs, caps, timeout):
     refs = [v for _, v in pairs]
     buckets = plan_buckets(_float_items(refs), *caps)
     grads = {j: g for j, (g, _) in enumerate(pairs)}
-    handles = [_launch(ext, b, {m[0]: grads[m[0]] for m in b.members}) for b in buckets]
+    handles = [_launch(ext, b, {m[0]: grads[m[0]] for m in b.members}, _ledger(ext, buckets, i))
+               for i, b in enumerate(buckets)]
     out = [None] * len(pairs)
     for bucket, handle in zip(buckets, handles):
         for j, g in _unpack(bucket, handle.wait(timeout)).items():

@@ -554,7 +554,9 @@ class _WorkerExtended(StrategyExtended):
 
     _flat_buckets = True  # one collective per gradient bucket: fewer, larger messages
 
-    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False):
+    _announces = True  # _all_reduce_flat_async takes `announce`: one check for a step's buckets
+
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False):
         """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
 
         StrategyExtended's flat interface (gradient buckets, collectives on the
@@ -563,14 +565,19 @@ class _WorkerExtended(StrategyExtended):
         float32. `handle.wait()` fails fast naming a failed rank, as every
         collective. `scratch=True` (tensors given away, e.g. gradient
         buckets): reduced in place, saving a copy of every bucket.
+        `announce` [(dtype, numel)], `announced`: one tensor, as
+        Communicator.all_reduce_async's (the next flat launches are checked
+        with this one's signatures).
         """
         comm = self._strategy._comm
+        if announce:
+            announce = [(cross_device_ops.accumulation_dtype(dtype), numel) for dtype, numel in announce]
         pending = []
         for t in tensors:
             wide = _widen(t)
             # a widened copy is ours to reduce in place; the caller's tensor only if given away
-            pending.append(comm.all_reduce_async(wide, scratch=True) if scratch or wide is not t
-                           else comm.all_reduce_async(wide))
+            pending.append(comm.all_reduce_async(wide, scratch=scratch or wide is not t, announce=announce,
+                                                 announced=announced))
         scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
         return _FlatHandle(pending, tensors, scale)
 

@@ -53,6 +53,26 @@ def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path
                 "strategy.gather (int64[1])") in err and "Hint" not in err, err
         # a new strategy on the same process group works: the mismatch left no collective half-done
         assert res["fine"] == {"value": 3.0}, res["fine"]
+        # all-reduces announced by a checked one skip their own check, and still give the sums
+        sums = [3.0, 3.0, 3.0, 2.0] + ([3.0] * 4 + [2.0]) * 2   # values 1 + 2, presence flags 1 + 1
+        assert res["announced_fine"] == {"value": sums}, res["announced_fine"]
+        # rank 1 enters something else where rank 0 is already inside an announced all-reduce: both raise
+        # (rank 0 at its wait), never gloo's abort on the other size, never a value
+        for scenario, other in (("announced_then_large", "float32[3000]"), ("announced_then_small", "float32 scalar")):
+            err = _error(res, scenario)
+            assert err.startswith(said), err
+            assert ("rank 0 entered all_reduce #3 (float32[5]) (announced by an earlier "
+                    f"checked all-reduce) while rank 1 entered all_reduce #3 of strategy.reduce ({other})") in err, err
+        # both workers enter the same other collective between the announced ones: it is checked, all values right
+        assert res["announced_both_leave"] == {"value": sums + [3.0]}, res["announced_both_leave"]
+        # the same through GradientSync: rank 1's backward walk alone issues a collective between the buckets
+        err = _error(res, "walk_one")
+        assert err.startswith(said) and "of tape.gradient's GradientSync (float32[" in err, err
+        assert "(announced by an earlier checked all-reduce) while rank 1 entered all_reduce #" in err, err
+        # on both (the same collective at the same point): no error, the same step as without GradientSync:
+        # v2 -= 2 * 27, v1 -= 2 * 15 * 9, v0 -= 15 * 3 * 2 * (1 + 2), summed over the 2 workers
+        walked = [-269.0, -268.0, -267.0, -50.0, -49.0, -48.0]
+        assert res["walk_both"] == {"value": walked * 2}, res["walk_both"]
 
 
 @pytest.mark.multiprocess

@@ -9,12 +9,23 @@ argv: out_dir, mode.
       shapes, dtypes:   strategy.reduce of a [2] vs a [3000] value; of float32 vs float64;
       order:            rank 0 calls strategy.reduce while rank 1 calls strategy.gather;
       fine:             both reduce (the value every scenario would give when paired right: 1 + 2).
+      announced_*:      a checked all-reduce announces two 5-element ones (which then skip their own check);
+        announced_fine: both launch the announced ones;
+        announced_then_large / announced_then_small: rank 1 enters a strategy.reduce of a [3000] (a scalar)
+          value instead of the second announced one, which rank 0 is already inside;
+        announced_both_leave: both enter a strategy.reduce between the announced ones (legitimate).
+      walk_one, walk_both: a training step with GradientSync (one bucket per variable: the first announces the
+        other two) whose backward walk issues a collective between buckets (the gradient of a
+        ReplicaContext.all_reduce made by both) on rank 1 only / on both (then: the variables, then those of the
+        same step without GradientSync).
     Writes $OUT/rank<r>.json: {scenario: {"value": ...} or {"error": "Type: message"}}.
   "save_then_exit": rank 0 alone calls checkpoint.save while rank 1 leaves the program.
 """
 import json
 import os
 import sys
+
+import torch
 
 import dtape
 import dtape.checkpoint
@@ -69,6 +80,67 @@ def fine(strategy):
     return strategy.reduce("SUM", dtape.constant(float(rank + 1)))
 
 
+def _bucket(n):
+    """A GradientSync-like buffer: values rank + 1, then a presence flag 1 last."""
+    t = torch.full((n,), float(rank + 1))
+    t[-1] = 1.0
+    return t
+
+
+def _announced(strategy, between=None):
+    comm = strategy.communicator
+    first = comm.all_reduce_async(_bucket(4), announce=[(torch.float32, 5), (torch.float32, 5)])
+    second = comm.all_reduce_async(_bucket(5), announced=True)
+    other = between() if between is not None else None
+    third = comm.all_reduce_async(_bucket(5), announced=True)
+    sums = [x for p in (first, second, third) for x in p.wait().tolist()]   # one flat list
+    return sums if other is None else sums + [float(dtape.convert_to_tensor(other).numpy())]
+
+
+def announced_fine(strategy):
+    return _announced(strategy)
+
+
+def announced_then_large(strategy):
+    return _announced(strategy, (lambda: strategy.reduce("SUM", dtape.ones([3000]))) if rank == 1 else None)
+
+
+def announced_then_small(strategy):
+    return _announced(strategy, (lambda: strategy.reduce("SUM", dtape.constant(1.0))) if rank == 1 else None)
+
+
+def announced_both_leave(strategy):
+    return _announced(strategy, lambda: strategy.reduce("SUM", dtape.constant(float(rank + 1))))
+
+
+def _walk_step(strategy, in_walk, sync):
+    with strategy.scope():
+        vs = [dtape.Variable([1.0, 2.0]), dtape.Variable([3.0]), dtape.Variable([4.0, 5.0, 6.0])]
+    opt = dtape.optimizers.SGD(1.0)
+
+    def step():
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            a = dd.get_replica_context().all_reduce("SUM", dtape.reduce_sum(vs[0] * float(rank + 1)))
+            if not in_walk:   # the loss without `a`: the walk issues no collective for its gradient
+                a = dtape.constant(9.0)
+            loss = dtape.reduce_sum(vs[2]) * dtape.reduce_sum(vs[1] * a)
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs))
+    strategy.run(step)
+    return [x for v in vs for x in v.numpy().tolist()]
+
+
+def _walk_sync():
+    return dd.GradientSync(bucket_cap_mb=1e-9, first_bucket_cap_mb=1e-9, order="reverse")
+
+
+def walk_one(strategy):
+    return _walk_step(strategy, rank == 1, _walk_sync())
+
+
+def walk_both(strategy):
+    return _walk_step(strategy, True, _walk_sync()) + _walk_step(strategy, True, None)
+
+
 def attempt(fn, strategy=None, *args):
     strategy = strategy or dd.MultiWorkerMirroredStrategy(seed=0)
     try:
@@ -80,7 +152,8 @@ def attempt(fn, strategy=None, *args):
 
 
 if mode == "scenarios":
-    for scenario in (save_then_reduce, save_then_step, shapes, dtypes, order, fine):
+    for scenario in (save_then_reduce, save_then_step, shapes, dtypes, order, fine, announced_fine,
+                     announced_then_large, announced_then_small, announced_both_leave, walk_one, walk_both):
         attempt(scenario)
 else:
     strategy = dd.MultiWorkerMirroredStrategy(seed=0)
