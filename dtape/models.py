@@ -19,7 +19,8 @@ from dtape import _keras_tensor
 from dtape import nest
 from dtape import tape as _tp
 from dtape.layers import Layer, Sequential
-from dtape.tensor import Tensor, as_dtype
+from dtape.ops.array_ops import cast
+from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
 
 __all__ = ["Input", "InputLayer", "Model", "Sequential"]
 
@@ -286,7 +287,7 @@ class Model(Layer):
                                       "Model(inputs, outputs)")
         values, masks = {}, {}
         for t, value, m in zip(self.inputs, self._flat_inputs(inputs), self._flat_masks(mask)):
-            values[id(t)], masks[id(t)] = value, m
+            values[id(t)], masks[id(t)] = _as_input(value, t), m
         for graph_node in self._graph:
             self._run_node(graph_node, values, masks)
         return nest.map_structure(lambda t: values[id(t)], self._outputs_struct)
@@ -303,6 +304,11 @@ class Model(Layer):
         out_masks = _output_masks(node.layer, args, out, in_mask)
         for t, value, m in zip(nest.flatten(node.outputs), nest.flatten(out), out_masks):
             values[id(t)], masks[id(t)] = value, m
+
+    def _convert_input(self, x):
+        if self._graph is None:
+            return super()._convert_input(x)
+        return x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)  # cast per Input in call
 
     def _flat_inputs(self, inputs):
         """The call's inputs in the order of `self.inputs`."""
@@ -324,6 +330,15 @@ class Model(Layer):
         if len(flat) != len(self.inputs):
             raise ValueError(f"{self.name}: {len(flat)} mask(s) for {len(self.inputs)} input(s)")
         return flat
+
+
+def _as_input(value, placeholder):
+    """A model input as a Tensor of its `Input`'s dtype (Keras casts floating inputs to it)."""
+    if not isinstance(value, Tensor) and not is_variable(value):
+        return convert_to_tensor(value, dtype=placeholder.dtype)
+    if value.dtype != placeholder.dtype and value.dtype.is_floating_point and placeholder.dtype.is_floating_point:
+        return cast(value, placeholder.dtype)
+    return value
 
 
 def _output_masks(layer, args, out, in_mask):
