@@ -12,6 +12,7 @@ import torch
 
 import dtape
 from dtape import keras
+from tests._interleave import interleaved
 from tests._strategies import mirrored
 
 pytestmark = pytest.mark.usefixtures("closes_strategies")
@@ -316,12 +317,13 @@ def test_functional_model_under_mirrored_strategy_equals_one_device():
     one, opt1 = _functional(10), dtape.optimizers.SGD(0.5)
     for _ in range(3):
         _step(one, opt1, dtape.constant(x), dtape.constant(y))
-    strategy = mirrored(2)
-    with strategy.scope():
-        two, opt2 = _functional(10), dtape.optimizers.SGD(0.5)
-    for _ in range(3):
-        for xb, yb in strategy.experimental_distribute_dataset([(x, y)]):
-            strategy.run(_step, (two, opt2, xb, yb))
+    with interleaved(seed=2):  # replica threads switch between almost any two steps: per-call state must be per call
+        strategy = mirrored(2)
+        with strategy.scope():
+            two, opt2 = _functional(10), dtape.optimizers.SGD(0.5)
+        for _ in range(3):
+            for xb, yb in strategy.experimental_distribute_dataset([(x, y)]):
+                strategy.run(_step, (two, opt2, xb, yb))
     assert len(two.trainable_variables) == 6
     for a, b in zip(one.trainable_variables, two.trainable_variables):
         np.testing.assert_array_equal(b.values[0].numpy(), b.values[1].numpy())
