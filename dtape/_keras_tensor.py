@@ -10,8 +10,6 @@ replays the recorded nodes on real tensors.
 Below `dtape.layers` in the import contract: layers call in, it knows no layer class.
 Source: keras.src.backend.common.keras_tensor.KerasTensor (Keras 3) / TF 2's KerasTensor.
 """
-import itertools
-
 import torch
 
 from dtape import _call_context
@@ -79,9 +77,14 @@ def _has_symbolic(value):
     return isinstance(value, (list, tuple, dict)) and any(isinstance(t, KerasTensor) for t in nest.flatten(value))
 
 
-def holds_symbolic(args, kwargs):
-    """True when a KerasTensor is among a call's arguments (top level or inside lists/tuples/dicts)."""
-    return any(_has_symbolic(v) for v in itertools.chain(args, kwargs.values()))
+def holds_symbolic(args, kwargs, *more):
+    """True when a KerasTensor is among a call's arguments (`args`, `kwargs`' values, `more`; top level or
+    inside lists/tuples/dicts). Plain loops: it runs on every layer call."""
+    for group in (args, more, kwargs.values() if kwargs else ()):
+        for value in group:
+            if _has_symbolic(value):
+                return True
+    return False
 
 
 def _shape_of(value):

@@ -450,7 +450,7 @@ class Layer(Module, metaclass=_LayerMeta):
         """
         if not args:
             raise TypeError(f"{self.name}: call the layer with its input, e.g. layer(x), got no positional argument")
-        if _keras_tensor.holds_symbolic(args, dict(kwargs, mask=mask)):  # functional API: record, compute nothing
+        if _keras_tensor.holds_symbolic(args, kwargs, mask):  # functional API: record, compute nothing
             given = {k: v for k, v in (("training", training), ("mask", mask)) if v is not None}
             return _keras_tensor.record_call(self, args, dict(kwargs, **given))
         spec = _call_spec(self.call)
