@@ -80,6 +80,12 @@ def test_shared_layer_is_one_set_of_variables_with_gradients_from_both_uses():
     model = keras.Model({"left": a, "right": b}, Combine()([shared(a), shared(b)]))
     assert len(model.trainable_variables) == 2 and model.count_params() == 9
     assert [layer for layer in model.layers if layer is shared] == [shared]
+    shapes = [row[1] for row in _rows(model.summary(print_fn=lambda s: None))]
+    assert shapes == ["(None, 2)", "(None, 2)", "(None, 3)", "(None, 3)"]
+    seq = keras.Input(shape=(None, 2), dtype="float64")
+    other = keras.Model([a, seq], [shared(a), shared(seq)])
+    other([np.ones((1, 2)), np.ones((1, 5, 2))])  # a real call does not change the graph's shapes
+    assert [row[1] for row in _rows(other.summary(print_fn=lambda s: None))][-1] == "multiple"
     xa, xb = RNG.normal(size=(4, 2)), RNG.normal(size=(4, 2))
     with dtape.GradientTape() as tape:
         loss = dtape.reduce_sum(model({"left": xa, "right": xb}))
