@@ -273,6 +273,21 @@ class Model(Layer):
         self._check_built()
         return super().summary(print_fn=print_fn, line_length=line_length)
 
+    def _summary_rows(self):
+        """Functional: each layer's output shape from the graph ("multiple" for a layer called with several)."""
+        if self._graph is None:
+            return super()._summary_rows()
+        shapes = {}
+        for graph_node in self._graph:
+            shapes.setdefault(id(graph_node.node.layer), set()).add(_shape_text(graph_node.node.outputs))
+        rows = []
+        for layer in self.layers:
+            texts = shapes.get(id(layer)) or {_shape_text(getattr(layer, "output", None))}
+            count = sum(math.prod(tuple(v.shape)) for v in layer.variables)
+            rows.append((f"{layer.name} ({type(layer).__name__})", texts.pop() if len(texts) == 1 else "multiple",
+                         count))
+        return rows
+
     def _check_built(self):
         if not self.built:
             raise ValueError(f"{self.name} has not been built yet: call build(input_shape) or call the model on "
@@ -349,6 +364,16 @@ def _output_masks(layer, args, out, in_mask):
         masks = layer.compute_mask(args[0] if len(args) == 1 else args, in_mask)
         return nest.flatten(masks) if nest.is_nested(masks) else [masks] * n
     return [in_mask if getattr(layer, "supports_masking", False) else None] * n
+
+
+def _shape_text(outputs):
+    """"(None, 784)" for one KerasTensor, "[(None, 2), (None, 1)]" for several, "?" for none."""
+    if isinstance(outputs, KerasTensor):
+        dims = ["None" if d is None else str(d) for d in outputs.shape]
+        return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+    if nest.is_nested(outputs):
+        return "[" + ", ".join(_shape_text(t) for t in nest.flatten(outputs)) + "]"
+    return "?"
 
 
 def _map_shapes(fn, shape):
