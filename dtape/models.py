@@ -193,6 +193,11 @@ class Model(Layer):
             return list(self._graph_layers)
         return [m for m in self._direct_layers() if isinstance(m, Layer)]
 
+    @layers.setter
+    def layers(self, value):
+        raise AttributeError(f"{type(self).__name__}.layers is read-only (as Keras's): hold the layers in another "
+                             "attribute, e.g. self.blocks = [...]")
+
     def _direct_layers(self):
         found = []
         for value in vars(self).values():

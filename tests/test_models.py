@@ -187,6 +187,8 @@ def test_functional_errors_say_what_is_wrong():
     model = keras.Model([a, b], y)
     with pytest.raises(ValueError, match="expects 2 input"):
         model([np.ones((1, 2))])
+    with pytest.raises(AttributeError, match="read-only"):
+        model.layers = []
     with pytest.raises(ValueError, match="can only come first"):
         keras.Sequential([L.Dense(2), keras.Input(shape=(2,))])
 
