@@ -31,6 +31,7 @@ import weakref
 import numpy as np
 import torch
 
+from dtape import _keras_tensor
 from dtape import _policy
 from dtape import _call_context
 from dtape import _replica_info
@@ -362,6 +363,17 @@ class Layer(Module, metaclass=_LayerMeta):
         """The output shape for `input_shape`, or None when this layer cannot tell without a call."""
         return None
 
+    @property
+    def output_shape(self):
+        """The output shape (batch first, None for unknown sizes) of the last build, call or symbolic call.
+
+        Raises AttributeError before any. Source: tf.keras.layers.Layer.output_shape.
+        """
+        if self._output_shape is None:
+            raise AttributeError(f"{self.name} has not been built or called yet, so its output shape is unknown; "
+                                 "give the first layer input_shape=, call build(), or call it on an input")
+        return self._output_shape
+
     def call(self, x):
         raise NotImplementedError(f"{type(self).__name__} must define call(x)")
 
@@ -438,6 +450,9 @@ class Layer(Module, metaclass=_LayerMeta):
         """
         if not args:
             raise TypeError(f"{self.name}: call the layer with its input, e.g. layer(x), got no positional argument")
+        if _keras_tensor.holds_symbolic(args, kwargs, mask):  # functional API: record, compute nothing
+            given = {k: v for k, v in (("training", training), ("mask", mask)) if v is not None}
+            return _keras_tensor.record_call(self, args, dict(kwargs, **given))
         spec = _call_spec(self.call)
         positional = spec.training_position is not None and len(args) > spec.training_position
         if positional:  # layer(x, True) with call(self, x, training=False): the argument given by position
@@ -798,6 +813,8 @@ class Dropout(Layer):
         return tuple(input_shape)
 
     def __call__(self, x, training=None):
+        if isinstance(x, _keras_tensor.KerasTensor):  # functional API: record, compute nothing
+            return _keras_tensor.record_call(self, (x,), {} if training is None else {"training": training})
         x = x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
         if not _call_context.resolve_training(training, False) or self.rate == 0.0:
             return x
@@ -1256,16 +1273,29 @@ class Sequential(Layer):
 
     def __init__(self, layers=None, name=None):
         super().__init__(name=name)
-        self.layers = list(layers or [])
-        shape = getattr(self.layers[0], "_input_shape_arg", None) if self.layers else None
-        if shape is not None:
-            self.build((None,) + shape)
+        self.layers = []
+        for layer in layers or []:
+            self.add(layer)
 
     def add(self, layer):
-        """Appends `layer` (built at once when the model is built)."""
+        """Appends `layer`; an `Input(shape=...)` (first only) gives the model its input shape instead.
+
+        The model is built as soon as its input shape is known (an `Input`
+        or a first layer given `input_shape=`), then each added layer at
+        once: `output_shape` and `summary()` are known (Keras).
+        Raises ValueError for an `Input` after the first layer.
+        """
+        if isinstance(layer, _keras_tensor.KerasTensor):
+            if self.layers or self.built:
+                raise ValueError(f"{self.name}: an Input can only come first in a Sequential model; "
+                                 f"{len(self.layers)} layer(s) were already added")
+            self.build(layer.shape)
+            return
         self.layers.append(layer)
         if self.built and self._output_shape is not None:
             self._output_shape = _build_layer(layer, self._output_shape)
+        elif not self.built and len(self.layers) == 1 and getattr(layer, "_input_shape_arg", None) is not None:
+            self.build((None,) + layer._input_shape_arg)
 
     def build(self, input_shape):
         """Builds every layer for inputs of `input_shape` (e.g. (None, 784)); runs once.

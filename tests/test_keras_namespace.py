@@ -24,13 +24,14 @@ NAMESPACES = {
     "mixed_precision": "dtape.mixed_precision",
     "optimizers": "dtape.optimizers",
     "optimizers.schedules": "dtape.optimizers_schedules",
+    "models": "dtape.models",
 }
 # Names a keras module adds from elsewhere in dtape (as Keras places them).
-EXTRAS = {"layers": {"TorchModule"}, "optimizers": {"schedules", "LossScaleOptimizer"}}
+EXTRAS = {"layers": {"TorchModule", "Input", "InputLayer"}, "optimizers": {"schedules", "LossScaleOptimizer"}}
 # The names API.md lists under dtape.keras, and those that come with the Model API (compile/fit).
 API_NAMES = ["layers", "Model", "Input", "Sequential", "optimizers", "optimizers.schedules", "losses", "metrics",
              "callbacks", "mixed_precision", "regularizers", "initializers"]
-WITH_THE_MODEL_API = {"Model", "Input", "callbacks"}
+WITH_THE_MODEL_API = {"callbacks"}
 
 
 @pytest.mark.parametrize("sub", sorted(NAMESPACES))
@@ -47,7 +48,9 @@ def test_identity_of_the_usual_names():
     assert keras.layers.Dense is dtape.layers.Dense
     assert keras.layers.Layer is dtape.layers.Layer
     assert keras.layers.TorchModule is dtape.layers.TorchModule
-    assert keras.Sequential is dtape.layers.Sequential is keras.layers.Sequential
+    assert keras.Sequential is dtape.layers.Sequential is keras.layers.Sequential is keras.models.Sequential
+    assert keras.Model is dtape.models.Model is keras.models.Model
+    assert keras.Input is dtape.models.Input is keras.layers.Input
     assert keras.optimizers.Adam is dtape.optimizers.Adam
     assert keras.optimizers.LossScaleOptimizer is dtape.mixed_precision.LossScaleOptimizer
     assert keras.optimizers.schedules.ExponentialDecay is dtape.optimizers.schedules.ExponentialDecay

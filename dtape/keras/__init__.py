@@ -13,13 +13,17 @@ loss made through either name is the same class, trained, checkpointed and
 distributed the same way. Nothing in dtape imports this package (it is the
 top layer of pyproject.toml's import contract).
 
-Not here yet: `Model`, `Input` and `callbacks` come with the Model API
-(`compile`/`fit`); until then subclass `keras.layers.Layer` for a model and
-write the training loop with `dtape.GradientTape`.
+`keras.Model` (functional: `keras.Model(inputs, outputs)` over
+`keras.Input(shape=...)`; or subclassed) and `keras.Input` are
+`dtape.models`'s, also under `keras.models`.
+
+Not here yet: `compile`/`fit`/`evaluate`/`predict` and `callbacks` (there is
+no Callback base yet); write the training loop with `dtape.GradientTape`.
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
-from dtape.keras import activations, initializers, layers, losses, metrics, mixed_precision, optimizers, regularizers
-from dtape.layers import Sequential
+from dtape.keras import activations, initializers, layers, losses, metrics, mixed_precision, models, optimizers, \
+    regularizers
+from dtape.models import Input, Model, Sequential
 
-__all__ = ["activations", "initializers", "layers", "losses", "metrics", "mixed_precision", "optimizers",
-           "regularizers", "Sequential"]
+__all__ = ["activations", "initializers", "layers", "losses", "metrics", "mixed_precision", "models", "optimizers",
+           "regularizers", "Input", "Model", "Sequential"]
