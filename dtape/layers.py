@@ -450,14 +450,15 @@ class Layer(Module, metaclass=_LayerMeta):
         """
         if not args:
             raise TypeError(f"{self.name}: call the layer with its input, e.g. layer(x), got no positional argument")
-        if _keras_tensor.holds_symbolic(args, kwargs, mask):  # functional API: record, compute nothing
-            given = {k: v for k, v in (("training", training), ("mask", mask)) if v is not None}
-            return _keras_tensor.record_call(self, args, dict(kwargs, **given))
         spec = _call_spec(self.call)
         positional = spec.training_position is not None and len(args) > spec.training_position
         if positional:  # layer(x, True) with call(self, x, training=False): the argument given by position
             training = args[spec.training_position] if training is None else training
             args = args[:spec.training_position] + args[spec.training_position + 1:]
+        if _keras_tensor.holds_symbolic(args, kwargs, mask):  # functional API: record, compute nothing
+            # training by position is taken out above, so the shape probe (run in inference) never sees it
+            given = {k: v for k, v in (("training", training), ("mask", mask)) if v is not None}
+            return _keras_tensor.record_call(self, args, dict(kwargs, **given))
         training = _call_context.resolve_training(training, spec.training_default)
         if spec.takes_training and (training is not None or positional):
             kwargs["training"] = training

@@ -337,3 +337,14 @@ def test_functional_model_under_mirrored_strategy_equals_one_device():
         np.testing.assert_array_equal(b.values[0].numpy(), b.values[1].numpy())
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-12, atol=1e-14)
     assert np.abs(one.trainable_variables[0].numpy() - _functional(10).trainable_variables[0].numpy()).max() > 1e-3
+
+
+def test_training_given_by_position_in_a_functional_call_leaves_moving_statistics_alone():
+    # building the graph probes each layer on zeros: BatchNormalization(...)(x, True) must not update on them
+    inputs = dtape.keras.Input(shape=(3,))
+    bn = dtape.keras.layers.BatchNormalization(momentum=0.5)
+    model = dtape.keras.Model(inputs, bn(inputs, True))
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), np.zeros(3))
+    x = np.array([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]], np.float32)
+    model(x, training=True)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), [1.0, 1.5, 2.0], rtol=1e-6)
