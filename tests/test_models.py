@@ -345,6 +345,7 @@ def test_training_given_by_position_in_a_functional_call_leaves_moving_statistic
     bn = dtape.keras.layers.BatchNormalization(momentum=0.5)
     model = dtape.keras.Model(inputs, bn(inputs, True))
     np.testing.assert_array_equal(bn.moving_mean.numpy(), np.zeros(3))
+    np.testing.assert_array_equal(bn.moving_variance.numpy(), np.ones(3))   # zeros' variance would halve it
     x = np.array([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]], np.float32)
     model(x, training=True)
     np.testing.assert_allclose(bn.moving_mean.numpy(), [1.0, 1.5, 2.0], rtol=1e-6)
