@@ -17,11 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
 
 from dtape import random as _random
 from dtape import tape as _tp
 from dtape.ops._registry import TORCH_TABLE, Tensor
 from dtape.tensor import is_variable
+
+
+_REENTRANT_CHECKPOINT = CheckpointFunction._backward_cls  # the node reentrant torch.utils.checkpoint leaves
 
 
 def _is_diff(t):
@@ -123,17 +127,19 @@ def _has_reentrant_checkpoint(outs):
 
     Such a node refuses `torch.autograd.grad` (it only runs under a plain
     `backward()`), so the walk must take that path; the search is over the
-    op's own graph, which ends at its private input aliases.
+    op's own graph, which ends at its private input aliases. It runs on every
+    walk of a kept graph (a whole module's, for a TorchModule), so each node
+    is visited once and compared by type only.
     """
-    seen, stack = set(), [o.grad_fn for o in outs]
+    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
+        if type(node) is _REENTRANT_CHECKPOINT:
             return True
-        stack.extend(fn for fn, _ in node.next_functions)
+        for fn, _ in node.next_functions:
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.append(fn)
     return False
 
 
