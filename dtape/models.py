@@ -21,6 +21,7 @@ from dtape import tape as _tp
 from dtape.layers import Layer, Sequential
 from dtape.ops.array_ops import cast
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
+from dtape.training import Trainer
 
 __all__ = ["Input", "InputLayer", "Model", "Sequential"]
 
@@ -113,7 +114,7 @@ def _topological(outputs, inputs):
     return order
 
 
-class Model(Layer):
+class Model(Trainer, Layer):
     """A model: functional (`Model(inputs, outputs)`) or subclassed (`class M(Model)` defining `call`).
 
     Functional: `inputs` and `outputs` are KerasTensors (from `Input` and
