@@ -127,6 +127,15 @@ class _Compiled:
         self.sync = distribute.GradientSync() if strategy.num_replicas_in_sync > 1 else None
 
 
+class _CompiledMetrics:
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        for m in self.metrics:
+            m.update_state(y_true, y_pred, sample_weight=sample_weight)
+
+
 class Trainer:
     """The mixin `Model` inherits: compile / fit / evaluate / predict (see the module docstring)."""
 
@@ -204,6 +213,22 @@ class Trainer:
 
         Returns a scalar Tensor to differentiate. Source: tf.keras.Model.compute_loss.
         """
+        return self._compiled_loss(y, y_pred, sample_weight, self.losses)
+
+    @property
+    def compiled_loss(self):
+        """Keras 2's `compiled_loss(y_true, y_pred, sample_weight=None, regularization_losses=None)`: the
+        compiled loss as `compute_loss` reduces it, plus the given regularization losses (custom train_steps)."""
+        self._check_compiled("compiled_loss")
+        return lambda y_true, y_pred, sample_weight=None, regularization_losses=None: self._compiled_loss(
+            y_true, y_pred, sample_weight, list(regularization_losses or []))
+
+    @property
+    def compiled_metrics(self):
+        """Keras 2's `compiled_metrics`: `update_state(y_true, y_pred, sample_weight=None)` on the compiled metrics."""
+        return _CompiledMetrics(self._check_compiled("compiled_metrics").metrics)
+
+    def _compiled_loss(self, y, y_pred, sample_weight, reg):
         compiled = self._check_compiled("compute_loss")
         if compiled.loss is None:
             raise ValueError(f"{self.name}: no loss was compiled; pass loss= to compile or override train_step")
@@ -216,7 +241,6 @@ class Trainer:
             data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
                                             global_batch_size=compiled.global_batch or local)
             mean_local = data * float(compiled.global_batch or local) / float(local)
-        reg = self.losses
         if reg:
             reg_total = _math.add_n(reg)
             data, mean_local = data + _nn.scale_regularization_loss(reg_total), mean_local + reg_total
@@ -225,8 +249,7 @@ class Trainer:
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         """Updates the compiled metrics and returns `{name: result}` for every metric. Source: Keras 2."""
-        for m in self._check_compiled("compute_metrics").metrics:
-            m.update_state(y, y_pred, sample_weight=sample_weight)
+        self.compiled_metrics.update_state(y, y_pred, sample_weight)
         return {m.name: m.result() for m in self.metrics}
 
     def train_step(self, data):

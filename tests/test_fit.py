@@ -303,3 +303,29 @@ def test_verbose_prints_a_line_per_epoch_or_a_bar(capsys):
     assert "3/3" in capsys.readouterr().err
     _compiled().fit(X, Y, epochs=1, verbose=0)
     assert capsys.readouterr() == ("", "")
+
+
+def test_the_keras_2_custom_train_step_idiom_matches_the_built_in_step():
+    class Idiom(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with dtape.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            self.compiled_metrics.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    strategy = mirrored(2)
+    histories = []
+    for cls in (keras.Model, Idiom):
+        with strategy.scope():
+            base = _mlp()
+            model = cls(base.input, base.output)
+            model.compile(dtape.optimizers.SGD(0.5), _loss(), metrics=["accuracy"])
+        histories.append(model.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0).history)
+    assert histories[0] == histories[1] and set(histories[0]) == {"loss", "accuracy"}
+    assert min(histories[1]["accuracy"]) > 0.2  # updated by compiled_metrics
+    ref_losses, _ = _custom_loop(epochs=2)
+    np.testing.assert_allclose(histories[1]["loss"], _running_means(ref_losses, 2)[2::3], rtol=1e-6)
