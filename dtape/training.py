@@ -140,6 +140,7 @@ class Trainer:
     """The mixin `Model` inherits: compile / fit / evaluate / predict (see the module docstring)."""
 
     stop_training = False
+    optimizer = None  # set by compile
 
     # -- compile ---------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None):
@@ -166,6 +167,7 @@ class Trainer:
             made = [_metric(m, loss) for m in (metrics or [])]
             tracker = _metrics.Mean(name="loss")
         vars(self)["_compiled"] = _Compiled(_optimizer(optimizer), loss, made, strategy)
+        self.optimizer = vars(self)["_compiled"].optimizer  # a plain attribute, as Keras's (not a Module: not walked)
         vars(self)["_loss_tracker"] = tracker
 
     def _strategy(self):
@@ -181,12 +183,6 @@ class Trainer:
         if "_compiled" not in vars(self):
             raise RuntimeError(f"{self.name}: call compile(optimizer, loss, metrics) before {what}")
         return vars(self)["_compiled"]
-
-    @property
-    def optimizer(self):
-        """The compiled optimizer (None before compile)."""
-        compiled = vars(self).get("_compiled")
-        return compiled.optimizer if compiled else None
 
     @property
     def distribute_strategy(self):
@@ -400,7 +396,7 @@ class Trainer:
         self._reset_metrics()
 
     def _prints(self):
-        return getattr(self._strategy().extended, "should_checkpoint", True)
+        return getattr(vars(self)["_compiled"].strategy.extended, "should_checkpoint", True)
 
     def _progress(self, verbose, data, steps, desc):
         if verbose != 1 or not self._prints():

@@ -329,3 +329,26 @@ def test_the_keras_2_custom_train_step_idiom_matches_the_built_in_step():
     assert min(histories[1]["accuracy"]) > 0.2  # updated by compiled_metrics
     ref_losses, _ = _custom_loop(epochs=2)
     np.testing.assert_allclose(histories[1]["loss"], _running_means(ref_losses, 2)[2::3], rtol=1e-6)
+
+
+class _NotChief:
+    """The default strategy as seen by a worker that does not checkpoint (rank > 0 under torchrun)."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self.extended = type("Extended", (), {"should_checkpoint": False})()
+
+    def __getattr__(self, name):
+        return getattr(self._strategy, name)
+
+
+def test_only_the_worker_that_checkpoints_prints_and_writes(capsys, tmp_path):
+    model = _compiled()
+    compiled = vars(model)["_compiled"]
+    compiled.strategy = _NotChief(compiled.strategy)
+    path = tmp_path / "log.csv"
+    history = model.fit(X, Y, epochs=2, verbose=2, callbacks=[keras.callbacks.CSVLogger(path),
+                                                             keras.callbacks.TensorBoard(tmp_path / "tb")])
+    model.fit(X, Y, epochs=1, verbose=1)
+    assert capsys.readouterr() == ("", "") and len(history.history["loss"]) == 2
+    assert not path.exists() and not (tmp_path / "tb").exists()
