@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dtape import callbacks as _callbacks
+from dtape import checkpoint as _checkpoint
 from dtape import distribute
 from dtape import losses as _losses
 from dtape import metrics as _metrics
@@ -121,8 +122,9 @@ def _rows(t):
 class _Compiled:
     """What `compile` set (held outside the module walk: the optimizer and metrics are not the model's variables)."""
 
-    def __init__(self, optimizer, loss, metrics, strategy):
+    def __init__(self, optimizer, loss, metrics, strategy, loss_tracker):
         self.optimizer, self.loss, self.metrics, self.strategy = optimizer, loss, metrics, strategy
+        self.loss_tracker = loss_tracker
         self.global_batch = None  # set by the loop before each distributed step
         self.sync = distribute.GradientSync() if strategy.num_replicas_in_sync > 1 else None
 
@@ -166,9 +168,8 @@ class Trainer:
         with strategy.scope():
             made = [_metric(m, loss) for m in (metrics or [])]
             tracker = _metrics.Mean(name="loss")
-        vars(self)["_compiled"] = _Compiled(_optimizer(optimizer), loss, made, strategy)
+        vars(self)["_compiled"] = _Compiled(_optimizer(optimizer), loss, made, strategy, tracker)
         self.optimizer = vars(self)["_compiled"].optimizer  # a plain attribute, as Keras's (not a Module: not walked)
-        vars(self)["_loss_tracker"] = tracker
 
     def _strategy(self):
         if distribute.has_strategy():
@@ -196,11 +197,21 @@ class Trainer:
         compiled = vars(self).get("_compiled")
         if compiled is None:
             return []
-        return ([vars(self)["_loss_tracker"]] if compiled.loss is not None else []) + list(compiled.metrics)
+        return ([compiled.loss_tracker] if compiled.loss is not None else []) + list(compiled.metrics)
 
     @property
     def metrics_names(self):
         return [m.name for m in self.metrics]
+
+    def save_weights(self, filepath):
+        """Writes the model's variables to the checkpoint prefix `filepath` (`dtape.checkpoint.Checkpoint(model=self)`,
+        as ModelCheckpoint(save_weights_only=True) does). Returns the path. Source: tf.keras.Model.save_weights."""
+        return _checkpoint.Checkpoint(model=self).write(filepath)
+
+    def load_weights(self, filepath):
+        """Reads variables written by `save_weights` / ModelCheckpoint into this model (built first: variables
+        created later are filled when made). Returns the load status. Source: tf.keras.Model.load_weights."""
+        return _checkpoint.Checkpoint(model=self).read(filepath)
 
     # -- the steps -------------------------------------------------------------------
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
@@ -240,7 +251,7 @@ class Trainer:
         if reg:
             reg_total = _math.add_n(reg)
             data, mean_local = data + _nn.scale_regularization_loss(reg_total), mean_local + reg_total
-        vars(self)["_loss_tracker"].update_state(mean_local, sample_weight=float(local))
+        compiled.loss_tracker.update_state(mean_local, sample_weight=float(local))
         return data
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):

@@ -262,10 +262,13 @@ def test_model_checkpoint_best_only_writes_on_improvement(tmp_path):
     assert sorted({os.path.basename(p).split(".")[0] for p in glob.glob(str(tmp_path / "w-*"))}) == \
         ["w-01", "w-02", "w-04"]
     fresh = _mlp(seed=20)
-    fresh(X[:1])
-    dtape.checkpoint.Checkpoint(model=fresh).read(ckpt.saved[1]).expect_partial()
+    fresh.load_weights(ckpt.saved[1])
     for got, want in zip(fresh.trainable_variables, record.epoch_weights[1]):
         np.testing.assert_array_equal(got.numpy(), want)
+    model.save_weights(str(tmp_path / "last"))
+    fresh.load_weights(str(tmp_path / "last"))
+    for got, want in zip(fresh.trainable_variables, model.trainable_variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 def test_tensorboard_writes_epoch_scalars(tmp_path):
@@ -352,3 +355,11 @@ def test_only_the_worker_that_checkpoints_prints_and_writes(capsys, tmp_path):
     model.fit(X, Y, epochs=1, verbose=1)
     assert capsys.readouterr() == ("", "") and len(history.history["loss"]) == 2
     assert not path.exists() and not (tmp_path / "tb").exists()
+
+
+def test_compile_adds_no_variables_to_the_model():
+    model = _mlp()
+    before = [id(v) for v in model.variables]
+    model.compile("adam", _loss(), metrics=["accuracy"])
+    model.fit(X, Y, epochs=1, verbose=0)
+    assert [id(v) for v in model.variables] == before and len(before) == 4
