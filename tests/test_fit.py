@@ -363,3 +363,17 @@ def test_compile_adds_no_variables_to_the_model():
     model.compile("adam", _loss(), metrics=["accuracy"])
     model.fit(X, Y, epochs=1, verbose=0)
     assert [id(v) for v in model.variables] == before and len(before) == 4
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sequential_fits_as_the_functional_model(replicas):
+    ref_losses, ref_vars = _custom_loop(epochs=2)
+    strategy = mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(8, activation="relu", seed=1, input_shape=(5,)),
+                                  keras.layers.Dense(3, seed=2)])
+        model.compile(dtape.optimizers.SGD(0.5), _loss())
+    history = model.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], _running_means(ref_losses, 2)[2::3], rtol=1e-6)
+    for got, want in zip(model.trainable_variables, ref_vars):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7)

@@ -20,8 +20,9 @@ top layer of pyproject.toml's import contract).
 `keras.Model` trains with `compile`/`fit`/`evaluate`/`predict` (`dtape.training`,
 distributed under `strategy.scope()`), with `keras.callbacks` (`dtape.callbacks`:
 History, EarlyStopping, LearningRateScheduler, ReduceLROnPlateau, CSVLogger,
-ModelCheckpoint, TensorBoard, custom Callbacks). `keras.Sequential` (a layer,
-`dtape.layers.Sequential`) has no `fit` yet: wrap it, `keras.Model(inputs, seq(inputs))`.
+ModelCheckpoint, TensorBoard, custom Callbacks). `keras.Sequential` is
+`dtape.models.Sequential` (a model: it has `fit`), which extends the layer
+`dtape.layers.Sequential` (`keras.layers.Sequential`).
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
 from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, optimizers, \
