@@ -95,14 +95,17 @@ def test_fit_gives_the_custom_loops_losses_and_variables(replicas):
     assert history.epoch == [0, 1] and set(history.history) == {"loss", "accuracy"}
 
 
-def test_a_dataset_of_batches_and_a_dataloader_train_as_the_arrays():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_dataset_of_batches_and_a_dataloader_train_as_the_arrays(replicas):
     ref_losses, ref_vars = _custom_loop(epochs=1)
+    strategy = mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
     batches = [(X[s:s + 32], Y[s:s + 32]) for s in range(0, 71, 32)]
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(X), torch.tensor(Y)),
                                          batch_size=32, shuffle=False)
     for data in (batches, loader):
-        model = _mlp()
-        model.compile(dtape.optimizers.SGD(0.5), _loss())
+        with strategy.scope():
+            model = _mlp()
+            model.compile(dtape.optimizers.SGD(0.5), _loss())
         history = model.fit(data, epochs=1, verbose=0)
         np.testing.assert_allclose(history.history["loss"], _running_means(ref_losses, 1)[-1:], rtol=1e-6)
         for got, want in zip(model.trainable_variables, ref_vars):
