@@ -193,7 +193,9 @@ class Trainer:
     @property
     def metrics(self):
         """The metrics reset every epoch and reported: the loss tracker ("loss", when a loss is compiled),
-        then the compiled metrics. Override it (with `train_step`) to report your own. Source: tf.keras.Model.metrics."""
+        then the compiled metrics. Override it (with `train_step`) to report your own.
+
+        Source: tf.keras.Model.metrics."""
         compiled = vars(self).get("_compiled")
         if compiled is None:
             return []

@@ -25,9 +25,9 @@ ModelCheckpoint, TensorBoard, custom Callbacks). `keras.Sequential` is
 `dtape.layers.Sequential` (`keras.layers.Sequential`).
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
-from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, optimizers, \
-    regularizers
+from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, \
+    optimizers, regularizers
 from dtape.models import Input, Model, Sequential
 
-__all__ = ["activations", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models", "optimizers",
-           "regularizers", "Input", "Model", "Sequential"]
+__all__ = ["activations", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models",
+           "optimizers", "regularizers", "Input", "Model", "Sequential"]
