@@ -265,14 +265,21 @@ class Trainer:
         """One training step on a batch (a replica's part under a strategy); returns `{name: value}`.
 
         Forward with training=True under a `GradientTape`, `compute_loss`,
-        `optimizer.minimize(loss, trainable_variables, tape=tape)`, then the
-        metrics. Override it for custom training (GANs, ...). Source: tf.keras.Model.train_step.
+        `optimizer.minimize(loss, trainable_variables, tape=tape)` (a
+        LossScaleOptimizer: the scaled loss's gradients, unscaled, applied), then the metrics. Override it for custom training (GANs, ...). Source: tf.keras.Model.train_step.
         """
         x, y, sample_weight = unpack_x_y_sample_weight(data)
-        with GradientTape(gradient_sync=vars(self)["_compiled"].sync) as tape:
+        scales = hasattr(self.optimizer, "get_scaled_loss")  # a LossScaleOptimizer: Keras scales for the user
+        with GradientTape(gradient_sync=None if scales else vars(self)["_compiled"].sync) as tape:
             y_pred = self(x, training=True)
             loss = self.compute_loss(x, y, y_pred, sample_weight)
-        self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+            scaled = self.optimizer.get_scaled_loss(loss) if scales else loss
+        if scales:
+            variables = self.trainable_variables
+            grads = self.optimizer.get_unscaled_gradients(tape.gradient(scaled, variables))
+            self.optimizer.apply_gradients(zip(grads, variables))
+        else:
+            self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
         return self.compute_metrics(x, y, y_pred, sample_weight)
 
     def test_step(self, data):

@@ -380,3 +380,17 @@ def test_sequential_fits_as_the_functional_model(replicas):
     np.testing.assert_allclose(history.history["loss"], _running_means(ref_losses, 2)[2::3], rtol=1e-6)
     for got, want in zip(model.trainable_variables, ref_vars):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_loss_scale_optimizer_is_scaled_and_unscaled_by_fit(replicas):
+    ref_losses, ref_vars = _custom_loop(epochs=1)
+    strategy = mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
+    with strategy.scope():
+        model = _mlp()
+        opt = dtape.mixed_precision.LossScaleOptimizer(dtape.optimizers.SGD(0.5), dynamic=False, initial_scale=1024)
+        model.compile(opt, _loss())
+    history = model.fit(X, Y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], _running_means(ref_losses, 1)[-1:], rtol=1e-6)
+    for got, want in zip(model.trainable_variables, ref_vars):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
