@@ -373,7 +373,7 @@ class Trainer:
         for step, batch in enumerate(data.batches(strategy)):
             cbs.on_predict_batch_begin(step)
             out = strategy.run(self.predict_step, (batch,))
-            outs.append(nest.map_structure(_gather, out))
+            outs.append(nest.map_structure(lambda v: strategy.gather(v, axis=0).numpy(), out))  # all workers' rows
             cbs.on_predict_batch_end(step, {"outputs": outs[-1]})
         cbs.on_predict_end()
         if not outs:
@@ -452,12 +452,6 @@ def _first_float(v):
         return float(v.numpy() if hasattr(v, "numpy") else v)
     except (TypeError, ValueError):
         return v
-
-
-def _gather(v):
-    """A predict output as numpy: a PerReplica's parts concatenated in replica order."""
-    parts = v.values if isinstance(v, distribute.PerReplica) else (v,)
-    return np.concatenate([p.numpy() if hasattr(p, "numpy") else np.asarray(p) for p in parts])
 
 
 class _Data:

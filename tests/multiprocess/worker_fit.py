@@ -26,12 +26,12 @@ def run(strategy, csv_path):
                       metrics=["accuracy"])
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=2, validation_data=(x, y),
                         callbacks=[dtape.keras.callbacks.CSVLogger(csv_path)])
-    return history.history, [v.numpy().tolist() for v in model.trainable_variables]
+    return history.history, [v.numpy().tolist() for v in model.trainable_variables], model.predict(x).tolist()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out = sys.argv[1]
-    history, variables = run(dtape.distribute.MultiWorkerMirroredStrategy(), os.path.join(out, "log.csv"))
+    history, variables, predicted = run(dtape.distribute.MultiWorkerMirroredStrategy(), os.path.join(out, "log.csv"))
     with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"history": history, "variables": variables}, f)
+        json.dump({"history": history, "variables": variables, "predicted": predicted}, f)
