@@ -103,9 +103,9 @@ def _metric(metric, loss):
 
 
 def _name_of(loss):
-    if isinstance(loss, _losses.Loss):
-        return type(loss).__name__ == "SparseCategoricalCrossentropy" and "sparse_categorical" or loss.name
-    return getattr(loss, "__name__", "")
+    if isinstance(loss, _losses.SparseCategoricalCrossentropy):
+        return "sparse_categorical_crossentropy"
+    return getattr(loss, "name", None) or getattr(loss, "__name__", "")
 
 
 def _per_example(loss, y_true, y_pred):
