@@ -18,9 +18,11 @@ from dtape import _call_context
 from dtape import _keras_tensor
 from dtape import nest
 from dtape import tape as _tp
-from dtape.layers import Layer, Sequential
+from dtape import layers as _layers
+from dtape.layers import Layer
 from dtape.ops.array_ops import cast
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
+from dtape.training import Trainer
 
 __all__ = ["Input", "InputLayer", "Model", "Sequential"]
 
@@ -113,7 +115,7 @@ def _topological(outputs, inputs):
     return order
 
 
-class Model(Layer):
+class Model(Trainer, Layer):
     """A model: functional (`Model(inputs, outputs)`) or subclassed (`class M(Model)` defining `call`).
 
     Functional: `inputs` and `outputs` are KerasTensors (from `Input` and
@@ -350,6 +352,15 @@ class Model(Layer):
         if len(flat) != len(self.inputs):
             raise ValueError(f"{self.name}: {len(flat)} mask(s) for {len(self.inputs)} input(s)")
         return flat
+
+
+class Sequential(Trainer, _layers.Sequential):
+    """`dtape.layers.Sequential` with Keras's training API (`compile`, `fit`, `evaluate`, `predict`: see
+    `dtape.training`), as `tf.keras.Sequential` is a Model. Everything else is `dtape.layers.Sequential`'s.
+
+    Build it before `fit` under a strategy (a first layer given `input_shape=`, an `Input` first, or
+    `build(input_shape)`), so its variables are made in the strategy's scope. Source: tf.keras.Sequential.
+    """
 
 
 def _as_input(value, placeholder):

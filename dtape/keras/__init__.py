@@ -17,13 +17,17 @@ top layer of pyproject.toml's import contract).
 `keras.Input(shape=...)`; or subclassed) and `keras.Input` are
 `dtape.models`'s, also under `keras.models`.
 
-Not here yet: `compile`/`fit`/`evaluate`/`predict` and `callbacks` (there is
-no Callback base yet); write the training loop with `dtape.GradientTape`.
+`keras.Model` trains with `compile`/`fit`/`evaluate`/`predict` (`dtape.training`,
+distributed under `strategy.scope()`), with `keras.callbacks` (`dtape.callbacks`:
+History, EarlyStopping, LearningRateScheduler, ReduceLROnPlateau, CSVLogger,
+ModelCheckpoint, TensorBoard, custom Callbacks). `keras.Sequential` is
+`dtape.models.Sequential` (a model: it has `fit`), which extends the layer
+`dtape.layers.Sequential` (`keras.layers.Sequential`).
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
-from dtape.keras import activations, initializers, layers, losses, metrics, mixed_precision, models, optimizers, \
-    regularizers
+from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, \
+    optimizers, regularizers
 from dtape.models import Input, Model, Sequential
 
-__all__ = ["activations", "initializers", "layers", "losses", "metrics", "mixed_precision", "models", "optimizers",
-           "regularizers", "Input", "Model", "Sequential"]
+__all__ = ["activations", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models",
+           "optimizers", "regularizers", "Input", "Model", "Sequential"]

@@ -1,0 +1,348 @@
+"""Keras callbacks for `Model.fit` / `evaluate` / `predict` (also `dtape.keras.callbacks`).
+
+A `Callback` gets Keras's hooks with `self.model` (the model being
+trained) and `self.params` (`{"epochs", "steps", "verbose"}`). `logs`
+are dicts of Python floats: the running epoch means of the metrics at a
+batch's end, the epoch's values (and `val_*`) at an epoch's end. Files
+(CSVLogger, ModelCheckpoint, TensorBoard) are written on the worker that
+checkpoints (rank 0 under MultiWorkerMirroredStrategy; the only one otherwise).
+Source: tf.keras.callbacks (TF 2 / Keras 2 semantics).
+"""
+import csv
+import os
+
+import numpy as np
+from torch.utils.tensorboard import SummaryWriter
+
+from dtape import checkpoint as _checkpoint
+
+__all__ = ["Callback", "CallbackList", "History", "EarlyStopping", "LearningRateScheduler", "ReduceLROnPlateau",
+           "CSVLogger", "ModelCheckpoint", "TensorBoard"]
+
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+          "on_train_batch_end", "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
+          "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end")
+
+
+class Callback:
+    """Base class: override any of Keras's hooks; each gets `logs` (a dict, maybe empty).
+
+    Hooks: on_train_begin/end(logs), on_epoch_begin/end(epoch, logs),
+    on_train_batch_begin/end(batch, logs), on_test_begin/end(logs),
+    on_test_batch_begin/end(batch, logs), on_predict_begin/end(logs),
+    on_predict_batch_begin/end(batch, logs). Set `self.model.stop_training = True` to stop fit after
+    this batch/epoch. Source: tf.keras.callbacks.Callback.
+    """
+
+    def __init__(self):
+        self.model = None
+        self.params = {}
+
+    def set_model(self, model):
+        self.model = model
+
+    def set_params(self, params):
+        self.params = params
+
+
+def _noop(self, *args, **kwargs):
+    del self, args, kwargs
+
+
+for _hook in _HOOKS:
+    setattr(Callback, _hook, _noop)
+
+
+class CallbackList:
+    """Calls each hook on every callback in order (what fit uses). Source: tf.keras.callbacks.CallbackList."""
+
+    def __init__(self, callbacks, model=None, **params):
+        self.callbacks = list(callbacks)
+        bad = [c for c in self.callbacks if not isinstance(c, Callback)]
+        if bad:
+            raise TypeError(f"callbacks must be dtape.keras.callbacks.Callback objects, got {bad[0]!r}")
+        for c in self.callbacks:
+            c.set_model(model)
+            c.set_params(dict(params))
+
+    def __getattr__(self, hook):
+        if hook not in _HOOKS:
+            raise AttributeError(hook)
+
+        def call(*args):
+            *head, logs = args if args and isinstance(args[-1], dict) else args + ({},)
+            for c in self.callbacks:
+                getattr(c, hook)(*head, logs)
+        return call
+
+
+def _writes(model):
+    strategy = getattr(model, "_compiled", None)
+    extended = getattr(getattr(strategy, "strategy", None), "extended", None)
+    return getattr(extended, "should_checkpoint", True)
+
+
+class History(Callback):
+    """Records every epoch's logs: `history[name]` = list of per-epoch values, `epoch` = epochs run.
+
+    `fit` returns it (also `model.history`). Source: tf.keras.callbacks.History.
+    """
+
+    def on_train_begin(self, logs=None):
+        self.epoch, self.history = [], {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch.append(epoch)
+        for k, v in (logs or {}).items():
+            self.history.setdefault(k, []).append(v)
+
+
+class _Monitor(Callback):
+    """A monitored quantity with Keras's mode ("auto": max for names with "acc", else min) and min_delta."""
+
+    def __init__(self, monitor, mode, min_delta):
+        super().__init__()
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        self.monitor = monitor
+        self.mode = mode if mode != "auto" else ("max" if "acc" in monitor or monitor.startswith("fmeasure")
+                                                 else "min")
+        self.min_delta = abs(min_delta)
+
+    def _better(self, current, best):
+        if self.mode == "min":
+            return current + self.min_delta < best
+        return current - self.min_delta > best
+
+    def _initial(self):
+        return np.inf if self.mode == "min" else -np.inf
+
+    def _current(self, logs):
+        value = (logs or {}).get(self.monitor)
+        if value is None:
+            raise KeyError(f"{type(self).__name__}: the monitored {self.monitor!r} is not in the logs "
+                           f"{sorted(logs or {})}; pass validation_data for val_* or monitor one of those")
+        return value
+
+
+class EarlyStopping(_Monitor):
+    """Stops training when `monitor` has not improved by more than `min_delta` for `patience` epochs.
+
+    Args:
+      monitor: a logs key (default "val_loss"); mode "auto" | "min" | "max".
+      min_delta: the least change that counts as an improvement.
+      patience: epochs without improvement before stopping.
+      restore_best_weights: at the stop, set the model's variables back to
+        the best epoch's (as Keras 2: only when it stops early).
+      baseline: training stops if the monitor does not beat it within `patience` epochs.
+    Attributes: `stopped_epoch` (0-based epoch at which it stopped, 0 if it did not), `best_epoch`.
+    Raises KeyError at an epoch's end when `monitor` is not in the logs.
+    Source: tf.keras.callbacks.EarlyStopping.
+    """
+
+    def __init__(self, monitor="val_loss", min_delta=0, patience=0, verbose=0, mode="auto", baseline=None,
+                 restore_best_weights=False):
+        super().__init__(monitor, mode, min_delta)
+        self.patience, self.verbose, self.baseline = int(patience), verbose, baseline
+        self.restore_best_weights = restore_best_weights
+
+    def on_train_begin(self, logs=None):
+        self.wait, self.stopped_epoch, self.best_epoch = 0, 0, 0
+        self.best, self.best_weights = self._initial(), None
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = self._current(logs)
+        if self.restore_best_weights and self.best_weights is None:
+            self.best_weights = _get_weights(self.model)
+        self.wait += 1
+        if self._better(current, self.best):
+            self.best, self.best_epoch = current, epoch
+            if self.restore_best_weights:
+                self.best_weights = _get_weights(self.model)
+            if self.baseline is None or self._better(current, self.baseline):
+                self.wait = 0
+                return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+            if self.restore_best_weights and self.best_weights is not None:
+                _set_weights(self.model, self.best_weights)
+
+
+def _get_weights(model):
+    return [v.numpy().copy() for v in model.variables]
+
+
+def _set_weights(model, weights):
+    for v, w in zip(model.variables, weights):
+        v.assign(w)
+
+
+def _lr(model):
+    return float(model.optimizer.learning_rate)
+
+
+class LearningRateScheduler(Callback):
+    """Sets the optimizer's learning rate at each epoch's start to `schedule(epoch, lr)` (or `schedule(epoch)`).
+
+    `epoch` is 0-based; `lr` the current rate (a float). The rate is logged as "lr".
+    Raises ValueError for a schedule returning a non-finite or negative rate.
+    Source: tf.keras.callbacks.LearningRateScheduler.
+    """
+
+    def __init__(self, schedule, verbose=0):
+        super().__init__()
+        self.schedule, self.verbose = schedule, verbose
+
+    def on_epoch_begin(self, epoch, logs=None):
+        try:
+            lr = self.schedule(epoch, _lr(self.model))
+        except TypeError:  # a one-argument schedule, as Keras accepts
+            lr = self.schedule(epoch)
+        lr = float(lr)
+        if not np.isfinite(lr) or lr < 0:
+            raise ValueError(f"LearningRateScheduler: schedule({epoch}) gave {lr}; a rate must be finite and >= 0")
+        self.model.optimizer.learning_rate = lr
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["lr"] = _lr(self.model)
+
+
+class ReduceLROnPlateau(_Monitor):
+    """Multiplies the learning rate by `factor` when `monitor` has not improved for `patience` epochs.
+
+    Args: monitor ("val_loss"), factor (< 1), patience, mode, min_delta
+    (1e-4), cooldown (epochs to wait after a reduction), min_lr.
+    Raises ValueError for factor >= 1. Source: tf.keras.callbacks.ReduceLROnPlateau.
+    """
+
+    def __init__(self, monitor="val_loss", factor=0.1, patience=10, verbose=0, mode="auto", min_delta=1e-4,
+                 cooldown=0, min_lr=0.0):
+        super().__init__(monitor, mode, min_delta)
+        if factor >= 1.0:
+            raise ValueError(f"ReduceLROnPlateau does not support a factor >= 1.0, got {factor}")
+        self.factor, self.patience, self.verbose = float(factor), int(patience), verbose
+        self.cooldown, self.min_lr = int(cooldown), float(min_lr)
+
+    def on_train_begin(self, logs=None):
+        self.wait, self.cooldown_counter, self.best = 0, 0, self._initial()
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["lr"] = _lr(self.model)
+        current = self._current(logs)
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self._better(current, self.best):
+            self.best, self.wait = current, 0
+        elif self.cooldown_counter <= 0:
+            self.wait += 1
+            if self.wait >= self.patience and _lr(self.model) > self.min_lr:
+                self.model.optimizer.learning_rate = max(_lr(self.model) * self.factor, self.min_lr)
+                self.cooldown_counter, self.wait = self.cooldown, 0
+
+
+class CSVLogger(Callback):
+    """Writes one CSV row per epoch: `epoch` then the logs' keys in sorted order (a header first).
+
+    Args: filename, separator (","), append (keep an existing file and add rows, no second header).
+    Source: tf.keras.callbacks.CSVLogger.
+    """
+
+    def __init__(self, filename, separator=",", append=False):
+        super().__init__()
+        self.filename, self.sep, self.append = os.fspath(filename), separator, append
+        self._file = self._writer = self._keys = None
+
+    def on_train_begin(self, logs=None):
+        if not _writes(self.model):
+            return
+        has_header = self.append and os.path.exists(self.filename) and os.path.getsize(self.filename) > 0
+        self._file = open(self.filename, "a" if self.append else "w", newline="")
+        self._writer, self._keys = csv.writer(self._file, delimiter=self.sep), None
+        self._header_done = has_header
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._file is None:
+            return
+        logs = logs or {}
+        if self._keys is None:
+            self._keys = sorted(logs)
+            if not self._header_done:
+                self._writer.writerow(["epoch"] + self._keys)
+        self._writer.writerow([epoch] + [logs.get(k, "NA") for k in self._keys])
+        self._file.flush()
+
+    def on_train_end(self, logs=None):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class ModelCheckpoint(_Monitor):
+    """Saves the model's variables (a `dtape.checkpoint.Checkpoint(model=...)`, plus the optimizer unless
+    `save_weights_only`) at each epoch's end, or only when `monitor` improved (`save_best_only`).
+
+    Args:
+      filepath: a checkpoint prefix, formatted with `epoch` (1-based) and the logs' keys,
+        e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}". Restore with
+        `dtape.checkpoint.Checkpoint(model=model).read(filepath)`.
+      monitor, mode: as EarlyStopping (for save_best_only).
+    Attributes: `best`, `saved` (the paths written, in order).
+    Source: tf.keras.callbacks.ModelCheckpoint.
+    """
+
+    def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False, save_weights_only=False,
+                 mode="auto"):
+        super().__init__(monitor, mode, 0)
+        self.filepath, self.verbose = os.fspath(filepath), verbose
+        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
+        self.best, self.saved = self._initial(), []
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        if self.save_best_only:
+            current = self._current(logs)
+            if not self._better(current, self.best):
+                return
+            self.best = current
+        path = self.filepath.format(epoch=epoch + 1, **logs)
+        objects = {"model": self.model}
+        if not self.save_weights_only:
+            objects["optimizer"] = self.model.optimizer
+        if _writes(self.model):
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        _checkpoint.Checkpoint(**objects).write(path)
+        self.saved.append(path)
+
+
+class TensorBoard(Callback):
+    """Writes every epoch's logs as scalars through `torch.utils.tensorboard.SummaryWriter`:
+    `<log_dir>/train` (tags `epoch_<name>`) and `<log_dir>/validation` (the `val_*` values).
+
+    Source: tf.keras.callbacks.TensorBoard (scalars per epoch only).
+    """
+
+    def __init__(self, log_dir="logs"):
+        super().__init__()
+        self.log_dir = os.fspath(log_dir)
+        self._writers = {}
+
+    def _writer(self, which):
+        if which not in self._writers:
+            self._writers[which] = SummaryWriter(os.path.join(self.log_dir, which))
+        return self._writers[which]
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not _writes(self.model):
+            return
+        for key, value in (logs or {}).items():
+            which, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            self._writer(which).add_scalar(f"epoch_{name}", value, epoch)
+        for w in self._writers.values():
+            w.flush()
+
+    def on_train_end(self, logs=None):
+        for w in self._writers.values():
+            w.close()
+        self._writers = {}

@@ -1,0 +1,528 @@
+"""Keras's training API for `dtape.models.Model`: `compile`, `fit`, `evaluate`, `predict`, `train_step`, `test_step`.
+
+`Trainer` is the mixin `Model` inherits. The steps are written with
+`dtape.GradientTape` as Keras 2's `train_step` is written with
+`tf.GradientTape`, so a subclass overrides `train_step(data)` /
+`test_step(data)` exactly as in TF's "Customizing what happens in fit" guide.
+
+Under a strategy (the model built inside `strategy.scope()`, or `fit`
+called inside one) each global batch is split over the replicas
+(`strategy.experimental_distribute_dataset`), `train_step` runs in
+`strategy.run`, and the compiled loss is the per-example losses summed and
+divided by the ACTUAL global batch size (`dtape.nn.compute_average_loss`,
+as TF's LossesContainer; uneven last batches included), so every step's
+loss and update equal one device's and the custom loop's. Gradients are
+all-reduced during the backward walk (`GradientSync`). Under
+`MultiWorkerMirroredStrategy` only rank 0 prints.
+Source: tf.keras.Model (TF 2 / Keras 2 engine/training.py, compile_utils.py).
+"""
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from dtape import callbacks as _callbacks
+from dtape import checkpoint as _checkpoint
+from dtape import distribute
+from dtape import losses as _losses
+from dtape import metrics as _metrics
+from dtape import nest
+from dtape import nn as _nn
+from dtape import optimizers as _optimizers
+from dtape.backprop import GradientTape
+from dtape.ops import math_ops as _math
+from dtape.tensor import Tensor, is_variable
+
+__all__ = ["Trainer", "unpack_x_y_sample_weight"]
+
+_OPTIMIZERS = {"adam": _optimizers.Adam, "sgd": _optimizers.SGD, "rmsprop": _optimizers.RMSprop,
+               "adagrad": _optimizers.Adagrad, "adamw": _optimizers.AdamW}
+_LOSSES = {"sparse_categorical_crossentropy": _losses.sparse_categorical_crossentropy,
+           "categorical_crossentropy": _losses.categorical_crossentropy,
+           "binary_crossentropy": _losses.binary_crossentropy,
+           "mse": _losses.mean_squared_error, "mean_squared_error": _losses.mean_squared_error,
+           "mae": _losses.mean_absolute_error, "mean_absolute_error": _losses.mean_absolute_error}
+_METRIC_FNS = {"sparse_categorical_accuracy": _metrics.sparse_categorical_accuracy,
+               "mse": _losses.mean_squared_error, "mean_squared_error": _losses.mean_squared_error,
+               "mae": _losses.mean_absolute_error, "mean_absolute_error": _losses.mean_absolute_error}
+
+
+def unpack_x_y_sample_weight(data):
+    """`(x, y, sample_weight)` from a batch given as `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`.
+
+    Source: tf.keras.utils.unpack_x_y_sample_weight.
+    """
+    if isinstance(data, list):
+        data = tuple(data)
+    if not isinstance(data, tuple):
+        return data, None, None
+    if len(data) == 1:
+        return data[0], None, None
+    if len(data) == 2:
+        return data[0], data[1], None
+    if len(data) == 3:
+        return data
+    raise ValueError(f"a batch must be x, (x,), (x, y) or (x, y, sample_weight); got a tuple of {len(data)}")
+
+
+def _optimizer(opt):
+    if isinstance(opt, str):
+        if opt.lower() not in _OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {opt!r}; use one of {sorted(_OPTIMIZERS)} or an optimizer object")
+        return _OPTIMIZERS[opt.lower()]()
+    if not isinstance(opt, _optimizers.Optimizer):
+        raise TypeError(f"compile: optimizer must be a dtape optimizer or its Keras name, got {type(opt).__name__}")
+    return opt
+
+
+def _loss_fn(loss):
+    if isinstance(loss, str):
+        if loss not in _LOSSES:
+            raise ValueError(f"unknown loss {loss!r}; use one of {sorted(_LOSSES)}, a dtape.losses.Loss or a "
+                             "function (y_true, y_pred) -> per-example losses")
+        return _LOSSES[loss]
+    if loss is not None and not callable(loss):
+        raise TypeError(f"compile: loss must be a loss object, a function or a Keras name, got {loss!r}")
+    return loss
+
+
+def _metric(metric, loss):
+    """A Metric from a metric object or Keras name ("accuracy" chooses as Keras does from the loss)."""
+    if isinstance(metric, _metrics.Metric):
+        return metric
+    if metric in ("accuracy", "acc"):
+        sparse = _name_of(loss).startswith("sparse_categorical")
+        return _metrics.SparseCategoricalAccuracy(name="accuracy") if sparse else _metrics.Accuracy()
+    if isinstance(metric, str):
+        if metric not in _METRIC_FNS:
+            raise ValueError(f"unknown metric {metric!r}; use 'accuracy', one of {sorted(_METRIC_FNS)} or a "
+                             "dtape.metrics.Metric")
+        return _metrics.MeanMetricWrapper(_METRIC_FNS[metric], name=metric)
+    if callable(metric):
+        return _metrics.MeanMetricWrapper(metric)
+    raise TypeError(f"compile: a metric must be a dtape.metrics.Metric, a function or a Keras name, got {metric!r}")
+
+
+def _name_of(loss):
+    if isinstance(loss, _losses.SparseCategoricalCrossentropy):
+        return "sparse_categorical_crossentropy"
+    return getattr(loss, "name", None) or getattr(loss, "__name__", "")
+
+
+def _per_example(loss, y_true, y_pred):
+    """The per-example losses of a loss object (any reduction but "sum") or function."""
+    if isinstance(loss, _losses.Loss):
+        return loss.call(y_true, y_pred)
+    return loss(y_true, y_pred)
+
+
+def _rows(t):
+    return int(t.shape[0]) if t.ndim else 1
+
+
+class _Compiled:
+    """What `compile` set (held outside the module walk: the optimizer and metrics are not the model's variables)."""
+
+    def __init__(self, optimizer, loss, metrics, strategy, loss_tracker):
+        self.optimizer, self.loss, self.metrics, self.strategy = optimizer, loss, metrics, strategy
+        self.loss_tracker = loss_tracker
+        self.global_batch = None  # set by the loop before each distributed step
+        self.sync = distribute.GradientSync() if strategy.num_replicas_in_sync > 1 else None
+
+
+class _CompiledMetrics:
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        for m in self.metrics:
+            m.update_state(y_true, y_pred, sample_weight=sample_weight)
+
+
+class Trainer:
+    """The mixin `Model` inherits: compile / fit / evaluate / predict (see the module docstring)."""
+
+    stop_training = False
+    optimizer = None  # set by compile
+
+    # -- compile ---------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None):
+        """Configures training: the optimizer, the loss and the metrics.
+
+        Args:
+          optimizer: a dtape optimizer, or "adam", "sgd", "rmsprop", "adagrad", "adamw" (defaults).
+          loss: a `dtape.losses.Loss` (any reduction: the per-example losses
+            are reduced by the global batch), a function `(y_true, y_pred)`
+            returning per-example losses, a Keras name ("mse",
+            "sparse_categorical_crossentropy", ...), or None when a custom
+            `train_step` computes its own.
+          metrics: a list of `dtape.metrics.Metric`, functions or names
+            ("accuracy": sparse categorical accuracy with a sparse loss).
+
+        The strategy is the one of the current scope, else the one the
+        model's variables were made in. Metrics are made in its scope.
+        Raises ValueError / TypeError for unknown names or wrong types.
+        Source: tf.keras.Model.compile.
+        """
+        strategy = self._strategy()
+        loss = _loss_fn(loss)
+        with strategy.scope():
+            made = [_metric(m, loss) for m in (metrics or [])]
+            tracker = _metrics.Mean(name="loss")
+        vars(self)["_compiled"] = _Compiled(_optimizer(optimizer), loss, made, strategy, tracker)
+        self.optimizer = vars(self)["_compiled"].optimizer  # a plain attribute, as Keras's (not a Module: not walked)
+
+    def _strategy(self):
+        if distribute.has_strategy():
+            return distribute.get_strategy()
+        for v in self.variables if self.built else ():
+            s = getattr(v, "_distribute_strategy", None)
+            if s is not None:
+                return s
+        return distribute.get_strategy()
+
+    def _check_compiled(self, what):
+        if "_compiled" not in vars(self):
+            raise RuntimeError(f"{self.name}: call compile(optimizer, loss, metrics) before {what}")
+        return vars(self)["_compiled"]
+
+    @property
+    def distribute_strategy(self):
+        """The strategy `fit` runs under (the compile-time one). Source: tf.keras.Model.distribute_strategy."""
+        return self._check_compiled("distribute_strategy").strategy
+
+    @property
+    def metrics(self):
+        """The metrics reset every epoch and reported: the loss tracker ("loss", when a loss is compiled),
+        then the compiled metrics. Override it (with `train_step`) to report your own.
+
+        Source: tf.keras.Model.metrics."""
+        compiled = vars(self).get("_compiled")
+        if compiled is None:
+            return []
+        return ([compiled.loss_tracker] if compiled.loss is not None else []) + list(compiled.metrics)
+
+    @property
+    def metrics_names(self):
+        return [m.name for m in self.metrics]
+
+    def save_weights(self, filepath):
+        """Writes the model's variables to the checkpoint prefix `filepath` (`dtape.checkpoint.Checkpoint(model=self)`,
+        as ModelCheckpoint(save_weights_only=True) does). Returns the path. Source: tf.keras.Model.save_weights."""
+        return _checkpoint.Checkpoint(model=self).write(filepath)
+
+    def load_weights(self, filepath):
+        """Reads variables written by `save_weights` / ModelCheckpoint into this model (built first: variables
+        created later are filled when made). Returns the load status. Source: tf.keras.Model.load_weights."""
+        return _checkpoint.Checkpoint(model=self).read(filepath)
+
+    # -- the steps -------------------------------------------------------------------
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+        """The step's loss: the compiled per-example losses summed over this replica's batch, divided by the
+        global batch; plus `self.losses` (scaled by the replicas); the loss tracker is updated (global mean).
+
+        Returns a scalar Tensor to differentiate. Source: tf.keras.Model.compute_loss.
+        """
+        return self._compiled_loss(y, y_pred, sample_weight, self.losses)
+
+    @property
+    def compiled_loss(self):
+        """Keras 2's `compiled_loss(y_true, y_pred, sample_weight=None, regularization_losses=None)`: the
+        compiled loss as `compute_loss` reduces it, plus the given regularization losses (custom train_steps)."""
+        self._check_compiled("compiled_loss")
+        return lambda y_true, y_pred, sample_weight=None, regularization_losses=None: self._compiled_loss(
+            y_true, y_pred, sample_weight, list(regularization_losses or []))
+
+    @property
+    def compiled_metrics(self):
+        """Keras 2's `compiled_metrics`: `update_state(y_true, y_pred, sample_weight=None)` on the compiled metrics."""
+        return _CompiledMetrics(self._check_compiled("compiled_metrics").metrics)
+
+    def _compiled_loss(self, y, y_pred, sample_weight, reg):
+        compiled = self._check_compiled("compute_loss")
+        if compiled.loss is None:
+            raise ValueError(f"{self.name}: no loss was compiled; pass loss= to compile or override train_step")
+        per_example = _per_example(compiled.loss, y, y_pred)
+        local = _rows(per_example)
+        if isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
+            data = _math.reduce_sum(per_example if sample_weight is None else per_example * sample_weight)
+            mean_local = data / float(local)
+        else:
+            data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
+                                            global_batch_size=compiled.global_batch or local)
+            mean_local = data * float(compiled.global_batch or local) / float(local)
+        if reg:
+            reg_total = _math.add_n(reg)
+            data, mean_local = data + _nn.scale_regularization_loss(reg_total), mean_local + reg_total
+        compiled.loss_tracker.update_state(mean_local, sample_weight=float(local))
+        return data
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        """Updates the compiled metrics and returns `{name: result}` for every metric. Source: Keras 2."""
+        self.compiled_metrics.update_state(y, y_pred, sample_weight)
+        return {m.name: m.result() for m in self.metrics}
+
+    def train_step(self, data):
+        """One training step on a batch (a replica's part under a strategy); returns `{name: value}`.
+
+        Forward with training=True under a `GradientTape`, `compute_loss`,
+        `optimizer.minimize(loss, trainable_variables, tape=tape)` (a
+        LossScaleOptimizer: the scaled loss's gradients, unscaled, applied), then the metrics. Override it for custom training (GANs, ...). Source: tf.keras.Model.train_step.
+        """
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        scales = hasattr(self.optimizer, "get_scaled_loss")  # a LossScaleOptimizer: Keras scales for the user
+        with GradientTape(gradient_sync=None if scales else vars(self)["_compiled"].sync) as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
+            scaled = self.optimizer.get_scaled_loss(loss) if scales else loss
+        if scales:
+            variables = self.trainable_variables
+            grads = self.optimizer.get_unscaled_gradients(tape.gradient(scaled, variables))
+            self.optimizer.apply_gradients(zip(grads, variables))
+        else:
+            self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    def test_step(self, data):
+        """One evaluation step: forward with training=False, loss and metrics. Source: tf.keras.Model.test_step."""
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        if vars(self)["_compiled"].loss is not None:
+            self.compute_loss(x, y, y_pred, sample_weight)
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    def predict_step(self, data):
+        """The model's output on a batch's x (training=False). Source: tf.keras.Model.predict_step."""
+        x, _, _ = unpack_x_y_sample_weight(data)
+        return self(x, training=False)
+
+    # -- the loops -------------------------------------------------------------------
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_data=None,
+            shuffle=True, initial_epoch=0, steps_per_epoch=None):
+        """Trains for `epochs` epochs; returns the `History` callback (`history.history[name]` per epoch).
+
+        Args:
+          x: numpy arrays / tensors (a list or dict of them for several
+            inputs), with `y`; or an iterable of `(x, y)` / `(x, y,
+            sample_weight)` batches (a list, a generator-making object, a
+            torch DataLoader); then `y` and `batch_size` must be None.
+          y: targets, with array `x`.
+          batch_size: the GLOBAL batch (default 32), array inputs only; the last batch may be smaller.
+          epochs, initial_epoch: train epochs `initial_epoch .. epochs - 1`.
+          verbose: 1 a progress bar per epoch (tqdm), 2 one line per epoch, 0 silent.
+          callbacks: `dtape.keras.callbacks.Callback`s.
+          validation_data: `(x_val, y_val)` arrays or an iterable of batches;
+            evaluated after each epoch, reported as `val_<name>`.
+          shuffle: array inputs only: a new order every epoch (numpy's global RNG, as Keras).
+          steps_per_epoch: at most this many batches per epoch.
+
+        Raises:
+          RuntimeError: before `compile`.
+          ValueError: arrays of different lengths; `y` or `batch_size` with a dataset.
+        Source: tf.keras.Model.fit.
+        """
+        self._check_compiled("fit")
+        data = _Data(x, y, batch_size, shuffle)
+        val = None if validation_data is None else _Data(*_val_xy(validation_data), batch_size, False)
+        vars(self)["history"] = history = _callbacks.History()
+        cbs = _callbacks.CallbackList(list(callbacks or []) + [history], model=self, verbose=verbose,
+                                      epochs=epochs, steps=_steps(data, steps_per_epoch))
+        self.stop_training = False
+        cbs.on_train_begin()
+        for epoch in range(initial_epoch, epochs):
+            self._reset_metrics()
+            cbs.on_epoch_begin(epoch)
+            logs = self._run_epoch(data, self.train_step, cbs, "train", steps_per_epoch,
+                                   self._progress(verbose, data, steps_per_epoch, f"Epoch {epoch + 1}/{epochs}"))
+            if val is not None:
+                val_logs = self._evaluate_data(val, cbs)
+                logs.update({"val_" + k: v for k, v in val_logs.items()})
+            cbs.on_epoch_end(epoch, logs)
+            if verbose == 2 and self._prints():
+                print(f"Epoch {epoch + 1}/{epochs} - " + " - ".join(f"{k}: {v:.4f}" for k, v in logs.items()))
+            if self.stop_training:
+                break
+        cbs.on_train_end(logs if epochs > initial_epoch else {})
+        return history
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose=0, callbacks=None, return_dict=False):
+        """The loss and metrics over the data (one pass, training=False): a float, or a list of floats in
+        `metrics_names` order, or a dict with return_dict. Source: tf.keras.Model.evaluate."""
+        self._check_compiled("evaluate")
+        cbs = _callbacks.CallbackList(list(callbacks or []), model=self, verbose=verbose)
+        logs = self._evaluate_data(_Data(x, y, batch_size, False), cbs)
+        if return_dict:
+            return logs
+        values = [logs[m.name] for m in self.metrics if m.name in logs]
+        return values[0] if len(values) == 1 else values
+
+    def _evaluate_data(self, data, cbs):
+        self._reset_metrics()
+        cbs.on_test_begin()
+        logs = self._run_epoch(data, self.test_step, cbs, "test", None, None)
+        cbs.on_test_end(logs)
+        return logs
+
+    def predict(self, x, batch_size=None, verbose=0, callbacks=None):
+        """The model's outputs on `x` (arrays or a dataset of batches), batches concatenated: a numpy array
+        (or a nest of them). Source: tf.keras.Model.predict."""
+        strategy = self._strategy()
+        data = _Data(x, None, batch_size, False)
+        cbs = _callbacks.CallbackList(list(callbacks or []), model=self, verbose=verbose)
+        cbs.on_predict_begin()
+        outs = []
+        for step, batch in enumerate(data.batches(strategy)):
+            cbs.on_predict_batch_begin(step)
+            out = strategy.run(self.predict_step, (batch,))
+            outs.append(nest.map_structure(lambda v: strategy.gather(v, axis=0).numpy(), out))  # all workers' rows
+            cbs.on_predict_batch_end(step, {"outputs": outs[-1]})
+        cbs.on_predict_end()
+        if not outs:
+            raise ValueError(f"{self.name}.predict: the data gave no batch")
+        return nest.map_structure(lambda *parts: np.concatenate(parts), *outs)
+
+    def _run_epoch(self, data, step_fn, cbs, mode, steps, bar):
+        compiled = vars(self)["_compiled"]
+        strategy, logs = compiled.strategy, {}
+        for step, (batch, global_n) in enumerate(zip(data.batches(strategy), data.sizes())):
+            if steps is not None and step >= steps:
+                break
+            getattr(cbs, f"on_{mode}_batch_begin")(step)
+            compiled.global_batch = global_n
+            out = strategy.run(step_fn, (batch,))
+            logs = self._logs(out)
+            getattr(cbs, f"on_{mode}_batch_end")(step, logs)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix({k: f"{v:.4f}" for k, v in logs.items()}, refresh=False)
+            if mode == "train" and self.stop_training:
+                break
+        if bar is not None:
+            bar.close()
+        return logs
+
+    def _logs(self, out):
+        """A step's logs as floats: the metrics read over every replica, other values from the first."""
+        out = dict(out or {})
+        logs = {m.name: float(m.result()) for m in self.metrics if m.name in out}  # Keras's order
+        logs.update({k: _first_float(v) for k, v in out.items() if k not in logs})
+        return logs
+
+    def _reset_metrics(self):
+        for m in self.metrics:
+            m.reset_state()
+
+    def reset_metrics(self):
+        """Resets every metric in `metrics`. Source: tf.keras.Model.reset_metrics."""
+        self._reset_metrics()
+
+    def _prints(self):
+        return getattr(vars(self)["_compiled"].strategy.extended, "should_checkpoint", True)
+
+    def _progress(self, verbose, data, steps, desc):
+        if verbose != 1 or not self._prints():
+            return None
+        total = _steps(data, steps)
+        return tqdm(total=total, desc=desc, unit="step", leave=True)
+
+
+def _val_xy(validation_data):
+    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and not _is_dataset(validation_data):
+        return validation_data[0], validation_data[1]
+    return validation_data, None
+
+
+def _is_dataset(x):
+    """An iterable of batches rather than arrays (not a tensor, array, list/tuple/dict of arrays)."""
+    if isinstance(x, (np.ndarray, torch.Tensor, Tensor, dict)) or is_variable(x):
+        return False
+    if isinstance(x, (list, tuple)):  # a list of (x, y) batches; else several inputs' arrays
+        return bool(x) and isinstance(x[0], tuple)
+    return hasattr(x, "__iter__")
+
+
+def _steps(data, steps):
+    n = data.num_batches()
+    return n if steps is None else (steps if n is None else min(n, steps))
+
+
+def _first_float(v):
+    if isinstance(v, distribute.PerReplica):
+        v = v.values[0]
+    try:
+        return float(v.numpy() if hasattr(v, "numpy") else v)
+    except (TypeError, ValueError):
+        return v
+
+
+class _Data:
+    """The batches of `fit`/`evaluate`/`predict`: arrays sliced into global batches, or a dataset as given."""
+
+    def __init__(self, x, y, batch_size, shuffle):
+        if x is None:
+            raise ValueError("no data: pass x (arrays, tensors or a dataset of batches)")
+        self.dataset = _is_dataset(x)
+        if self.dataset:
+            if y is not None or batch_size is not None:
+                raise ValueError("with a dataset of batches (an iterable / DataLoader) give neither y nor "
+                                 "batch_size: the batches are used as they come")
+            self.x = x
+            return
+        self.x, self.y = nest.map_structure(_array, x), (None if y is None else nest.map_structure(_array, y))
+        lengths = {len(a) for a in nest.flatten([self.x] + ([] if self.y is None else [self.y]))}
+        if len(lengths) != 1:
+            raise ValueError(f"x and y have different numbers of examples: {sorted(lengths)}")
+        self.n, self.batch_size, self.shuffle = lengths.pop(), int(batch_size or 32), shuffle
+        self._order = np.arange(self.n)
+
+    def num_batches(self):
+        if not self.dataset:
+            return -(-self.n // self.batch_size)
+        try:
+            return len(self.x)
+        except TypeError:
+            return None
+
+    def _global_batches(self):
+        if self.dataset:
+            yield from self.x
+            return
+        if self.shuffle:
+            self._order = np.random.permutation(self.n)
+        for start in range(0, self.n, self.batch_size):
+            idx = self._order[start:start + self.batch_size]
+            part = nest.map_structure(lambda a: a[idx], self.x)
+            yield part if self.y is None else (part, nest.map_structure(lambda a: a[idx], self.y))
+
+    def batches(self, strategy):
+        self._sizes = []
+        source = _Sized(self._global_batches(), self._sizes)
+        if strategy.num_replicas_in_sync == 1 and not distribute.has_strategy():
+            return iter(source)
+        return iter(strategy.experimental_distribute_dataset(source))
+
+    def sizes(self):
+        while True:
+            yield self._sizes.pop(0) if self._sizes else None
+
+
+class _Sized:
+    """Passes global batches through, noting each one's number of examples (the global batch size)."""
+
+    def __init__(self, batches, sizes):
+        self._batches, self._sizes = batches, sizes
+
+    def __iter__(self):
+        for batch in self._batches:
+            x, _, _ = unpack_x_y_sample_weight(batch)
+            self._sizes.append(_rows(nest.flatten(x)[0]) if hasattr(nest.flatten(x)[0], "shape")
+                               else len(nest.flatten(x)[0]))
+            yield batch
+
+
+def _array(a):
+    if isinstance(a, Tensor) or is_variable(a):
+        return a.numpy()
+    if isinstance(a, torch.Tensor):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
