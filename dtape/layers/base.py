@@ -564,6 +564,10 @@ def takes_training(fn):
     return _call_spec(fn).takes_training
 
 
+def takes_mask(fn):
+    return _call_spec(fn).takes_mask
+
+
 def last_dim(input_shape, layer):
     if len(input_shape) == 0 or input_shape[-1] is None:
         raise ValueError(f"{layer.name}: the last input dimension must be known, got shape {tuple(input_shape)}")

@@ -29,6 +29,8 @@ class Dense(Layer):
       torch.Size([4, 3])
     """
 
+    supports_masking = True  # elementwise along the steps: a mask passes through (Keras)
+
     def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
                  bias_initializer="zeros", input_dim=None, name=None, dtype=None, seed=None,
                  kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None, input_shape=None):

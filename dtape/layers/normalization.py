@@ -30,6 +30,8 @@ class LayerNormalization(Layer):
     Source: tf.keras.layers.LayerNormalization(axis=-1).
     """
 
+    supports_masking = True  # elementwise along the steps: a mask passes through (Keras)
+
     _autocast = False  # a mixed policy keeps gamma and beta in float32: 16-bit inputs, float32 statistics
 
     def __init__(self, epsilon=1e-3, input_dim=None, name=None, dtype=None, seed=None, input_shape=None):

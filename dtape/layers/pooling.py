@@ -1,4 +1,4 @@
-"""Pooling layers over NHWC images. Source: tf.keras.layers (keras/layers/pooling)."""
+"""Pooling layers over NHWC images and [batch, steps, features] sequences. Source: tf.keras.layers (keras/layers/pooling)."""
 import torch
 
 from dtape.ops import array_ops as _array
@@ -102,3 +102,55 @@ class GlobalMaxPooling2D(_GlobalPooling2D):
     """Max over height and width: [batch, h, w, c] -> [batch, c]. Source: tf.keras.layers.GlobalMaxPooling2D."""
 
     _reduce = staticmethod(_math.reduce_max)
+
+
+def _check_rank3(shape, layer):
+    if len(shape) != 3:
+        raise ValueError(f"{layer.name}: {type(layer).__name__} expects inputs of rank 3 ([batch, steps, "
+                         f"features]), got shape {tuple(shape)}")
+
+
+class _GlobalPooling1D(Layer):
+    supports_masking = True
+
+    def __init__(self, data_format=None, keepdims=False, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        channels_last(data_format, type(self).__name__)
+        self.keepdims = bool(keepdims)
+
+    def compute_output_shape(self, input_shape):
+        _check_rank3(input_shape, self)
+        return (input_shape[0], 1, input_shape[2]) if self.keepdims else (input_shape[0], input_shape[2])
+
+    def compute_mask(self, inputs, mask=None):
+        return None  # the steps are reduced away: no mask after (Keras)
+
+
+class GlobalAveragePooling1D(_GlobalPooling1D):
+    """Mean over the steps: [batch, steps, features] -> [batch, features] ([batch, 1, features] with keepdims).
+
+    With a mask ([batch, steps], e.g. from `Embedding(mask_zero=True)`), the
+    mean of the kept steps only (Keras); a row with no kept step gives NaN
+    as Keras's 0 / 0. The output carries no mask.
+    Args: data_format ("channels_last" only), keepdims, name.
+    Source: tf.keras.layers.GlobalAveragePooling1D.
+    """
+
+    def call(self, x, mask=None):
+        _check_rank3(x.shape, self)
+        if mask is None:
+            return _math.reduce_mean(x, axis=1, keepdims=self.keepdims)
+        weight = _array.expand_dims(_array.cast(mask, x.dtype), -1)
+        total = _math.reduce_sum(x * weight, axis=1, keepdims=self.keepdims)
+        return total / _math.reduce_sum(weight, axis=1, keepdims=self.keepdims)
+
+
+class GlobalMaxPooling1D(_GlobalPooling1D):
+    """Max over the steps: [batch, steps, features] -> [batch, features]. Masks are not applied (as Keras).
+
+    Source: tf.keras.layers.GlobalMaxPooling1D.
+    """
+
+    def call(self, x):
+        _check_rank3(x.shape, self)
+        return _math.reduce_max(x, axis=1, keepdims=self.keepdims)

@@ -34,6 +34,8 @@ class Dropout(Layer):
     Source: tf.keras.layers.Dropout (per-replica streams: tf.random.Generator.split).
     """
 
+    supports_masking = True  # elementwise along the steps: a mask passes through (Keras)
+
     def __init__(self, rate, name=None, seed=None):
         super().__init__(name=name, seed=seed)
         if not 0.0 <= float(rate) < 1.0:

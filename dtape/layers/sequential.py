@@ -4,7 +4,7 @@ import torch
 from dtape import _keras_tensor
 from dtape import tape as _tp
 from dtape.tensor import Tensor
-from dtape.layers.base import Layer, takes_training
+from dtape.layers.base import Layer, takes_mask, takes_training
 
 
 class Sequential(Layer):
@@ -78,10 +78,23 @@ class Sequential(Layer):
         first = self.layers[0] if self.layers else None
         return first._convert_input(x) if isinstance(first, Layer) else super()._convert_input(x)
 
-    def call(self, x, training=False):
+    def call(self, x, training=False, mask=None):
+        """Each layer on the previous one's output; a mask (given, or from a layer's `compute_mask`, e.g.
+        `Embedding(mask_zero=True)`) goes to the next layers whose `call` takes `mask` and passes through those
+        that `supports_masking` (Keras's propagation), else it stops."""
         for layer in self.layers:
-            x = layer(x, training=training) if takes_training(layer.__call__) else layer(x)
+            kwargs = {"training": training} if takes_training(layer.__call__) else {}
+            if mask is not None and isinstance(layer, Layer) and takes_mask(layer.call):
+                kwargs["mask"] = mask
+            x, mask = layer(x, **kwargs), _next_mask(layer, x, mask)
         return x
+
+
+def _next_mask(layer, x, mask):
+    """The mask after `layer`: its `compute_mask`, else `mask` if it `supports_masking`, else None."""
+    if hasattr(layer, "compute_mask"):
+        return layer.compute_mask(x, mask)
+    return mask if getattr(layer, "supports_masking", False) else None
 
 
 def _build_layer(layer, shape):

@@ -1,0 +1,232 @@
+"""The layers TF's tutorials use (DCGAN, Transformer, text classification), checked against torch and
+finite differences in float64: Conv2DTranspose, Conv1D, LeakyReLU, ReLU, Add, Multiply, Concatenate,
+Permute, UpSampling2D, GlobalAveragePooling1D, Embedding(mask_zero=True) with masks through
+Sequential and functional models, MultiHeadAttention."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtape
+from dtape import keras
+
+L = dtape.layers
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _float64_layers():
+    """Layers cast floating inputs to their dtype (Keras): float64 throughout, as the finite differences need."""
+    dtape.mixed_precision.set_global_policy("float64")
+    yield
+    dtape.mixed_precision.set_global_policy("float32")
+
+
+def _t(*shape, seed=0):
+    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
+
+
+def _grads_match_finite_differences(fn, inputs, variables=(), eps=1e-6):
+    """dtape's gradients of <w, fn(inputs)> (w fixed random) for each input and variable, against central
+    differences of the same sum in float64."""
+    xs = [dtape.constant(x) for x in inputs]
+    with dtape.GradientTape() as tape:
+        for x in xs:
+            tape.watch(x)
+        y = fn(*xs)
+        w = _t(*tuple(y.shape), seed=99)
+        loss = dtape.reduce_sum(y * dtape.constant(w))
+    got = tape.gradient(loss, xs + list(variables))
+
+    def value():
+        with dtape.stop_recording():
+            return float((fn(*[dtape.constant(x) for x in inputs]).torch() * w).sum())
+
+    def numeric(get, put):
+        base = get().clone()
+        flat, out = base.reshape(-1), torch.zeros(base.numel(), dtype=D)
+        for i in range(base.numel()):
+            for sign in (1, -1):
+                pert = flat.clone()
+                pert[i] += sign * eps
+                put(pert.reshape(base.shape))
+                out[i] += sign * value() / (2 * eps)
+        put(base)
+        return out.reshape(base.shape)
+
+    for i, x in enumerate(inputs):
+        want = numeric(lambda: inputs[i], lambda v: inputs.__setitem__(i, v))
+        torch.testing.assert_close(got[i].torch(), want, rtol=1e-5, atol=1e-6)
+    for k, var in enumerate(variables):
+        want = numeric(lambda: var.torch(), lambda v: var.assign(dtape.constant(v)))
+        torch.testing.assert_close(got[len(inputs) + k].torch(), want, rtol=1e-5, atol=1e-6)
+
+
+# -- Conv2DTranspose -----------------------------------------------------------------
+
+@pytest.mark.parametrize("k,s,padding,hw,want", [(5, 2, "same", (3, 4), (6, 8)),     # DCGAN's generator
+                                                 (3, 2, "valid", (3, 4), (7, 9)),
+                                                 (1, 2, "valid", (3, 3), (6, 6)),    # kernel < strides
+                                                 (4, 1, "same", (3, 3), (3, 3))])
+def test_conv2d_transpose_shapes_and_values_match_torch_cropped_as_tf(k, s, padding, hw, want):
+    layer = L.Conv2DTranspose(3, k, strides=s, padding=padding, dtype=D, seed=0)
+    x = _t(2, *hw, 2)
+    y = layer(x)
+    assert tuple(y.shape) == (2, *want, 3) and layer.compute_output_shape((None, *hw, 2)) == (None, *want, 3)
+    assert tuple(layer.kernel.shape) == (k, k, 3, 2)               # Keras's order: (kh, kw, filters, in)
+    full = F.conv_transpose2d(x.permute(0, 3, 1, 2), layer.kernel.torch().permute(3, 2, 0, 1), stride=s)
+    total = [max(k - s, 0)] * 2 if padding == "same" else [0, 0]   # TF: SAME pads k - s, the extra after
+    full = F.pad(full, (0, max(want[1] - full.shape[3], 0), 0, max(want[0] - full.shape[2], 0)))
+    top, left = total[0] // 2, total[1] // 2
+    ref = full[:, :, top:top + want[0], left:left + want[1]].permute(0, 2, 3, 1) + layer.bias.torch()
+    torch.testing.assert_close(y.torch(), ref)
+
+
+def test_conv2d_transpose_output_padding_follows_keras_formula():
+    layer = L.Conv2DTranspose(2, 3, strides=2, padding="same", output_padding=1, dtype=D)
+    assert tuple(layer(_t(1, 4, 4, 1)).shape) == (1, 8, 8, 2)      # (4 - 1) * 2 + 3 - 2 * 1 + 1
+    with pytest.raises(ValueError, match="smaller than the strides"):
+        L.Conv2DTranspose(2, 3, strides=2, output_padding=2)
+
+
+def test_conv2d_transpose_gradients_match_finite_differences():
+    layer = L.Conv2DTranspose(2, 3, strides=2, padding="same", activation="tanh", dtype=D, seed=1)
+    layer.build((None, 3, 3, 2))
+    layer.bias.assign(dtape.constant(_t(2, seed=5)))
+    _grads_match_finite_differences(layer, [_t(1, 3, 3, 2)], layer.trainable_variables)
+
+
+# -- Conv1D ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("padding,dilation", [("valid", 1), ("same", 1), ("causal", 2)])
+def test_conv1d_matches_torch_conv1d(padding, dilation):
+    layer = L.Conv1D(3, 3, padding=padding, dilation_rate=dilation, dtype=D, seed=0)
+    x = _t(2, 7, 4)
+    y = layer(x)
+    w = layer.kernel.torch().permute(2, 1, 0)                      # [k, in, out] -> [out, in, k]
+    pad = {"valid": (0, 0), "same": (1, 1), "causal": (2 * dilation, 0)}[padding]
+    ref = F.conv1d(F.pad(x.permute(0, 2, 1), pad), w, dilation=dilation).permute(0, 2, 1) + layer.bias.torch()
+    torch.testing.assert_close(y.torch(), ref)
+    assert layer.compute_output_shape((None, 7, 4)) == (None, ref.shape[1], 3)
+
+
+def test_conv1d_causal_output_sees_only_the_past():
+    layer = L.Conv1D(2, 3, padding="causal", dtype=D, seed=0)
+    x = _t(1, 6, 2)
+    later = x.clone()
+    later[:, 4:] += 1.0
+    torch.testing.assert_close(layer(x).torch()[:, :4], layer(later).torch()[:, :4])
+
+
+def test_conv1d_gradients_match_finite_differences():
+    layer = L.Conv1D(2, 3, strides=2, padding="same", dtype=D, seed=2)
+    layer.build((None, 5, 2))
+    _grads_match_finite_differences(layer, [_t(2, 5, 2)], layer.trainable_variables)
+
+
+# -- activations ---------------------------------------------------------------------------
+
+def test_leaky_relu_default_slope_is_keras_and_alpha_is_its_keras2_name():
+    x = _t(3, 4)
+    torch.testing.assert_close(L.LeakyReLU()(x).torch(), F.leaky_relu(x, 0.3))
+    torch.testing.assert_close(L.LeakyReLU(alpha=0.2)(x).torch(), F.leaky_relu(x, 0.2))
+    with pytest.raises(ValueError, match="not both"):
+        L.LeakyReLU(negative_slope=0.1, alpha=0.2)
+
+
+def test_relu_options_follow_keras_formula():
+    x = torch.tensor([-2.0, -0.5, 0.2, 0.7, 1.5, 3.0], dtype=D)
+    got = L.ReLU(max_value=2.0, negative_slope=0.1, threshold=0.5)(x).torch()
+    want = torch.where(x >= 2.0, 2.0, torch.where(x >= 0.5, x, 0.1 * (x - 0.5)))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(L.ReLU()(x).torch(), torch.relu(x))
+    torch.testing.assert_close(L.ReLU(max_value=1.0)(x).torch(), torch.clamp(x, 0, 1))
+
+
+def test_relu_and_leaky_relu_gradients_match_finite_differences():
+    x = torch.tensor([[-2.0, -0.4, 0.3, 0.9, 1.6, 3.1]], dtype=D)  # away from the kinks
+    _grads_match_finite_differences(L.ReLU(max_value=2.0, negative_slope=0.1, threshold=0.5), [x])
+    _grads_match_finite_differences(L.LeakyReLU(0.2), [x])
+
+
+# -- merging -------------------------------------------------------------------------------
+
+def test_add_multiply_concatenate_values_and_shapes():
+    a, b, c = _t(2, 3, 4), _t(2, 3, 4, seed=1), _t(2, 3, 2, seed=2)
+    torch.testing.assert_close(L.Add()([a, b, a]).torch(), a + b + a)
+    torch.testing.assert_close(L.Multiply()([a, b]).torch(), a * b)
+    torch.testing.assert_close(L.Concatenate()([a, c]).torch(), torch.cat([a, c], -1))
+    torch.testing.assert_close(L.Concatenate(axis=1)([a, b]).torch(), torch.cat([a, b], 1))
+    x, y = keras.Input((3, 4)), keras.Input((3, 2))
+    assert L.Concatenate()([x, y]).shape == (None, 3, 6)
+    with pytest.raises(ValueError, match="list of tensors"):
+        L.Add()(a)
+
+
+def test_merge_gradients_match_finite_differences():
+    a, b = _t(2, 3), _t(2, 3, seed=1)
+    _grads_match_finite_differences(lambda x, y: L.Multiply()([x, L.Add()([x, y])]), [a, b])
+    _grads_match_finite_differences(lambda x, y: L.Concatenate(axis=0)([x, y * y]), [a, b])
+
+
+def test_merge_masks_and_keras_concatenate_masks():
+    a = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    b = torch.tensor([[1, 0, 1]], dtype=torch.bool)
+    x = [dtape.constant(_t(1, 3, 2)), dtape.constant(_t(1, 3, 2))]
+    ma, mb = dtape.constant(a), dtape.constant(b)
+    assert L.Add().compute_mask(x, [ma, mb]).torch().tolist() == [[True, False, False]]
+    assert L.Add().compute_mask(x, [ma, None]).torch().tolist() == [[True, True, False]]
+    assert L.Concatenate().compute_mask(x, [ma, mb]).torch().tolist() == [[True, False, False]]
+    assert L.Concatenate(axis=1).compute_mask(x, [ma, None]).torch().tolist() == [[True, True, False] + [True] * 3]
+    assert L.Add().compute_mask(x, None) is None
+
+
+# -- reshaping ----------------------------------------------------------------------------
+
+def test_permute_matches_torch_and_checks_dims():
+    x = _t(2, 3, 4, 5)
+    torch.testing.assert_close(L.Permute((3, 1, 2))(x).torch(), x.permute(0, 3, 1, 2))
+    assert L.Permute((2, 1)).compute_output_shape((None, 3, 4)) == (None, 4, 3)
+    with pytest.raises(ValueError, match="permutation"):
+        L.Permute((0, 1))
+
+
+def test_upsampling2d_matches_torch_nearest_and_its_gradient_sums_the_copies():
+    x = _t(2, 3, 4, 2)
+    y = L.UpSampling2D((2, 3))(x)
+    ref = F.interpolate(x.permute(0, 3, 1, 2), scale_factor=(2, 3), mode="nearest").permute(0, 2, 3, 1)
+    torch.testing.assert_close(y.torch(), ref)
+    _grads_match_finite_differences(L.UpSampling2D(), [_t(1, 2, 2, 1)])
+    with pytest.raises(ValueError, match="nearest"):
+        L.UpSampling2D(interpolation="bilinear")
+
+
+# -- masking: Embedding(mask_zero) -> GlobalAveragePooling1D -----------------------------------
+
+def _masked_mean(emb, ids):
+    keep = (ids != 0).to(D)[..., None]
+    return (emb[ids] * keep).sum(1) / keep.sum(1)
+
+
+def test_global_average_pooling1d_mask_averages_kept_steps_and_gradients_match():
+    x, mask = _t(2, 4, 3), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    got = L.GlobalAveragePooling1D()(x, mask=dtape.constant(mask)).torch()
+    torch.testing.assert_close(got, (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+    torch.testing.assert_close(L.GlobalAveragePooling1D()(x).torch(), x.mean(1))
+    assert L.GlobalAveragePooling1D(keepdims=True).compute_output_shape((None, 4, 3)) == (None, 1, 3)
+    _grads_match_finite_differences(lambda t: L.GlobalAveragePooling1D()(t, mask=dtape.constant(mask)), [x])
+
+
+def test_embedding_mask_zero_flows_through_sequential_and_functional_models():
+    ids = torch.tensor([[3, 1, 0, 0], [2, 2, 4, 0]])
+    emb = L.Embedding(5, 3, mask_zero=True, dtype=D, seed=0)
+    assert emb.compute_mask(ids).torch().tolist() == [[True, True, False, False], [True, True, True, False]]
+    assert L.Embedding(5, 3).compute_mask(ids) is None
+    want = _masked_mean(emb.embeddings.torch(), ids)
+    seq = L.Sequential([emb, L.Dropout(0.5), L.GlobalAveragePooling1D()])
+    torch.testing.assert_close(seq(ids).torch(), want)
+    inp = keras.Input((None,), dtype="int64")
+    model = keras.Model(inp, L.GlobalAveragePooling1D()(L.ReLU(max_value=100.0)(emb(inp))))
+    torch.testing.assert_close(model(ids).torch(), _masked_mean(torch.clamp(emb.embeddings.torch(), 0, 100), ids))
+    # padding ids are ignored: other padding lengths give the same vectors
+    torch.testing.assert_close(seq(torch.tensor([[3, 1, 0, 0, 0, 0]])).torch(), want[:1])
