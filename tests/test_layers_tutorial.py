@@ -230,3 +230,72 @@ def test_embedding_mask_zero_flows_through_sequential_and_functional_models():
     torch.testing.assert_close(model(ids).torch(), _masked_mean(torch.clamp(emb.embeddings.torch(), 0, 100), ids))
     # padding ids are ignored: other padding lengths give the same vectors
     torch.testing.assert_close(seq(torch.tensor([[3, 1, 0, 0, 0, 0]])).torch(), want[:1])
+
+
+# -- MultiHeadAttention ----------------------------------------------------------------
+
+def _torch_mha(mha, e):
+    """torch.nn.MultiheadAttention holding `mha`'s weights (embed_dim e = num_heads * key_dim)."""
+    ref = torch.nn.MultiheadAttention(e, mha.num_heads, batch_first=True, dtype=D)
+    v = [w.torch() for w in mha.trainable_variables]
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([v[0].reshape(e, e).T, v[2].reshape(e, e).T, v[4].reshape(e, e).T]))
+        ref.in_proj_bias.copy_(torch.cat([v[1].reshape(e), v[3].reshape(e), v[5].reshape(e)]))
+        ref.out_proj.weight.copy_(v[6].reshape(e, e).T)
+        ref.out_proj.bias.copy_(v[7])
+    return ref
+
+
+def test_multi_head_attention_matches_torch_with_causal_and_padding_masks():
+    mha = L.MultiHeadAttention(num_heads=2, key_dim=3, seed=0)
+    mha.build((None, 4, 6))
+    q, kv = _t(2, 4, 6), _t(2, 5, 6, seed=1)
+    for w in mha.trainable_variables:  # nonzero biases
+        w.assign(dtape.constant(_t(*tuple(w.shape), seed=len(w.name))))
+    pad = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    out, scores = mha(query=q, value=kv, value_mask=pad, use_causal_mask=True, return_attention_scores=True)
+    assert tuple(out.shape) == (2, 4, 6) and tuple(scores.shape) == (2, 2, 4, 5)
+    ref = _torch_mha(mha, 6)
+    causal = torch.ones(4, 5, dtype=torch.bool).tril().logical_not()
+    want, want_scores = ref(q, kv, kv, key_padding_mask=~pad, attn_mask=causal, average_attn_weights=False)
+    torch.testing.assert_close(out.torch(), want)
+    torch.testing.assert_close(scores.torch(), want_scores)
+    assert float(scores.torch()[0, :, :, 3:].abs().max()) < 1e-12     # padded keys get no attention
+    # key given apart from value, and an explicit attention_mask [batch, T, S], ANDed
+    key = _t(2, 5, 6, seed=2)
+    allowed = torch.rand(2, 4, 5, generator=torch.Generator().manual_seed(3)) > 0.3
+    allowed[:, :, 0] = True
+    got = mha(q, kv, key=key, attention_mask=allowed)
+    want, _ = ref(q, key, kv, attn_mask=(~allowed).repeat_interleave(2, dim=0))
+    torch.testing.assert_close(got.torch(), want)
+
+
+def test_multi_head_attention_output_shape_value_dim_and_functional_self_attention_mask():
+    mha = L.MultiHeadAttention(num_heads=3, key_dim=2, value_dim=4, output_shape=5)
+    out = mha(_t(2, 4, 6), _t(2, 7, 3))
+    assert tuple(out.shape) == (2, 4, 5)
+    assert [tuple(w.shape) for w in mha.trainable_variables] == [(6, 3, 2), (3, 2), (3, 3, 2), (3, 2), (3, 3, 4),
+                                                                  (3, 4), (3, 4, 5), (5,)]
+    # Embedding(mask_zero) -> self-attention: padding ids are neither queried nor attended (Keras's implicit masks)
+    ids = keras.Input((None,), dtype="int64")
+    emb = L.Embedding(7, 4, mask_zero=True, seed=1)
+    att = L.MultiHeadAttention(2, 2, seed=2)
+    x = emb(ids)
+    y = att(x, x)
+    assert y.shape == (None, None, 4)
+    model = keras.Model(ids, L.GlobalAveragePooling1D()(y))
+    short, padded = torch.tensor([[3, 5, 2]]), torch.tensor([[3, 5, 2, 0, 0]])
+    torch.testing.assert_close(model(padded).torch(), model(short).torch())
+    with pytest.raises(ValueError, match="value"):
+        att(_t(1, 2, 4))
+
+
+def test_multi_head_attention_gradients_match_finite_differences():
+    mha = L.MultiHeadAttention(num_heads=2, key_dim=2, seed=4)
+    mha.build((None, 2, 4))
+    mha(_t(1, 2, 4), _t(1, 3, 4))
+    for w in mha.trainable_variables:
+        w.assign(dtape.constant(_t(*tuple(w.shape), seed=len(w.name)) * 0.5))
+    keep = dtape.constant(torch.tensor([[True, True, False]]))
+    _grads_match_finite_differences(lambda q, v: mha(q, v, value_mask=keep, use_causal_mask=True),
+                                    [_t(1, 2, 4), _t(1, 3, 4, seed=1)], mha.trainable_variables)

@@ -10,6 +10,7 @@ Source: tf.keras.layers.
 from dtape.layers.base import (Constant, GlorotUniform, HeNormal, HeUniform, Initializer, Layer, Ones, RandomNormal,
                                RandomUniform, TruncatedNormal, Zeros, get_activation, get_initializer)
 from dtape.layers.activations import Activation, LeakyReLU, ReLU
+from dtape.layers.attention import MultiHeadAttention
 from dtape.layers.convolutional import Conv1D, Conv2D, Conv2DTranspose
 from dtape.layers.core import Dense
 from dtape.layers.embedding import Embedding
@@ -26,4 +27,4 @@ __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "Batch
            "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "Flatten", "Reshape",
            "Sequential", "Activation", "get_activation", "get_initializer",
            "Conv1D", "Conv2DTranspose", "ReLU", "LeakyReLU", "Add", "Multiply", "Concatenate", "Permute",
-           "UpSampling2D", "GlobalAveragePooling1D", "GlobalMaxPooling1D"]
+           "UpSampling2D", "GlobalAveragePooling1D", "GlobalMaxPooling1D", "MultiHeadAttention"]
