@@ -299,3 +299,17 @@ def test_multi_head_attention_gradients_match_finite_differences():
     keep = dtape.constant(torch.tensor([[True, True, False]]))
     _grads_match_finite_differences(lambda q, v: mha(q, v, value_mask=keep, use_causal_mask=True),
                                     [_t(1, 2, 4), _t(1, 3, 4, seed=1)], mha.trainable_variables)
+
+
+def test_multi_head_attention_propagated_mask_is_the_query_and_self_attention_value_mask():
+    mha = L.MultiHeadAttention(num_heads=2, key_dim=2, seed=5)
+    x, m = _t(1, 4, 4), dtape.constant(torch.tensor([[True, True, True, False]]))
+    out, scores = mha(x, x, mask=m, return_attention_scores=True)
+    want, want_scores = mha(x, x, query_mask=m, value_mask=m, return_attention_scores=True)
+    torch.testing.assert_close(out.torch(), want.torch())
+    torch.testing.assert_close(scores.torch(), want_scores.torch())
+    assert float(scores.torch()[0, :, :3, 3].abs().max()) < 1e-12        # kept queries skip the padded key
+    # the padded query has every key masked: -1e9 on each score (Keras), so in float32 its probabilities are uniform
+    mha32 = L.MultiHeadAttention(num_heads=2, key_dim=2, seed=5, dtype="float32")
+    _, scores32 = mha32(x.float(), x.float(), mask=m, return_attention_scores=True)
+    torch.testing.assert_close(scores32.torch()[0, :, 3], torch.full((2, 4), 0.25))

@@ -50,8 +50,9 @@ class MultiHeadAttention(Layer):
         (query step t sees value steps <= t).
     Returns [batch, T, output_shape] (query's dtype), and with
     return_attention_scores=True also the probabilities [batch, num_heads, T, S]
-    (before dropout). A query step whose every key is masked gets uniform
-    probabilities (Keras). The output keeps the query's mask.
+    (before dropout). A query step whose every key is masked gets -1e9 on
+    every score (Keras): uniform probabilities in float32 (float64 still
+    tells the scores apart). The output keeps the query's mask.
 
     Variables (Keras's order and shapes): query/key/value kernels
     [dim, num_heads, key_dim or value_dim] and biases [num_heads, key_dim or
@@ -122,7 +123,7 @@ class MultiHeadAttention(Layer):
         if value is None:
             raise ValueError(f"{self.name}: MultiHeadAttention needs a value: mha(query, value) or "
                              "mha(query=x, value=y) (self-attention: mha(x, x))")
-        self_attention = value is query
+        self_attention = _same_tensor(value, query)
         value = value if isinstance(value, Tensor) else convert_to_tensor(value, dtype=query.dtype)
         key = value if key is None else (key if isinstance(key, Tensor) else convert_to_tensor(key, dtype=query.dtype))
         for what, t in (("query", query), ("value", value), ("key", key)):
@@ -167,6 +168,17 @@ class MultiHeadAttention(Layer):
         for p in parts[1:]:
             allowed = _math.logical_and(allowed, p)
         return allowed
+
+
+def _same_tensor(a, b):
+    """a and b are one tensor (self-attention), also when each was wrapped apart from the same torch tensor."""
+    if a is b:
+        return True
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        return False
+    ta, tb = a.torch(), b.torch()
+    return ta.data_ptr() == tb.data_ptr() and ta.shape == tb.shape and ta.stride() == tb.stride() \
+        and ta.dtype == tb.dtype
 
 
 def _bool(mask):
