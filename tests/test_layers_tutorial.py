@@ -313,3 +313,29 @@ def test_multi_head_attention_propagated_mask_is_the_query_and_self_attention_va
     mha32 = L.MultiHeadAttention(num_heads=2, key_dim=2, seed=5, dtype="float32")
     _, scores32 = mha32(x.float(), x.float(), mask=m, return_attention_scores=True)
     torch.testing.assert_close(scores32.torch()[0, :, 3], torch.full((2, 4), 0.25))
+
+
+def test_transformer_tutorial_masked_loss_matches_torch_ignore_index_with_gradients():
+    """TF's Transformer tutorial: Embedding(mask_zero=True) -> self-attention -> Add -> LayerNormalization -> Dense,
+    and its masked_loss (reduction="none", times label != 0, over the count of kept labels), against torch's cross
+    entropy with ignore_index=0 on the same logits, the gradient with respect to the logits included."""
+    ids = keras.Input((None,), dtype="int64")
+    h = L.Embedding(6, 4, mask_zero=True, seed=0)(ids)
+    h = L.LayerNormalization()(L.Add()([h, L.MultiHeadAttention(2, 2, seed=1)(h, h)]))
+    model = keras.Model(ids, L.Dense(6, seed=2)(h))
+    tokens = torch.tensor([[1, 4, 2, 0, 0], [3, 5, 5, 2, 0]])
+    labels = torch.tensor([[4, 2, 5, 0, 0], [5, 5, 2, 1, 0]])
+    loss_object = dtape.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    logits = model(tokens)
+    with dtape.GradientTape() as tape:
+        tape.watch(logits)
+        mask = dtape.cast(dtape.not_equal(dtape.constant(labels), 0), logits.dtype)
+        loss = dtape.reduce_sum(loss_object(labels, logits) * mask) / dtape.reduce_sum(mask)
+    got = tape.gradient(loss, logits)
+    ref_logits = logits.torch().clone().requires_grad_(True)
+    want = F.cross_entropy(ref_logits.reshape(-1, 6), labels.reshape(-1), ignore_index=0)
+    want.backward()
+    torch.testing.assert_close(loss.torch(), want.detach())
+    torch.testing.assert_close(got.torch(), ref_logits.grad)
+    # padding does not change the kept positions' logits: the mask reached attention (no causal mask here)
+    torch.testing.assert_close(model(tokens[:1, :3]).torch(), logits.torch()[:1, :3])
