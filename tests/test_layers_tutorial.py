@@ -339,3 +339,45 @@ def test_transformer_tutorial_masked_loss_matches_torch_ignore_index_with_gradie
     torch.testing.assert_close(got.torch(), ref_logits.grad)
     # padding does not change the kept positions' logits: the mask reached attention (no causal mask here)
     torch.testing.assert_close(model(tokens[:1, :3]).torch(), logits.torch()[:1, :3])
+
+
+def test_dcgan_tutorial_generator_and_discriminator_build_with_keras_shapes():
+    """TF's DCGAN tutorial's two models, as written there (Sequential, input_shape on the first layer)."""
+    generator = L.Sequential([
+        L.Dense(7 * 7 * 256, use_bias=False, input_shape=(100,)), L.BatchNormalization(), L.LeakyReLU(),
+        L.Reshape((7, 7, 256)),
+        L.Conv2DTranspose(128, (5, 5), strides=(1, 1), padding="same", use_bias=False),
+        L.BatchNormalization(), L.LeakyReLU(),
+        L.Conv2DTranspose(64, (5, 5), strides=(2, 2), padding="same", use_bias=False),
+        L.BatchNormalization(), L.LeakyReLU(),
+        L.Conv2DTranspose(1, (5, 5), strides=(2, 2), padding="same", use_bias=False, activation="tanh")])
+    assert generator.output_shape == (None, 28, 28, 1)              # known at construction, as Keras
+    discriminator = L.Sequential([
+        L.Conv2D(64, (5, 5), strides=(2, 2), padding="same", input_shape=[28, 28, 1]), L.LeakyReLU(),
+        L.Dropout(0.3), L.Conv2D(128, (5, 5), strides=(2, 2), padding="same"), L.LeakyReLU(), L.Dropout(0.3),
+        L.Flatten(), L.Dense(1)])
+    images = generator(_t(2, 100), training=False)
+    assert tuple(images.shape) == (2, 28, 28, 1) and float(dtape.reduce_max(dtape.abs(images))) <= 1.0
+    assert tuple(discriminator(images).shape) == (2, 1)
+
+
+def test_transformer_tutorial_cross_attention_layer_with_keyword_calls():
+    """TF's Transformer tutorial's CrossAttention: mha(query=, key=, value=, return_attention_scores=True)
+    inside a custom layer, then Add and LayerNormalization."""
+    class CrossAttention(L.Layer):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.mha = L.MultiHeadAttention(**kwargs)
+            self.layernorm = L.LayerNormalization()
+            self.add = L.Add()
+
+        def call(self, x, context):
+            attn_output, attn_scores = self.mha(query=x, key=context, value=context, return_attention_scores=True)
+            self.last_attn_scores = attn_scores
+            return self.layernorm(self.add([x, attn_output]))
+
+    layer = CrossAttention(num_heads=2, key_dim=4)
+    out = layer(_t(3, 5, 8), _t(3, 7, 8, seed=1))
+    assert tuple(out.shape) == (3, 5, 8) and tuple(layer.last_attn_scores.shape) == (3, 2, 5, 7)
+    torch.testing.assert_close(dtape.reduce_sum(layer.last_attn_scores, axis=-1).torch(), torch.ones(3, 2, 5, dtype=D))
+    assert len(layer.trainable_variables) == 10                        # 8 attention + gamma, beta
