@@ -381,3 +381,20 @@ def test_transformer_tutorial_cross_attention_layer_with_keyword_calls():
     assert tuple(out.shape) == (3, 5, 8) and tuple(layer.last_attn_scores.shape) == (3, 2, 5, 7)
     torch.testing.assert_close(dtape.reduce_sum(layer.last_attn_scores, axis=-1).torch(), torch.ones(3, 2, 5, dtype=D))
     assert len(layer.trainable_variables) == 10                        # 8 attention + gamma, beta
+
+
+def test_multi_head_attention_restored_before_its_first_call_and_without_biases(tmp_path):
+    """Its variables are made by the first call (they need the value's size): a checkpoint restored before
+    fills them then (deferred restoration), as for layers built by their first call."""
+    q, kv = _t(1, 3, 4), _t(1, 2, 5, seed=1)
+    trained = L.MultiHeadAttention(2, 3, seed=0)
+    want = trained(q, kv)
+    path = dtape.train.Checkpoint(layer=trained).save(str(tmp_path / "ckpt"))
+    fresh = L.MultiHeadAttention(2, 3, seed=7)
+    ckpt = dtape.train.Checkpoint(layer=fresh)       # kept alive until the values are in
+    ckpt.restore(path)
+    torch.testing.assert_close(fresh(q, kv).torch(), want.torch())
+    del ckpt
+    plain = L.MultiHeadAttention(2, 3, use_bias=False)
+    plain(q, kv)
+    assert [tuple(w.shape) for w in plain.trainable_variables] == [(4, 2, 3), (5, 2, 3), (5, 2, 3), (2, 3, 4)]

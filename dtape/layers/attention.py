@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from dtape import _restore_hooks
 from dtape import nn as _nn
 from dtape import regularizers as _regularizers
 from dtape.ops import array_ops as _array
@@ -109,6 +110,7 @@ class MultiHeadAttention(Layer):
             "value": self._weights("value", (value_dim, heads, self.value_dim), (heads, self.value_dim)),
             "attention_output": self._weights("attention_output", (heads, self.value_dim, out), (out,)),
         }
+        _restore_hooks.variables_created(self)   # a checkpoint restored before this first call fills them now
 
     def _project(self, name, x, equation):
         kernel, bias = self._projections[name]
