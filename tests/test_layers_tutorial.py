@@ -398,3 +398,12 @@ def test_multi_head_attention_restored_before_its_first_call_and_without_biases(
     plain = L.MultiHeadAttention(2, 3, use_bias=False)
     plain(q, kv)
     assert [tuple(w.shape) for w in plain.trainable_variables] == [(4, 2, 3), (5, 2, 3), (5, 2, 3), (2, 3, 4)]
+
+
+def test_global_max_pooling1d_values_shapes_and_gradient():
+    x = _t(2, 4, 3)
+    torch.testing.assert_close(L.GlobalMaxPooling1D()(x).torch(), x.amax(1))
+    torch.testing.assert_close(L.GlobalMaxPooling1D(keepdims=True)(x).torch(), x.amax(1, keepdim=True))
+    _grads_match_finite_differences(L.GlobalMaxPooling1D(), [x])
+    with pytest.raises(ValueError, match="rank 3"):
+        L.GlobalMaxPooling1D()(_t(2, 3))
