@@ -407,3 +407,17 @@ def test_global_max_pooling1d_values_shapes_and_gradient():
     _grads_match_finite_differences(L.GlobalMaxPooling1D(), [x])
     with pytest.raises(ValueError, match="rank 3"):
         L.GlobalMaxPooling1D()(_t(2, 3))
+
+
+@pytest.mark.parametrize("make,shapes", [
+    (lambda: L.Conv2DTranspose(3, 3, strides=2, padding="same", dtype="mixed_bfloat16"), [(2, 4, 4, 2)]),
+    (lambda: L.Conv1D(3, 3, padding="causal", dtype="mixed_bfloat16"), [(2, 5, 2)]),
+    (lambda: L.MultiHeadAttention(2, 3, dtype="mixed_bfloat16"), [(2, 4, 6), (2, 5, 6)])])
+def test_new_layers_under_a_mixed_policy_compute_in_bfloat16_and_keep_float32_variables(make, shapes):
+    layer = make()
+    with dtape.GradientTape() as tape:
+        y = layer(*[torch.randn(*s) for s in shapes])
+        loss = dtape.reduce_sum(dtape.cast(y, torch.float32))
+    grads = tape.gradient(loss, layer.trainable_variables)
+    assert y.dtype == torch.bfloat16
+    assert all(v.dtype == torch.float32 and g.dtype == torch.float32 for v, g in zip(layer.trainable_variables, grads))
