@@ -106,8 +106,9 @@ def _torch_hvp(opdef, args, attrs, flat, pos, cots, vs):
     def phi(*diff):
         return sum(torch.sum(o.to(D) * c.to(D)) for o, c in zip(fn(*diff), cots))
     primals = tuple(flat[k] for k in pos)
-    if opdef.name == "conv2d":
-        # torch's backward of slow_conv2d refuses a one-channel filter ("grad_weight must be contiguous"):
+    if opdef.name in ("conv2d", "conv2d_transpose"):
+        # torch's backward of slow_conv2d refuses a one-channel filter ("grad_weight must be contiguous"), and
+        # its double backward of a transposed convolution refuses output_padding:
         # H v as the forward-mode Jacobian of the directional derivative <grad phi, v> (forward over forward)
         def directional(*p):
             return torch.func.jvp(phi, p, tuple(vs))[1]

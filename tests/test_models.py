@@ -150,14 +150,15 @@ class _MaskedMean(L.Layer):
 
 def test_masks_follow_the_graph_and_training_reaches_every_layer():
     x_in = keras.Input(shape=(4,), dtype="float64")
-    scaled = L.Dropout(0.5, seed=1)(_Masked()(x_in))  # Dropout keeps no mask: the consumer sees none after it
-    model = keras.Model(x_in, [_MaskedMean()(_Masked()(x_in)), _MaskedMean()(scaled)])
+    scaled = L.Dropout(0.5, seed=1)(_Masked()(x_in))  # Dropout passes the mask on (Keras: supports_masking)
+    model = keras.Model(x_in, [_MaskedMean()(_Masked()(x_in)), _MaskedMean()(scaled), _MaskedMean()(x_in)])
     x = np.array([[1.0, 2.0, 0.0, 0.0], [3.0, 0.0, 5.0, 7.0]])
-    kept, plain = model(x)
+    kept, after_dropout, plain = model(x)
     np.testing.assert_allclose(kept.numpy(), [1.5, 5.0], rtol=1e-12)
-    np.testing.assert_allclose(plain.numpy(), x.mean(axis=1), rtol=1e-12)  # inference: Dropout is identity
-    _, dropped = model(x, training=True)
-    assert not np.allclose(dropped.numpy(), x.mean(axis=1))
+    np.testing.assert_allclose(after_dropout.numpy(), [1.5, 5.0], rtol=1e-12)  # inference: Dropout is identity
+    np.testing.assert_allclose(plain.numpy(), x.mean(axis=1), rtol=1e-12)  # no mask made on this branch
+    _, dropped, _ = model(x, training=True)
+    assert not np.allclose(dropped.numpy(), [1.5, 5.0])
     # a mask given to the model reaches the input's consumers
     single = keras.Model(x_in, _MaskedMean()(x_in))
     np.testing.assert_allclose(single(x, mask=dtape.constant(x > 2.0)).numpy(), [np.nan, 5.0], rtol=1e-12)

@@ -311,6 +311,31 @@ def _conv2d(x, w, strides, padding, data_format="NHWC", dilations=None):
     return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
 
 
+def _conv2d_transpose(x, w, output_shape, strides, padding="SAME", data_format="NHWC", dilations=None):
+    """Scatter loops: each input pixel adds its filter-weighted window into the padded output (TF's SAME
+    pads of the conv2d whose image is output_shape), then the padding is cut off."""
+    x, w = _np(x), _np(w)
+    out_shape = list(output_shape)
+    if data_format == "NCHW":
+        x, out_shape = x.transpose(0, 2, 3, 1), [out_shape[0], out_shape[2], out_shape[3], out_shape[1]]
+    s = (strides, strides) if isinstance(strides, int) else tuple(strides)[-2:]
+    d = (1, 1) if dilations is None else ((dilations, dilations) if isinstance(dilations, int) else dilations)
+    kh, kw = w.shape[:2]
+    pads = []
+    for n, k, st, dl in zip(out_shape[1:3], (kh, kw), s, d):
+        total = max((-(-n // st) - 1) * st + (k - 1) * dl + 1 - n, 0) if padding == "SAME" else 0
+        pads.append((total // 2, total - total // 2))
+    big = np.zeros((x.shape[0], out_shape[1] + sum(pads[0]) + kh * d[0], out_shape[2] + sum(pads[1]) + kw * d[1],
+                    w.shape[2]))
+    for i in range(x.shape[1]):
+        for j in range(x.shape[2]):
+            for a in range(kh):
+                for b in range(kw):
+                    big[:, i * s[0] + a * d[0], j * s[1] + b * d[1], :] += x[:, i, j, :] @ w[a, b].T
+    out = big[:, pads[0][0]:pads[0][0] + out_shape[1], pads[1][0]:pads[1][0] + out_shape[2], :]
+    return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
+
+
 def _split(value, num_or_size_splits, axis=0):
     v = _np(value)
     n = v.shape[axis]
@@ -418,7 +443,7 @@ REFERENCES = {
         _np(labels) * _log_softmax(logits, axis), axis=axis),
     "sigmoid_cross_entropy_with_logits": lambda labels, logits: -_np(labels) * np.log(_sigmoid(logits))
     - (1 - _np(labels)) * np.log(1 - _sigmoid(logits)),
-    "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "bias_add": _bias_add, "layer_norm": _layer_norm,
+    "l2_loss": lambda t: np.sum(_np(t) ** 2) / 2, "conv2d": _conv2d, "conv2d_transpose": _conv2d_transpose, "bias_add": _bias_add, "layer_norm": _layer_norm,
     "xw_plus_b": lambda x, w, b: _np(x) @ _np(w) + _np(b),
     "moments": _moments, "copy_to_device": lambda x, device: _np(x),
     "norm": _np_norm, "pad": _np_pad,

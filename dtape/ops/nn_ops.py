@@ -20,7 +20,7 @@ from dtape.tensor import Tensor, convert_to_tensor
 
 __all__ = ["relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "softplus", "softmax", "log_softmax",
            "sparse_softmax_cross_entropy_with_logits", "softmax_cross_entropy_with_logits",
-           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "bias_add", "moments", "layer_norm", "xw_plus_b",
+           "sigmoid_cross_entropy_with_logits", "l2_loss", "dropout", "conv2d", "conv2d_transpose", "bias_add", "moments", "layer_norm", "xw_plus_b",
            "embedding_lookup"]
 
 
@@ -475,7 +475,14 @@ def _filter_shape(w):
 
 def _conv_grad_input(g, x, w, s, d, pads):
     """Differentiable image gradient (NCHW): a transposed convolution, cropped to the unpadded image."""
-    hp, wp = x.shape[2] + pads[2] + pads[3], x.shape[3] + pads[0] + pads[1]
+    return _conv_transpose_nchw(g, tuple(x.shape[2:]), w, s, d, pads)
+
+
+def _conv_transpose_nchw(g, hw, w, s, d, pads):
+    """The transpose of conv2d (OIHW w, `pads` around an image of size `hw`) applied to g: NCHW, size `hw`."""
+    if g.shape[0] == 0:  # empty batch: torch's transposed kernel refuses some (1x1 filters, strides)
+        return torch.zeros((0, w.shape[1]) + tuple(hw), dtype=g.dtype, device=g.device)
+    hp, wp = hw[0] + pads[2] + pads[3], hw[1] + pads[0] + pads[1]
     out_pad = [n - ((o - 1) * st + (k - 1) * dl + 1) for n, o, st, k, dl in
                zip((hp, wp), g.shape[2:], s, w.shape[2:], d)]
     gx = F.conv_transpose2d(g, w, stride=s, dilation=d, output_padding=tuple(out_pad))
@@ -490,6 +497,73 @@ def _conv_grad_filter(g, x, w, s, d, pads, filters):
     kh, kw = w.shape[2], w.shape[3]
     gw = F.conv2d(torch.transpose(xp, 0, 1), torch.transpose(g, 0, 1), stride=d, dilation=s)
     return torch.permute(gw[:, :, :kh, :kw], (2, 3, 0, 1))      # [in, out, kh, kw] -> [kh, kw, in, out]
+
+
+def _conv_transpose_samples(rng):
+    return [((S.randn(rng, 2, 3, 3, 2), S.randn(rng, 3, 3, 4, 2)), {"output_shape": [2, 6, 6, 4], "strides": 2}),
+            ((S.randn(rng, 1, 3, 4, 2), S.randn(rng, 2, 3, 3, 2)), {"output_shape": [1, 7, 9, 3], "strides": 2,
+                                                                    "padding": "VALID"}),
+            ((S.randn(rng, 1, 4, 4, 2), S.randn(rng, 1, 1, 2, 2)), {"output_shape": [1, 8, 8, 2], "strides": 2}),
+            ((S.randn(rng, 2, 2, 3, 3), S.randn(rng, 3, 3, 2, 2)), {"output_shape": [2, 2, 5, 6], "strides": 2,
+                                                                    "data_format": "NCHW"})]
+
+
+def _conv_transpose_layout(input, filters, output_shape, strides, padding, data_format, dilations):  # noqa: A002
+    """NCHW input, OIHW filters of the conv2d it transposes, and that conv2d's strides, dilations, padding."""
+    out = shape_values(output_shape, "conv2d_transpose")
+    if len(out) != 4:
+        raise ValueError(f"conv2d_transpose: output_shape must have 4 sizes, got {out}")
+    hw = (out[1], out[2]) if data_format == "NHWC" else (out[2], out[3])
+    x = torch.permute(input, (0, 3, 1, 2)) if data_format == "NHWC" else input
+    w = torch.permute(filters, (3, 2, 0, 1))
+    s = _pair_arg(strides, data_format, "strides")
+    d = _pair_arg(dilations, data_format, "dilations")
+    return x, w, s, d, hw, _pads(hw, tuple(w.shape[2:]), s, d, padding, data_format)
+
+
+@defop(n_in=2, samples=_conv_transpose_samples, saves="inputs")
+def conv2d_transpose(input, filters, output_shape, strides, padding="SAME", data_format="NHWC",  # noqa: A002
+                     dilations=None):
+    """The transpose (adjoint) of `conv2d`: the gradient of conv2d with respect to its image.
+
+    Args:
+      input: floating tensor [batch, h, w, in] (NHWC) or [batch, in, h, w] (NCHW).
+      filters: [kh, kw, out, in] (TF's order: output channels before input channels), input's dtype.
+      output_shape: 4 sizes, the output's shape: the image shape of the conv2d
+        (same strides, padding, dilations) that maps it back to `input`'s shape.
+      strides, padding, data_format, dilations: as `conv2d` ("SAME" pads as TF,
+        the extra row/column after).
+
+    Returns:
+      output_shape, input's dtype and device.
+
+    Raises:
+      ValueError: an output_shape of other than 4 sizes; torch's error when
+        output_shape does not map back to input's shape.
+    Source: tf.nn.conv2d_transpose.
+    """
+    x, w, s, d, hw, pads = _conv_transpose_layout(input, filters, output_shape, strides, padding, data_format,
+                                                  dilations)
+    y = _conv_transpose_nchw(x, hw, w, s, d, pads)
+    return torch.permute(y, (0, 2, 3, 1)) if data_format == "NHWC" else y
+
+
+@conv2d_transpose.grad
+def _(dy, ans, input, filters, output_shape, strides, padding="SAME", data_format="NHWC",  # noqa: A002
+      dilations=None, needs=(True, True)):
+    """Image gradient: conv2d of dy (the adjoint of the adjoint); filter gradient: conv2d's filter gradient
+    with dy as its image and the input as its output's cotangent. Torch functions on either walk, so a
+    recorded walk has the raw walk's bits and is differentiable again."""
+    x, w, s, d, hw, pads = _conv_transpose_layout(input, filters, output_shape, strides, padding, data_format,
+                                                  dilations)
+    g = torch.permute(dy, (0, 3, 1, 2)) if data_format == "NHWC" else dy
+    gx = gw = None
+    if needs[0]:  # an empty batch: zeros (torch's kernel refuses some empty convolutions, as above)
+        gx = F.conv2d(F.pad(g, pads), w, stride=s, dilation=d) if g.shape[0] else torch.zeros_like(x)
+        gx = torch.permute(gx, (0, 2, 3, 1)) if data_format == "NHWC" else gx
+    if needs[1]:
+        gw = _conv_grad_filter(x, g, w, s, d, pads, filters)
+    return gx, gw
 
 
 # -- bias, moments, embeddings ------------------------------------------------

@@ -1,0 +1,70 @@
+"""Core layers: Dense. Source: tf.keras.layers (keras/layers/core)."""
+from dtape import nn as _nn
+from dtape import regularizers as _regularizers
+from dtape.ops import array_ops as _array
+from dtape.ops import math_ops as _math
+from dtape.layers.base import Layer, get_activation, last_dim
+
+
+class Dense(Layer):
+    """Densely connected layer: `activation(x @ kernel + bias)`.
+
+    Args:
+      units: output size.
+      activation: None, a name ("relu", "tanh", "softmax", ...) or a callable.
+      use_bias: whether to add a bias.
+      kernel_initializer, bias_initializer: names or callables.
+      input_dim: input size; when given, the variables are created now.
+      kernel_regularizer, bias_regularizer: None, "l1"/"l2" or a callable;
+        their penalties are in `losses`.
+      name, dtype, seed, input_shape, activity_regularizer: see `Layer`.
+
+    Variables: `kernel` [in, units], `bias` [units].
+    Shapes: x [..., in] -> [..., units] (floating dtypes).
+    Source: tf.keras.layers.Dense.
+
+    Example:
+      >>> layer = dtape.layers.Dense(3, activation="relu", input_dim=2)
+      >>> layer(dtape.ones([4, 2])).shape
+      torch.Size([4, 3])
+    """
+
+    supports_masking = True  # elementwise along the steps: a mask passes through (Keras)
+
+    def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
+                 bias_initializer="zeros", input_dim=None, name=None, dtype=None, seed=None,
+                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None, input_shape=None):
+        super().__init__(name=name, dtype=dtype, seed=seed, input_shape=input_shape,
+                         activity_regularizer=activity_regularizer)
+        if int(units) <= 0:
+            raise ValueError(f"Dense units must be a positive int, got {units!r}")
+        self.units = int(units)
+        self.activation = get_activation(activation)
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = kernel_initializer
+        self.bias_initializer = bias_initializer
+        self.kernel_regularizer = _regularizers.get(kernel_regularizer)
+        self.bias_regularizer = _regularizers.get(bias_regularizer)
+        if input_dim is not None:
+            self._maybe_build((None, int(input_dim)))
+
+    def build(self, input_shape):
+        in_dim = last_dim(input_shape, self)
+        self.kernel = self.add_weight("kernel", (in_dim, self.units), self.kernel_initializer,
+                                      regularizer=self.kernel_regularizer)
+        if self.use_bias:
+            self.bias = self.add_weight("bias", (self.units,), self.bias_initializer, regularizer=self.bias_regularizer)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.units,)
+
+    def call(self, x):
+        if self.use_bias:  # folds leading dimensions itself: one record for any rank
+            return self.activation(_nn.xw_plus_b(x, self.kernel, self.bias))
+        lead = tuple(x.shape[:-1])
+        if len(lead) != 1:
+            x = _array.reshape(x, (-1, x.shape[-1]))
+        y = _math.matmul(x, self.kernel)
+        if len(lead) != 1:
+            y = _array.reshape(y, lead + (self.units,))
+        return self.activation(y)
