@@ -186,13 +186,7 @@ class Loss:
         """
         self._check_distributed_reduction()
         losses = _tensor(self.call(y_true, y_pred))
-        if sample_weight is not None:
-            weight = _array.cast(_tensor(sample_weight), losses.dtype)
-            if weight.ndim == losses.ndim + 1 and weight.shape[-1] == 1:
-                weight = _array.squeeze(weight, -1)
-            while weight.ndim < losses.ndim:
-                weight = _array.expand_dims(weight, -1)
-            losses = losses * weight
+        losses = _nn.scale_losses_by_sample_weight(losses, sample_weight)
         if self.reduction == "none":
             return losses
         total = _math.reduce_sum(losses)

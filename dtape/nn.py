@@ -10,7 +10,8 @@ from dtape.ops.nn_ops import __all__ as _nn_all
 from dtape.ops.math_ops import sigmoid, tanh  # noqa: F401  (tf.nn.sigmoid and tf.nn.tanh: the same ops)
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
-__all__ = list(_nn_all) + ["compute_average_loss", "scale_regularization_loss", "sigmoid", "tanh"]
+__all__ = list(_nn_all) + ["compute_average_loss", "scale_losses_by_sample_weight", "scale_regularization_loss", "sigmoid",
+                            "tanh"]
 
 
 def _check_replica_context(what):
@@ -65,14 +66,40 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     if loss.ndim < 1:
         raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1, "
                          f"got a scalar ({loss.dtype}); give the per-example losses (reduction='none')")
-    dtype = loss.dtype
-    if sample_weight is not None:
-        loss = _math.multiply(loss, _array.cast(convert_to_tensor(sample_weight), dtype))
+    loss = scale_losses_by_sample_weight(loss, sample_weight)
     total = _math.reduce_sum(loss)
     if global_batch_size is None:
         _check_replica_context("compute_average_loss")
         return total / float(max(_global_count(loss.shape[0]), 1))
     return total / float(_check_batch_size(global_batch_size))
+
+
+def scale_losses_by_sample_weight(losses, sample_weight):
+    """`losses * sample_weight`, the weight's rank matched to the losses' first as Keras does.
+
+    A weight with one trailing size-1 axis more than the losses ([batch, 1]
+    for [batch] losses, the shape Keras users pass) loses that axis; a weight
+    of lower rank gains trailing axes; then the two broadcast. Multiplying a
+    [batch, 1] weight by [batch] losses directly would broadcast to a
+    [batch, batch] grid: a silently wrong loss.
+
+    Args:
+      losses: floating tensor-like [batch, ...].
+      sample_weight: None (losses returned as they are) or tensor-like
+        broadcastable to losses after the rank match; cast to losses' dtype.
+
+    Source: keras losses_utils.scale_losses_by_sample_weight /
+    squeeze_or_expand_dimensions.
+    """
+    losses = convert_to_tensor(losses)
+    if sample_weight is None:
+        return losses
+    weight = _array.cast(convert_to_tensor(sample_weight), losses.dtype)
+    if weight.ndim == losses.ndim + 1 and weight.shape[-1] == 1:
+        weight = _array.squeeze(weight, -1)
+    while weight.ndim < losses.ndim:
+        weight = _array.expand_dims(weight, -1)
+    return _math.multiply(losses, weight)
 
 
 def _global_count(local_count):

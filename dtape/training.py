@@ -244,7 +244,7 @@ class Trainer:
         per_example = _per_example(compiled.loss, y, y_pred)
         local = _rows(per_example)
         if isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
-            data = _math.reduce_sum(per_example if sample_weight is None else per_example * sample_weight)
+            data = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
             mean_local = data / float(local)
         else:
             data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
