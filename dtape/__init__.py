@@ -2,6 +2,8 @@
 
 The public surface is described in API.md; this module re-exports it.
 """
+import importlib
+
 from dtape import tape, nn  # noqa: F401
 from dtape.tensor import Tensor, as_dtype, constant, convert_to_tensor, device, from_dlpack  # noqa: F401
 # dtype names: the torch dtypes themselves (dtape.float32 is torch.float32), as tf.float32 in TF.
@@ -48,6 +50,12 @@ from dtape import math, linalg  # noqa: E402  (tf.math / tf.linalg names of the 
 __all__ += ["math", "linalg"]
 from dtape import autodiff  # noqa: E402
 __all__ += ["autodiff"]
-# The tf.keras-shaped namespace over the objects above (last: it names them, nothing in dtape imports it).
-from dtape import keras  # noqa: E402
 __all__ += ["keras"]
+
+
+def __getattr__(name):
+    """`dtape.keras` is loaded on first use (as TF loads tf.keras lazily): it brings the training loop's
+    progress bars and TensorBoard writer, which `import dtape` should not pay for."""
+    if name == "keras":
+        return importlib.import_module("dtape.keras")
+    raise AttributeError(f"module 'dtape' has no attribute {name!r}")

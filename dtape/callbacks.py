@@ -12,7 +12,10 @@ import csv
 import os
 
 import numpy as np
-from torch.utils.tensorboard import SummaryWriter
+try:
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError:   # the tensorboard package is optional (pip install tensorboard, or dtape's "examples" extra)
+    SummaryWriter = None
 
 from dtape import checkpoint as _checkpoint
 
@@ -325,6 +328,9 @@ class TensorBoard(Callback):
 
     def __init__(self, log_dir="logs"):
         super().__init__()
+        if SummaryWriter is None:
+            raise ImportError("dtape.keras.callbacks.TensorBoard writes through torch.utils.tensorboard, which needs "
+                              "the tensorboard package: pip install tensorboard")
         self.log_dir = os.fspath(log_dir)
         self._writers = {}
 

@@ -238,3 +238,23 @@ def test_initializer_classes_are_what_the_names_give():
     np.testing.assert_array_equal(init.Constant(0.25)((2, 3)).numpy(), np.full((2, 3), 0.25))
     u = init.RandomUniform(minval=2.0, maxval=3.0, seed=1)((1000,))
     assert 2.0 <= float(u.min()) and float(u.max()) < 3.0
+
+
+def test_import_dtape_leaves_keras_for_first_use_and_keras_works_without_tensorboard():
+    # `import dtape` should not load the training loop's progress bars and TensorBoard writer; and the
+    # tensorboard package is optional: only the TensorBoard callback needs it, and says so
+    code = ("import sys\n"
+            "sys.modules['tensorboard'] = None\n"
+            "sys.modules['torch.utils.tensorboard'] = None\n"
+            "import dtape\n"
+            "assert 'dtape.keras' not in sys.modules and 'dtape.callbacks' not in sys.modules\n"
+            "assert dtape.keras.Model is dtape.models.Model\n"
+            "try:\n"
+            "    dtape.keras.callbacks.TensorBoard('logs')\n"
+            "except ImportError as e:\n"
+            "    assert 'pip install tensorboard' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('TensorBoard without tensorboard did not raise')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
