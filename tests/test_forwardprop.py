@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dtape
+from _op_samples import as_tuple as _as_tuple, flat_inputs as _flat, pack_inputs as _pack
 from _strategies import mirrored
 from dtape.ops import REGISTRY
 from dtape.ops._samples import Special
@@ -40,20 +41,6 @@ def _cases():
 
 CASES = list(_cases())
 OPS_CHECKED = sorted({c.values[0].name for c in CASES})
-
-
-def _flat(opdef, args):
-    return list(args[0]) if opdef.list_input else list(args[:opdef.n_in])
-
-
-def _pack(opdef, args, inputs):
-    if opdef.list_input:
-        return (list(inputs),) + tuple(args[1:])
-    return tuple(inputs) + tuple(args[opdef.n_in:])
-
-
-def _as_tuple(out):
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _positions(flat):

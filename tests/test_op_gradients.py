@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import dtape
+from tests._op_samples import as_tuple as _as_tuple, flat_inputs as _flat, pack_inputs as _pack
 from dtape.ops import REGISTRY
 from dtape.ops._samples import Special
 
@@ -45,21 +46,6 @@ SPECIAL_CASES = [c for c in CASES if c.values[3] is not None]
 
 
 # -- helpers ------------------------------------------------------------------
-def _flat(opdef, args):
-    """The tensor inputs of a sample, flat (list-input ops expand their list)."""
-    return list(args[0]) if opdef.list_input else list(args[:opdef.n_in])
-
-
-def _pack(opdef, args, inputs):
-    if opdef.list_input:
-        return (list(inputs),) + tuple(args[1:])
-    return tuple(inputs) + tuple(args[opdef.n_in:])
-
-
-def _as_tuple(out):
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
 def _is_diff(x):
     return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
 
