@@ -72,7 +72,7 @@ import torch
 from dtape import _restore_hooks
 from dtape import distribute
 from dtape import tape as _tp
-from dtape.module import is_unique_name_base
+from dtape.module import default_name_part
 from dtape.distribute import SyncOnReadVariable, collective_ops
 from dtape.tensor import Tensor, is_variable
 from dtape.variables import Variable, VariableAggregation
@@ -883,27 +883,10 @@ def _plan_restore(path, name, pairs, stored, tensors, data, strict, by_slot=None
     return plan
 
 
-_VARIABLE_DEFAULT = re.compile(r"Variable_\d+")
-_NUMBERED = re.compile(r"(.+)_(\d+)")
-
-
-def _auto_numbered(part):
-    """(base, n) when a name component looks like a default name (`Variable_<n>`, or a module's
-    `base` / `base_<n>` from `dtape.module.unique_name`), else None (a user-chosen name)."""
-    if _VARIABLE_DEFAULT.fullmatch(part):
-        return "Variable", int(part[len("Variable_"):])
-    if is_unique_name_base(part):
-        return part, 0
-    numbered = _NUMBERED.fullmatch(part)
-    if numbered and is_unique_name_base(numbered.group(1)):
-        return numbered.group(1), int(numbered.group(2))
-    return None
-
-
 def _canonical_names(names):
     """`names` with each default-name component renumbered by the rank of its number among those of its
     base in `names` (dense_2, dense_3 -> dense#0, dense#1); user-chosen components are kept as they are."""
-    split = [[(part, _auto_numbered(part)) for part in name.split("/")] for name in names]
+    split = [[(part, default_name_part(part)) for part in name.split("/")] for name in names]
     numbers = {}
     for parts in split:
         for _, auto in parts:
@@ -1167,7 +1150,7 @@ def _refuse_ambiguous_slots(path, name, obj, pairs, entries):
     present = [_var_name(var, key) for key, var in pairs if id(var) in (slots or ())]
     if not present or len(pairs) >= len(entries):
         return
-    if any(_auto_numbered(part) for n in present for part in n.split("/")[1:]):
+    if any(default_name_part(part) for n in present for part in n.split("/")[1:]):
         raise ValueError(
             f"restore: checkpoint {path} does not record which variable each slot of {name!r} belongs to (written "
             f"by an older dtape), and only {len(pairs)} of its {len(entries)} variables exist now, with default "

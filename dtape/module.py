@@ -37,6 +37,24 @@ def is_unique_name_base(base):
         return base in _name_counts
 
 
+_VARIABLE_DEFAULT = re.compile(r"Variable_\d+")
+_NUMBERED = re.compile(r"(.+)_(\d+)")
+
+
+def default_name_part(part):
+    """(base, n) when a name component looks like a default name (`Variable_<n>`, or a module's `base` /
+    `base_<n>` from `unique_name`), else None (a user-chosen name). Default numbers depend on what else the
+    process created, so checkpoints and optimizer state compare such components by rank or not at all."""
+    if _VARIABLE_DEFAULT.fullmatch(part):
+        return "Variable", int(part[len("Variable_"):])
+    if is_unique_name_base(part):
+        return part, 0
+    numbered = _NUMBERED.fullmatch(part)
+    if numbered and is_unique_name_base(numbered.group(1)):
+        return numbered.group(1), int(numbered.group(2))
+    return None
+
+
 def _children(value):
     """The values directly inside a container, in a stable order (insertion order for dicts)."""
     if isinstance(value, Module):

@@ -22,7 +22,6 @@ import copy
 import functools
 import inspect
 import math
-import re
 import sys
 import warnings
 import weakref
@@ -38,7 +37,7 @@ from dtape.backprop import GradientTape, profile_range
 from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.module import is_unique_name_base
+from dtape.module import default_name_part
 from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation, update_together
 
@@ -1144,19 +1143,12 @@ class TorchOptimizer(Optimizer):
 
 
 _PARAMS_KEY = "dtape.params"
-_VARIABLE_DEFAULT = re.compile(r"Variable_\d+")
-_NUMBERED = re.compile(r"(.+)_(\d+)")
 
 
 def _stable_name(name):
     """`name` with its default-numbered components (`Variable_3`, `torch_module_2`, `dense`) as "*": their
     numbers depend on what else the process created (dtape.checkpoint compares names the same way)."""
-    def stable(part):
-        numbered = _NUMBERED.fullmatch(part)
-        default = _VARIABLE_DEFAULT.fullmatch(part) or is_unique_name_base(part) or (
-            numbered is not None and is_unique_name_base(numbered.group(1)))
-        return "*" if default else part
-    return "/".join(stable(part) for part in name.split("/"))
+    return "/".join("*" if default_name_part(part) else part for part in name.split("/"))
 
 
 def _copies_stale(optimizer_ref, torch_optimizer):
