@@ -41,9 +41,6 @@ _LOSSES = {"sparse_categorical_crossentropy": _losses.sparse_categorical_crossen
            "binary_crossentropy": _losses.binary_crossentropy,
            "mse": _losses.mean_squared_error, "mean_squared_error": _losses.mean_squared_error,
            "mae": _losses.mean_absolute_error, "mean_absolute_error": _losses.mean_absolute_error}
-_METRIC_FNS = {"sparse_categorical_accuracy": _metrics.sparse_categorical_accuracy,
-               "mse": _losses.mean_squared_error, "mean_squared_error": _losses.mean_squared_error,
-               "mae": _losses.mean_absolute_error, "mean_absolute_error": _losses.mean_absolute_error}
 
 
 def unpack_x_y_sample_weight(data):
@@ -85,27 +82,18 @@ def _loss_fn(loss):
     return loss
 
 
-def _metric(metric, loss):
-    """A Metric from a metric object or Keras name ("accuracy" chooses as Keras does from the loss)."""
+def _metric(metric):
+    """A Metric from a metric object, a function or a Keras name ("accuracy" chooses, on each update, binary,
+    sparse or categorical accuracy from the shapes, as Keras does; other names via `dtape.metrics.get`)."""
     if isinstance(metric, _metrics.Metric):
         return metric
     if metric in ("accuracy", "acc"):
-        sparse = _name_of(loss).startswith("sparse_categorical")
-        return _metrics.SparseCategoricalAccuracy(name="accuracy") if sparse else _metrics.Accuracy()
+        return _metrics.MeanMetricWrapper(_metrics.keras_accuracy, name=metric)
     if isinstance(metric, str):
-        if metric not in _METRIC_FNS:
-            raise ValueError(f"unknown metric {metric!r}; use 'accuracy', one of {sorted(_METRIC_FNS)} or a "
-                             "dtape.metrics.Metric")
-        return _metrics.MeanMetricWrapper(_METRIC_FNS[metric], name=metric)
+        return _metrics.get(metric)
     if callable(metric):
         return _metrics.MeanMetricWrapper(metric)
     raise TypeError(f"compile: a metric must be a dtape.metrics.Metric, a function or a Keras name, got {metric!r}")
-
-
-def _name_of(loss):
-    if isinstance(loss, _losses.SparseCategoricalCrossentropy):
-        return "sparse_categorical_crossentropy"
-    return getattr(loss, "name", None) or getattr(loss, "__name__", "")
 
 
 def _per_example(loss, y_true, y_pred):
@@ -166,7 +154,7 @@ class Trainer:
         strategy = self._strategy()
         loss = _loss_fn(loss)
         with strategy.scope():
-            made = [_metric(m, loss) for m in (metrics or [])]
+            made = [_metric(m) for m in (metrics or [])]
             tracker = _metrics.Mean(name="loss")
         vars(self)["_compiled"] = _Compiled(_optimizer(optimizer), loss, made, strategy, tracker)
         self.optimizer = vars(self)["_compiled"].optimizer  # a plain attribute, as Keras's (not a Module: not walked)
