@@ -312,6 +312,7 @@ class Model(Trainer, Layer):
             values[id(t)], masks[id(t)] = _as_input(value, t), m
         for graph_node in self._graph:
             self._run_node(graph_node, values, masks)
+        self.note_output_masks([values[id(t)] for t in self.outputs], [masks.get(id(t)) for t in self.outputs])
         return nest.map_structure(lambda t: values[id(t)], self._outputs_struct)
 
     def _run_node(self, graph_node, values, masks):
@@ -361,6 +362,11 @@ class Sequential(Trainer, _layers.Sequential):
     Build it before `fit` under a strategy (a first layer given `input_shape=`, an `Input` first, or
     `build(input_shape)`), so its variables are made in the strategy's scope. Source: tf.keras.Sequential.
     """
+
+    def call(self, x, training=False, mask=None):
+        out, out_mask = self.call_with_mask(x, training, mask)
+        self.note_output_masks([out], [out_mask])  # the compiled loss and metrics weigh by it, as Keras
+        return out
 
 
 def _as_input(value, placeholder):

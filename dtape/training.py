@@ -16,6 +16,9 @@ all-reduced during the backward walk (`GradientSync`). Under
 `MultiWorkerMirroredStrategy` only rank 0 prints.
 Source: tf.keras.Model (TF 2 / Keras 2 engine/training.py, compile_utils.py).
 """
+import threading
+import weakref
+
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -28,9 +31,11 @@ from dtape import metrics as _metrics
 from dtape import nest
 from dtape import nn as _nn
 from dtape import optimizers as _optimizers
+from dtape import tape as _tp
 from dtape.backprop import GradientTape
+from dtape.ops import array_ops as _array_ops
 from dtape.ops import math_ops as _math
-from dtape.tensor import Tensor, is_variable
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
 __all__ = ["Trainer", "unpack_x_y_sample_weight"]
 
@@ -105,6 +110,44 @@ def _per_example(loss, y_true, y_pred):
 
 def _rows(t):
     return int(t.shape[0]) if t.ndim else 1
+
+
+_output_masks = threading.local()  # per replica thread: the last model call's outputs (weakly) and their masks
+
+
+def _as_tensor(x):
+    return x if isinstance(x, Tensor) or is_variable(x) else convert_to_tensor(x)
+
+
+def _mask_of(y_pred):
+    """The Keras mask the last model call on this thread gave the output `y_pred` (None if it has none)."""
+    for ref, mask in getattr(_output_masks, "pairs", ()):
+        if ref() is y_pred:
+            return mask
+    return None
+
+
+def _masked_weight(mask, sample_weight, per_example):
+    """The mask (cast to the losses' dtype, ranks matched as Keras) times the sample weight, if any."""
+    mask = _array_ops.cast(_as_tensor(mask), per_example.dtype)
+    return mask if sample_weight is None else _nn.scale_losses_by_sample_weight(mask, sample_weight)
+
+
+def _global_sum(value):
+    """`value` summed over the replicas in sync (a collective under a strategy: every replica calls it)."""
+    ctx = distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return value
+    with _tp.stop_recording():
+        return ctx.all_reduce("SUM", value)
+
+
+def _per_row(t):
+    """The number of losses per example ([batch, steps] losses: steps)."""
+    n = 1
+    for d in t.shape[1:]:
+        n *= int(d)
+    return n
 
 
 class _Compiled:
@@ -204,6 +247,13 @@ class Trainer:
         return _checkpoint.Checkpoint(model=self).read(filepath)
 
     # -- the steps -------------------------------------------------------------------
+    def note_output_masks(self, outputs, masks):
+        """Records, for this thread, the Keras masks of a call's outputs (a list of tensors and a list of masks or
+        None): `compute_loss` and `compute_metrics` find the mask of the `y_pred` they get here (Keras keeps it
+        on the tensor as `_keras_mask`)."""
+        _output_masks.pairs = [(weakref.ref(o), m) for o, m in zip(outputs, masks)
+                               if m is not None and isinstance(o, Tensor)]
+
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
         """The step's loss: the compiled per-example losses summed over this replica's batch, divided by the
         global batch; plus `self.losses` (scaled by the replicas); the loss tracker is updated (global mean).
@@ -226,17 +276,29 @@ class Trainer:
         return _CompiledMetrics(self._check_compiled("compiled_metrics").metrics)
 
     def _compiled_loss(self, y, y_pred, sample_weight, reg):
+        """Keras's reduction over the global batch: sum(losses * weight) / (global batch * losses per example),
+        or, for an output carrying a Keras mask, / the global number of unmasked losses (the mask is a sample
+        weight; Keras 3 and 2.11+ divide by the unmasked count, per replica: here over all replicas, so a
+        strategy's loss equals one device's)."""
         compiled = self._check_compiled("compute_loss")
         if compiled.loss is None:
             raise ValueError(f"{self.name}: no loss was compiled; pass loss= to compile or override train_step")
         per_example = _per_example(compiled.loss, y, y_pred)
-        local = _rows(per_example)
+        local, mask = _rows(per_example), _mask_of(y_pred)
+        if mask is not None:
+            sample_weight = _masked_weight(mask, sample_weight, per_example)
         if isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
             data = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
             mean_local = data / float(local)
         else:
-            data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
-                                            global_batch_size=compiled.global_batch or local)
+            if mask is None:
+                data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
+                                                global_batch_size=compiled.global_batch or local)
+                data = data / float(_per_row(per_example)) if _per_row(per_example) != 1 else data
+            else:
+                unmasked = _global_sum(_math.reduce_sum(_masked_weight(mask, None, per_example)))
+                weighted = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
+                data = weighted / _math.maximum(unmasked, 1.0)
             mean_local = data * float(compiled.global_batch or local) / float(local)
         if reg:
             reg_total = _math.add_n(reg)
@@ -245,7 +307,11 @@ class Trainer:
         return data
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        """Updates the compiled metrics and returns `{name: result}` for every metric. Source: Keras 2."""
+        """Updates the compiled metrics and returns `{name: result}` for every metric; an output's Keras mask
+        multiplies the sample weight (masked positions do not count). Source: Keras 2."""
+        mask = _mask_of(y_pred)
+        if mask is not None:
+            sample_weight = _masked_weight(mask, sample_weight, _as_tensor(y_pred))
         self.compiled_metrics.update_state(y, y_pred, sample_weight)
         return {m.name: m.result() for m in self.metrics}
 

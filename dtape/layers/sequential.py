@@ -82,12 +82,16 @@ class Sequential(Layer):
         """Each layer on the previous one's output; a mask (given, or from a layer's `compute_mask`, e.g.
         `Embedding(mask_zero=True)`) goes to the next layers whose `call` takes `mask` and passes through those
         that `supports_masking` (Keras's propagation), else it stops."""
+        return self.call_with_mask(x, training, mask)[0]
+
+    def call_with_mask(self, x, training=False, mask=None):
+        """`call`, returning `(output, the output's mask or None)` (a model hands that mask to its loss)."""
         for layer in self.layers:
             kwargs = {"training": training} if takes_training(layer.__call__) else {}
             if mask is not None and isinstance(layer, Layer) and takes_mask(layer.call):
                 kwargs["mask"] = mask
             x, mask = layer(x, **kwargs), _next_mask(layer, x, mask)
-        return x
+        return x, mask
 
 
 def _next_mask(layer, x, mask):
