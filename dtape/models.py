@@ -11,12 +11,14 @@ strategy as any layer. Source: tf.keras.Model / tf.keras.Input (TF 2), keras.Mod
 """
 import inspect
 import math
+import os
 
 import torch
 
 from dtape import _call_context
 from dtape import _keras_tensor
 from dtape import nest
+from dtape import saving as _saving
 from dtape import tape as _tp
 from dtape import layers as _layers
 from dtape.layers import Layer
@@ -24,7 +26,7 @@ from dtape.ops.array_ops import cast
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
 from dtape.training import Trainer
 
-__all__ = ["Input", "InputLayer", "Model", "Sequential"]
+__all__ = ["Input", "InputLayer", "Model", "Sequential", "load_model", "model_from_json"]
 
 KerasTensor = _keras_tensor.KerasTensor
 
@@ -44,6 +46,11 @@ class InputLayer(Layer):
         self.built = True
         self._output_shape = shape
         self.output = _keras_tensor.source_node(self, shape, as_dtype(dtype) or torch.float32, self.name)
+
+    def get_config(self):
+        """shape (without the batch), batch_size, dtype name, name. Source: tf.keras.layers.InputLayer.get_config."""
+        return {"shape": list(self._output_shape[1:]), "batch_size": self._output_shape[0],
+                "dtype": str(self.output.dtype).removeprefix("torch."), "name": self.name}
 
     def call(self, x):
         return x
@@ -233,6 +240,39 @@ class Model(Trainer, Layer):
             raise AttributeError(f"{self.name} is a subclassed model: it has no symbolic input/output")
         return getattr(self, attr)
 
+    # -- saving --------------------------------------------------------------------
+    def save(self, filepath, overwrite=True):
+        """Writes the architecture and every variable to `filepath` (a zip: config.json and safetensors weights,
+        see `dtape.saving`); `dtape.keras.models.load_model(filepath)` rebuilds it. Functional and Sequential
+        models need nothing more; a subclassed one needs `get_config` (default: its constructor's arguments)
+        and its class in `load_model(custom_objects=...)`. The optimizer is not stored.
+
+        Raises FileExistsError with overwrite=False and an existing file; TypeError for a layer whose config
+        cannot be stored; ValueError before the model is built. Source: tf.keras.Model.save.
+        """
+        if not overwrite and os.path.exists(filepath):
+            raise FileExistsError(f"{filepath!r} exists and overwrite=False")
+        return _saving.save_model(self, filepath)
+
+    def to_json(self):
+        """The architecture as JSON text (no weights); `dtape.keras.models.model_from_json` rebuilds it.
+        Source: tf.keras.Model.to_json."""
+        return _saving.serialize_model(self)
+
+    def get_config(self):
+        """Functional: the graph (layers, calls, inputs, outputs); subclassed: the constructor's arguments
+        (override it when they cannot be stored). Source: tf.keras.Model.get_config."""
+        if self._graph is not None:
+            return _saving.functional_config(self)
+        return super().get_config()
+
+    def _dtape_model_config(self):
+        if self._graph is not None:
+            return {"class_name": "Functional", "config": self.get_config()}
+        config = _saving.serialize_layer_config(self)
+        return {"class_name": type(self).__name__, "config": config, "build_input_shape": _json_shape(
+            self._build_shape)}
+
     # -- build ---------------------------------------------------------------------
     def build(self, input_shape):
         """Builds a subclassed model for inputs of `input_shape` (batch first; a list/dict for several inputs).
@@ -363,6 +403,16 @@ class Sequential(Trainer, _layers.Sequential):
     `build(input_shape)`), so its variables are made in the strategy's scope. Source: tf.keras.Sequential.
     """
 
+    save, to_json = Model.save, Model.to_json
+
+    def get_config(self):
+        """The layers' configs, in order, and the name. Source: tf.keras.Sequential.get_config."""
+        return {"name": self.name, "layers": [_saving.serialize_layer(layer) for layer in self.layers]}
+
+    def _dtape_model_config(self):
+        return {"class_name": "Sequential", "config": self.get_config(),
+                "build_input_shape": _json_shape(self._build_shape if self.built else None)}
+
     def call(self, x, training=False, mask=None):
         out, out_mask = self.call_with_mask(x, training, mask)
         self.note_output_masks([out], [out_mask])  # the compiled loss and metrics weigh by it, as Keras
@@ -405,3 +455,50 @@ def _map_shapes(fn, shape):
     if isinstance(shape, (list, tuple)) and any(isinstance(d, (list, tuple, dict)) for d in shape):
         return type(shape)(_map_shapes(fn, d) for d in shape)
     return fn(shape)
+
+
+def _json_shape(shape):
+    return _saving.to_json_value(shape, "the build shape")
+
+
+def _load_spec(spec, objects):
+    """A model from its saved spec: functional, Sequential or a subclass (its class in custom_objects)."""
+    name, config, shape = spec["class_name"], spec["config"], spec.get("build_input_shape")
+    if name == "Functional":
+        return _saving.functional_from_config(config, objects, Model)
+    if name == "Sequential":
+        model = Sequential([_saving.deserialize_layer(s, objects) for s in config["layers"]], name=config["name"])
+    else:
+        model = _saving.find_class(name, objects).from_config(_saving.from_json_value(config, objects))
+    if shape is not None:
+        model.build(_tuple_shape(shape))
+    return model
+
+
+def _tuple_shape(shape):
+    if isinstance(shape, list) and all(d is None or isinstance(d, int) for d in shape):
+        return tuple(shape)
+    if isinstance(shape, dict):
+        return {k: _tuple_shape(v) for k, v in shape.items()}
+    return type(shape)(_tuple_shape(d) for d in shape)
+
+
+def load_model(filepath, custom_objects=None, compile=True):  # noqa: A002  (Keras's argument name)
+    """The model `Model.save(filepath)` wrote: architecture rebuilt, variables filled (inside
+    `strategy.scope()`: that strategy's variables, e.g. MirroredVariables).
+
+    Args:
+      filepath: the archive's path.
+      custom_objects: `{class_name: class}` for layers and models not in dtape (a subclassed model, custom layers).
+      compile: accepted for Keras's signature; the compile arguments are not stored, so compile the model
+        before fit/evaluate (as TF's tutorials do after load_model).
+
+    Raises ValueError for a file that is not such an archive, an unknown class (the message says to pass it in
+    custom_objects) or variables that do not match. Source: tf.keras.models.load_model.
+    """
+    return _saving.load_model(filepath, _load_spec, dict(custom_objects or {}, InputLayer=InputLayer))
+
+
+def model_from_json(json_string, custom_objects=None):
+    """The (unbuilt-weights) model of `Model.to_json()`: fresh variables. Source: tf.keras.models.model_from_json."""
+    return _saving.deserialize_model(json_string, _load_spec, dict(custom_objects or {}, InputLayer=InputLayer))

@@ -545,7 +545,8 @@ class _Data:
         for start in range(0, self.n, self.batch_size):
             idx = self._order[start:start + self.batch_size]
             part = nest.map_structure(lambda a: a[idx], self.x)
-            yield part if self.y is None else (part, nest.map_structure(lambda a: a[idx], self.y))
+            # (x,) as Keras packs it: a list of several inputs alone would unpack as (x, y)
+            yield (part,) if self.y is None else (part, nest.map_structure(lambda a: a[idx], self.y))
 
     def batches(self, strategy):
         self._sizes = []

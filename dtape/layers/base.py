@@ -267,11 +267,46 @@ def _wrap_build(build):
     return wrapper
 
 
+def activation_name(fn):
+    """The name `get_activation` knows `fn` by ("relu", ...), or None (a model's config stores the name)."""
+    for name, known in _ACTIVATIONS.items():
+        if known is fn:
+            return name
+    return None
+
+
+_init_signatures = {}  # class -> inspect.Signature of its __init__ (for the constructor arguments)
+
+
+def _constructor_args(cls, args, kwargs):
+    """The arguments a layer was constructed with, by parameter name (what `get_config` returns by default)."""
+    sig = _init_signatures.get(cls)
+    if sig is None:
+        sig = _init_signatures[cls] = inspect.signature(cls.__init__)
+    try:
+        bound = sig.bind(None, *args, **kwargs)
+    except TypeError:
+        return None  # __init__ raises its own error
+    params, found = sig.parameters, {}
+    for name, value in list(bound.arguments.items())[1:]:
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            found.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                found["*" + name] = value
+        else:
+            found[name] = value
+    return found
+
+
 class _LayerMeta(type):
-    """Builds a layer at the end of construction when `input_shape=` was given."""
+    """Records the constructor's arguments (the default `get_config`); builds the layer at the end of
+    construction when `input_shape=` was given."""
 
     def __call__(cls, *args, **kwargs):
         layer = super().__call__(*args, **kwargs)
+        vars(layer).setdefault("_constructor_args", _constructor_args(cls, args, kwargs))
         shape = vars(layer).get("_input_shape_arg")
         if shape is not None and not layer.built:
             layer.build((None,) + shape)
@@ -350,6 +385,26 @@ class Layer(Module, metaclass=_LayerMeta):
     def compute_output_shape(self, input_shape):
         """The output shape for `input_shape`, or None when this layer cannot tell without a call."""
         return None
+
+    def get_config(self):
+        """The arguments that rebuild this layer with `from_config`: by default the constructor's arguments as
+        given (recorded at construction), with `name` set to this layer's name. A dict of plain values, layers,
+        activation functions and objects with a `get_config` (`dtape.models.save_model` serializes them).
+
+        Override it (and `from_config`) when `__init__` takes what cannot be stored, as in Keras.
+        Raises NotImplementedError for a layer constructed with extra positional arguments (*args).
+        Source: tf.keras.layers.Layer.get_config.
+        """
+        args = vars(self).get("_constructor_args")
+        if args is None or any(k.startswith("*") for k in args):
+            raise NotImplementedError(f"{type(self).__name__} cannot tell its constructor arguments; define "
+                                      "get_config() returning them (and from_config if needed)")
+        return dict(args, name=self.name)
+
+    @classmethod
+    def from_config(cls, config):
+        """`cls(**config)`: a new, unbuilt layer from `get_config()`'s dict. Source: tf.keras.layers.Layer.from_config."""
+        return cls(**config)
 
     @property
     def output_shape(self):
