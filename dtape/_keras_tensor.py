@@ -121,9 +121,14 @@ def _output_tensor(node, values, index):
 
 
 def _zeros(t, size, device):
-    shape = tuple(size if d is None else d for d in t.shape)
+    # Unknown sizes after the batch probe at 16 / 17, not 2 / 3: a Conv1D(kernel_size=3, "valid") on sequences of
+    # unknown length (Input(shape=(None, 10))) needs at least 3 steps.
+    shape = tuple((size if i == 0 else size + _STEPS_EXTRA) if d is None else d for i, d in enumerate(t.shape))
     fill = torch.ones if t.dtype == torch.bool else torch.zeros  # a boolean mask: all kept
     return Tensor(fill(shape, dtype=t.dtype, device=device))
+
+
+_STEPS_EXTRA = 14
 
 
 def _probe(layer, args, kwargs, size):

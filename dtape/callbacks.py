@@ -56,6 +56,19 @@ for _hook in _HOOKS:
     setattr(Callback, _hook, _noop)
 
 
+def _to_batch_hook(which):
+    def hook(self, batch, logs=None):
+        getattr(self, f"on_batch_{which}")(batch, logs)
+    hook.__name__ = f"on_train_batch_{which}"
+    return hook
+
+
+# Keras's older names: on_batch_begin/end are what on_train_batch_begin/end call unless overridden (TF's guides
+# still write on_batch_end).
+Callback.on_batch_begin = Callback.on_batch_end = _noop
+Callback.on_train_batch_begin, Callback.on_train_batch_end = _to_batch_hook("begin"), _to_batch_hook("end")
+
+
 class CallbackList:
     """Calls each hook on every callback in order (what fit uses). Source: tf.keras.callbacks.CallbackList."""
 
@@ -323,11 +336,20 @@ class TensorBoard(Callback):
     """Writes every epoch's logs as scalars through `torch.utils.tensorboard.SummaryWriter`:
     `<log_dir>/train` (tags `epoch_<name>`) and `<log_dir>/validation` (the `val_*` values).
 
+    Keras's other arguments are accepted at their defaults (histogram_freq=0, write_graph, write_images=False,
+    update_freq="epoch", embeddings_freq=0, profile_batch); other values raise ValueError (not written here).
     Source: tf.keras.callbacks.TensorBoard (scalars per epoch only).
     """
 
-    def __init__(self, log_dir="logs"):
+    def __init__(self, log_dir="logs", histogram_freq=0, write_graph=True, write_images=False, write_steps_per_second=False,
+                 update_freq="epoch", profile_batch=0, embeddings_freq=0, embeddings_metadata=None):
         super().__init__()
+        unsupported = {k: v for k, v in (("histogram_freq", histogram_freq), ("write_images", write_images),
+                                         ("write_steps_per_second", write_steps_per_second),
+                                         ("embeddings_freq", embeddings_freq), ("embeddings_metadata", embeddings_metadata))
+                       if v} | ({} if update_freq == "epoch" else {"update_freq": update_freq})
+        if unsupported:
+            raise ValueError(f"TensorBoard writes each epoch's scalars only; {unsupported} is not supported here")
         if SummaryWriter is None:
             raise ImportError("dtape.keras.callbacks.TensorBoard writes through torch.utils.tensorboard, which needs "
                               "the tensorboard package: pip install tensorboard")

@@ -12,9 +12,9 @@ from dtape.layers.base import (Constant, GlorotUniform, HeNormal, HeUniform, Ini
 from dtape.layers.activations import Activation, LeakyReLU, ReLU
 from dtape.layers.attention import MultiHeadAttention
 from dtape.layers.convolutional import Conv1D, Conv2D, Conv2DTranspose
-from dtape.layers.core import Dense
+from dtape.layers.core import Dense, Masking
 from dtape.layers.embedding import Embedding
-from dtape.layers.merging import Add, Concatenate, Multiply
+from dtape.layers.merging import Add, Concatenate, Multiply, add, concatenate, multiply
 from dtape.layers.normalization import BatchNormalization, LayerNormalization
 from dtape.layers.pooling import (AveragePooling2D, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
                                   GlobalMaxPooling2D, MaxPooling2D)
@@ -27,4 +27,5 @@ __all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "Batch
            "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "Flatten", "Reshape",
            "Sequential", "Activation", "get_activation", "get_initializer",
            "Conv1D", "Conv2DTranspose", "ReLU", "LeakyReLU", "Add", "Multiply", "Concatenate", "Permute",
-           "UpSampling2D", "GlobalAveragePooling1D", "GlobalMaxPooling1D", "MultiHeadAttention"]
+           "UpSampling2D", "GlobalAveragePooling1D", "GlobalMaxPooling1D", "MultiHeadAttention", "Masking",
+           "add", "concatenate", "multiply"]

@@ -38,6 +38,7 @@ from dtape.module import Module
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
+from dtape.tensor import as_dtype as _as_dtype
 from dtape.variables import Variable, VariableAggregation, current_read_hook, read_hook_scope
 
 
@@ -421,7 +422,7 @@ class Layer(Module, metaclass=_LayerMeta):
         raise NotImplementedError(f"{type(self).__name__} must define call(x)")
 
     def add_weight(self, name=None, shape=None, initializer="glorot_uniform", trainable=True, regularizer=None,
-                   aggregation=VariableAggregation.NONE):
+                   aggregation=VariableAggregation.NONE, dtype=None):
         """Creates a variable `<layer>/<name>` of `shape`, its initial value drawn once where it is created.
 
         Keras 2 (`add_weight("kernel", shape=...)`) and Keras 3
@@ -433,13 +434,15 @@ class Layer(Module, metaclass=_LayerMeta):
         The value is given to `Variable` as a callable: inside `strategy.run`
         the strategy calls it once, in its merge_call on the caller's thread,
         so replica threads never draw (and never race on) initial values.
-        `regularizer(variable)` is added to `losses`.
+        `regularizer(variable)` is added to `losses`. dtype (torch dtype or name, Keras 3's argument): the
+        variable's dtype instead of the layer's.
         """
         name = "variable" if name is None else name  # Keras 3's name for unnamed weights (not unique there either)
         init = get_initializer("glorot_uniform" if initializer is None else initializer)
-        shape, dtype, gen = () if shape is None else tuple(shape), self.dtype, self._generator
+        dtype = self.dtype if dtype is None else _as_dtype(dtype)
+        shape, gen = () if shape is None else tuple(shape), self._generator
         var = Variable(lambda: init(shape, dtype, gen), trainable=trainable, name=f"{self.name}/{name}",
-                       dtype=self.dtype, aggregation=aggregation)
+                       dtype=dtype, aggregation=aggregation)
         if self.dtype_policy.is_mixed and self._autocast:
             _autocast_variables(var)
         regularizer = _regularizers.get(regularizer)

@@ -1,4 +1,4 @@
-"""Core layers: Dense. Source: tf.keras.layers (keras/layers/core)."""
+"""Core layers: Dense, Masking. Source: tf.keras.layers (keras/layers/core)."""
 from dtape import nn as _nn
 from dtape import regularizers as _regularizers
 from dtape.ops import array_ops as _array
@@ -68,3 +68,30 @@ class Dense(Layer):
         if len(lead) != 1:
             y = _array.reshape(y, lead + (self.units,))
         return self.activation(y)
+
+
+class Masking(Layer):
+    """Marks the steps whose features all equal `mask_value` as padding, and zeroes them.
+
+    Input [batch, steps, features] (any rank >= 2: the last axis holds a step's features); output the input
+    with masked steps set to 0; `compute_mask` gives the mask [batch, steps] (bool, True where a step is kept),
+    which the layers after it receive (Keras's propagation; a compiled loss and metrics skip masked steps).
+    Source: tf.keras.layers.Masking.
+    """
+
+    supports_masking = True
+
+    def __init__(self, mask_value=0.0, name=None, dtype=None, input_shape=None):
+        super().__init__(name=name, dtype=dtype, input_shape=input_shape)
+        self.mask_value = mask_value
+
+    def compute_mask(self, inputs, mask=None):
+        differs = _array.cast(_math.not_equal(inputs, self.mask_value), inputs.dtype)
+        return _math.greater(_math.reduce_max(differs, axis=-1), 0.0)
+
+    def call(self, x):
+        keep = _array.cast(self.compute_mask(x), x.dtype)
+        return x * _array.expand_dims(keep, -1)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)

@@ -117,3 +117,18 @@ class Concatenate(Layer):
 
     def call(self, inputs):
         return _array.concat(_as_list(inputs, self), self.axis)
+
+
+def add(inputs, **kwargs):
+    """`Add(**kwargs)(inputs)`: Keras's functional form. Source: tf.keras.layers.add."""
+    return Add(**kwargs)(inputs)
+
+
+def multiply(inputs, **kwargs):
+    """`Multiply(**kwargs)(inputs)`: Keras's functional form. Source: tf.keras.layers.multiply."""
+    return Multiply(**kwargs)(inputs)
+
+
+def concatenate(inputs, axis=-1, **kwargs):
+    """`Concatenate(axis, **kwargs)(inputs)`: Keras's functional form. Source: tf.keras.layers.concatenate."""
+    return Concatenate(axis=axis, **kwargs)(inputs)
