@@ -58,7 +58,9 @@ for _hook in _HOOKS:
 
 def _to_batch_hook(which):
     def hook(self, batch, logs=None):
-        getattr(self, f"on_batch_{which}")(batch, logs)
+        legacy = getattr(type(self), f"on_batch_{which}")  # looked up on the class: only an override is called
+        if legacy is not _noop:
+            legacy(self, batch, logs)
     hook.__name__ = f"on_train_batch_{which}"
     return hook
 
