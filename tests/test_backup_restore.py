@@ -1,6 +1,8 @@
 """BackupAndRestore: a fit killed mid-epoch and run again continues with the uninterrupted run's batch logs and
 variables, bit for bit (one device and MirroredStrategy threads; torchrun in tests/multiprocess)."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from dtape import keras
 from tests._strategies import mirrored
 
 pytestmark = pytest.mark.usefixtures("closes_strategies")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(71, 5)).astype(np.float32)   # batches of 16: 16 16 16 16 7 per epoch (the last splits 4 / 3)
@@ -147,3 +151,17 @@ def test_delete_checkpoint_false_keeps_the_backup_and_bad_save_freq_is_refused(t
     for bad in (0, -1, 1.5, "batch", None):
         with pytest.raises(ValueError, match="save_freq must be 'epoch' or a positive int"):
             keras.callbacks.BackupAndRestore(tmp_path / "c", save_freq=bad)
+
+
+def test_replica_generator_states_restore_from_rows_of_one_tensor():
+    # torch's Generator.set_state crashes the process on a view into a larger storage (a row of the gathered
+    # tensor MultiWorkerMirroredStrategy.get_rng_state gives rank 1): run in a child process, so a crash fails
+    # this test instead of killing the test run
+    code = ("import torch, dtape\n"
+            "s = dtape.distribute.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
+            "states = s.get_rng_state()\n"
+            "s.set_rng_state(list(torch.stack(states).unbind(0)))\n"
+            "assert all(torch.equal(a, b) for a, b in zip(s.get_rng_state(), states))\n"
+            "s.close()\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
