@@ -471,12 +471,7 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint:
-            _checkpoint.remove_checkpoint(self.backup_path, self.model.distribute_strategy)
-            if _writes(self.model):
-                try:
-                    os.rmdir(self.backup_dir)
-                except OSError:
-                    pass     # not empty (someone else's files) or already gone
+            _checkpoint.remove_checkpoint(self.backup_path, self.model.distribute_strategy, folder_too=True)
         self._checkpoint = self._state = None
 
     def _back_up(self, epoch, batch):

@@ -1585,15 +1585,23 @@ def _read_state(directory):
     return state
 
 
-def remove_checkpoint(path, strategy=None):
+def remove_checkpoint(path, strategy=None, folder_too=False):
     """Deletes the checkpoint file `path` where checkpoints are written (rank 0 under
     MultiWorkerMirroredStrategy; every worker calls it and waits until it is gone). A missing file is no error.
 
     `strategy`: the one whose workers take part (default: the current one).
+    `folder_too`: also remove the file's folder when nothing else is left in it.
     """
+    path = os.fspath(path)
+
     def remove():
         try:
-            os.remove(os.fspath(path))
+            os.remove(path)
         except FileNotFoundError:
             pass
+        if folder_too:
+            try:
+                os.rmdir(os.path.dirname(path) or ".")
+            except OSError:
+                pass     # not empty (other files) or already gone
     _ExtendedView((strategy or distribute.get_strategy()).extended).write(remove)
