@@ -340,7 +340,10 @@ class Trainer:
         """
         self._check_compiled("fit")
         data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
-        val = None if validation_data is None else _Data(*_val_xy(validation_data), batch_size, False)
+        val = None
+        if validation_data is not None:
+            val_x, val_y, val_sw = _val_xy(validation_data)
+            val = _Data(val_x, val_y, None if _is_dataset(val_x) else batch_size, False, val_sw)
         vars(self)["history"] = history = _callbacks.History()
         cbs = _callbacks.CallbackList(list(callbacks or []) + [history], model=self, verbose=verbose,
                                       epochs=epochs, steps=_steps(data, steps_per_epoch))
@@ -524,8 +527,8 @@ class _Data:
         self.class_weight = _class_weights(class_weight)
         if self.dataset:
             if y is not None or batch_size is not None or sample_weight is not None:
-                raise ValueError("with a dataset of batches (an iterable / DataLoader) give neither y, batch_size "
-                                 "nor sample_weight: the batches are used as they come ((x, y, sample_weight) "
+                raise ValueError("with a dataset of batches (an iterable / DataLoader) give neither y nor batch_size "
+                                 "(nor sample_weight): the batches are used as they come ((x, y, sample_weight) "
                                  "batches carry their weights)")
             self.x = x
             return
