@@ -12,15 +12,18 @@ import csv
 import os
 
 import numpy as np
+import torch
 try:
     from torch.utils.tensorboard import SummaryWriter
 except ImportError:   # the tensorboard package is optional (pip install tensorboard, or dtape's "examples" extra)
     SummaryWriter = None
 
 from dtape import checkpoint as _checkpoint
+from dtape import distribute
+from dtape.tensor import Tensor
 
 __all__ = ["Callback", "CallbackList", "History", "EarlyStopping", "LearningRateScheduler", "ReduceLROnPlateau",
-           "CSVLogger", "ModelCheckpoint", "TensorBoard"]
+           "CSVLogger", "ModelCheckpoint", "TensorBoard", "BackupAndRestore"]
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
           "on_train_batch_end", "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
@@ -302,18 +305,22 @@ class ModelCheckpoint(_Monitor):
     `save_weights_only`) at each epoch's end, or only when `monitor` improved (`save_best_only`).
 
     Args:
-      filepath: a checkpoint prefix, formatted with `epoch` (1-based) and the logs' keys,
-        e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}". Restore with
-        `dtape.checkpoint.Checkpoint(model=model).read(filepath)`.
+      filepath: a checkpoint file path, formatted with `epoch` (1-based) and the logs' keys,
+        e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}" or "ckpt/ckpt_{epoch}". Restore with
+        `model.load_weights(path)` or `dtape.checkpoint.Checkpoint(model=model).read(path)`;
+        `dtape.train.latest_checkpoint("ckpt")` returns the file written last (the folder's state
+        file `checkpoint` records it, as TF's does).
       monitor, mode: as EarlyStopping (for save_best_only).
     Attributes: `best`, `saved` (the paths written, in order).
+    Raises KeyError naming the missing key when `filepath` uses a key the logs lack (e.g. val_loss without
+    validation_data); ValueError for a file named `checkpoint` (the state file's name).
     Source: tf.keras.callbacks.ModelCheckpoint.
     """
 
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False, save_weights_only=False,
                  mode="auto"):
         super().__init__(monitor, mode, 0)
-        self.filepath, self.verbose = os.fspath(filepath), verbose
+        self.filepath, self.verbose = _checkpoint.check_not_state_file(filepath), verbose
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self.best, self.saved = self._initial(), []
 
@@ -324,13 +331,15 @@ class ModelCheckpoint(_Monitor):
             if not self._better(current, self.best):
                 return
             self.best = current
-        path = self.filepath.format(epoch=epoch + 1, **logs)
+        try:
+            path = self.filepath.format(epoch=epoch + 1, **logs)
+        except KeyError as e:
+            raise KeyError(f"ModelCheckpoint: filepath {self.filepath!r} uses {e.args[0]!r}, which is not in the "
+                           f"logs {sorted(logs)} (nor 'epoch'); pass validation_data for val_* keys") from None
         objects = {"model": self.model}
         if not self.save_weights_only:
             objects["optimizer"] = self.model.optimizer
-        if _writes(self.model):
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        _checkpoint.Checkpoint(**objects).write(path)
+        _checkpoint.Checkpoint(**objects).write_then(path, after=lambda: _checkpoint.record_latest(path))
         self.saved.append(path)
 
 
@@ -376,3 +385,165 @@ class TensorBoard(Callback):
         for w in self._writers.values():
             w.close()
         self._writers = {}
+
+
+class _TrainingState:
+    """BackupAndRestore's plain data in its checkpoint (saved by `state_dict`, as a torch optimizer's state is)."""
+
+    def __init__(self, read):
+        self._read, self.loaded = read, None
+
+    def state_dict(self):
+        return self._read()
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+class BackupAndRestore(Callback):
+    """Backs up the training state to `backup_dir`; a new `fit` with this callback resumes from the backup.
+
+    Args:
+      backup_dir: folder (str or os.PathLike) for the one backup file,
+        `<backup_dir>/backup`, overwritten at each backup (atomically: a kill
+        during a write leaves the previous backup). Use it for nothing else.
+      save_freq: "epoch" (a backup at each epoch's end) or a positive int N
+        (a backup after every N batches, counted across epochs, as Keras 2).
+      delete_checkpoint: delete the backup when fit completes (also when a
+        callback stopped it); kept when fit raised or the process died.
+
+    The backup is a `dtape.checkpoint.Checkpoint` of the model's variables,
+    the optimizer's (slots and `iterations`: restored when the first step
+    creates them), the metrics' running states, and the position: the epoch,
+    the batches of it done, the random states the epoch's data order was
+    drawn from (numpy's global RNG for fit's shuffle, torch's default
+    generator and a DataLoader's own generators) and those of the moment of
+    the backup (numpy's, torch's default generator, the strategy's replica
+    generators, `strategy.get_rng_state()`). At `on_train_begin` a backup
+    found is restored and fit continues at its epoch and batch: the epoch's
+    order is drawn again from the saved states, its done batches skipped,
+    so the resumed run's per-batch losses, metrics and variables are the
+    uninterrupted run's (same data, model and callbacks; under the same
+    strategy and number of replicas).
+
+    Under MultiWorkerMirroredStrategy every worker takes part in each backup
+    (dtape's checkpoint save is a collective: rank 0 writes, the others wait
+    for the file; TF's Keras writes the others to temporary folders instead)
+    and every worker restores from the same file: `backup_dir` must be
+    visible to all. Numpy's and torch's global states restored are rank 0's
+    (workers draw the data order alike, as the strategy requires); the
+    replica generators are each worker's own.
+
+    Raises:
+      ValueError: a `save_freq` other than "epoch" or a positive int.
+      As `dtape.checkpoint.Checkpoint.read` for a backup that does not fit
+      the model (another architecture; CheckpointError for a corrupt file),
+      and `set_rng_state`'s ValueError for a backup of another number of replicas.
+
+    Source: tf.keras.callbacks.BackupAndRestore (Keras 2 semantics: save_freq
+    in batches; the epoch's done batches are skipped on resume).
+
+    Example:
+      >>> backup = dtape.keras.callbacks.BackupAndRestore("/tmp/backup", save_freq=50)
+      >>> model.fit(x, y, epochs=10, callbacks=[backup])   # killed? run the same line again
+    """
+
+    FILE_NAME = "backup"
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        super().__init__()
+        if save_freq != "epoch" and (type(save_freq) is not int or save_freq < 1):
+            raise ValueError(f"BackupAndRestore: save_freq must be 'epoch' or a positive int (batches), "
+                             f"got {save_freq!r}")
+        self.backup_dir, self.save_freq = os.fspath(backup_dir), save_freq
+        self.delete_checkpoint = bool(delete_checkpoint)
+        self._epoch, self._batches_seen, self._checkpoint, self._state = 0, 0, None, None
+
+    @property
+    def backup_path(self):
+        """The backup file, `<backup_dir>/backup`."""
+        return os.path.join(self.backup_dir, self.FILE_NAME)
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._state, self._batches_seen, self._position = _TrainingState(self._current_state), 0, (0, 0)
+        self._checkpoint = _checkpoint.Checkpoint(model=model, optimizer=model.optimizer,
+                                                  metrics=list(model.metrics), training_state=self._state)
+        if not os.path.exists(self.backup_path):
+            return
+        self._checkpoint.read(self.backup_path).expect_partial()  # the optimizer's slots wait for the first step
+        saved = self._state.loaded
+        _set_metric_rows(model.distribute_strategy, model.metrics, saved["metric_rows"])
+        if saved["batch"] == 0:          # at an epoch's start: the random states are those the epoch starts with
+            self._set_random(saved)
+        model._resume_fit(saved["epoch"], saved["batch"], saved["order"], lambda: self._set_random(saved))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        self._batches_seen += 1
+        if self._batches_seen >= self.save_freq:
+            self._batches_seen = 0
+            self._back_up(self._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._back_up(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint:
+            _checkpoint.remove_checkpoint(self.backup_path, self.model.distribute_strategy, folder_too=True)
+        self._checkpoint = self._state = None
+
+    def _back_up(self, epoch, batch):
+        self._position = (epoch, batch)
+        self._checkpoint.write(self.backup_path)
+
+    def _current_state(self):
+        strategy = self.model.distribute_strategy
+        get_replicas = getattr(strategy, "get_rng_state", None)   # a collective under MultiWorkerMirroredStrategy
+        return {"epoch": self._position[0], "batch": self._position[1], "order": self.model._fit_order_state(),
+                "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "replicas": None if get_replicas is None else get_replicas(),
+                "metric_rows": _metric_rows(strategy, self.model.metrics)}
+
+    def _set_random(self, saved):
+        np.random.set_state(saved["numpy"])
+        torch.set_rng_state(saved["torch"])
+        if saved["replicas"] is not None:
+            self.model.distribute_strategy.set_rng_state(saved["replicas"])
+
+
+def _components(var):
+    parts = getattr(var, "values", None)
+    return parts if isinstance(parts, tuple) and parts else (var,)
+
+
+def _metric_rows(strategy, metrics):
+    """Each metric state variable's replica components, [replicas, size] arrays (a collective across workers).
+
+    The checkpoint keeps a metric's aggregate, which restore puts on one
+    replica; the running sums then add up in another order and the resumed
+    epoch's running means can differ in the last bit: these rows give each
+    replica its own part back.
+    """
+    rows = []
+    for var in (v for m in metrics for v in m.variables):
+        parts = tuple(Tensor(torch.as_tensor(c.numpy()).reshape(1, -1)) for c in _components(var))
+        rows.append(strategy.gather(distribute.PerReplica(parts), axis=0).numpy())
+    return rows
+
+
+def _set_metric_rows(strategy, metrics, rows):
+    variables = [v for m in metrics for v in m.variables]
+    if len(rows) != len(variables) or any(r.shape[0] != strategy.num_replicas_in_sync for r in rows):
+        return      # other metrics or replicas: the checkpoint's aggregates stand
+    resolver = getattr(strategy, "cluster_resolver", None)
+    for var, row in zip(variables, rows):
+        parts = _components(var)
+        first = (getattr(resolver, "task_id", 0) or 0) * len(parts)   # this worker's first replica
+        for i, part in enumerate(parts):
+            part.assign(torch.as_tensor(row[first + i]).reshape(tuple(part.shape)))

@@ -78,7 +78,8 @@ from dtape.tensor import Tensor, is_variable
 from dtape.variables import Variable, VariableAggregation
 
 __all__ = ["save", "restore", "read", "CheckpointError", "Checkpoint", "CheckpointLoadStatus",
-           "InitializationOnlyStatus", "CheckpointManager", "latest_checkpoint"]
+           "InitializationOnlyStatus", "CheckpointManager", "latest_checkpoint", "record_latest",
+           "remove_checkpoint"]
 
 _FORMAT = "dtape.checkpoint/2"
 _DATA_PREFIX = "__data__/"
@@ -1491,14 +1492,21 @@ _NUMBERED_FILE = re.compile(r"^([^.].*)-(\d+)$")
 
 
 def latest_checkpoint(directory, checkpoint_name=None):
-    """The path of the highest-numbered checkpoint `<checkpoint_name>-<n>` in `directory`.
+    """The path of the newest checkpoint in `directory`.
 
     Args:
       directory: folder (str or os.PathLike), as given to `CheckpointManager`
-        or the folder of `Checkpoint.save`'s prefix.
-      checkpoint_name: the file prefix; None (default): the one prefix of the
-        `<prefix>-<n>` files there ("ckpt" when several include it), so
-        `Checkpoint.save(folder + "/model")` is found as TF finds it.
+        or the folder of `Checkpoint.save`'s prefix or of ModelCheckpoint's
+        / `save_weights`' paths.
+      checkpoint_name: the prefix of numbered files `<checkpoint_name>-<n>`;
+        the highest number is returned. None (default): the newest of
+        * the one prefix of the `<prefix>-<n>` files there ("ckpt" when
+          several include it), so `Checkpoint.save(folder + "/model")` is
+          found as TF finds it, and
+        * the file last written by `ModelCheckpoint` or `Model.save_weights`
+          (any name, e.g. "weights.03-0.52"), which the folder's state file
+          `checkpoint` records, as TF's state file does; it is the newest
+          unless a numbered file was saved after it.
 
     Returns:
       str or None: the path, or None when there is none (or no folder).
@@ -1508,14 +1516,92 @@ def latest_checkpoint(directory, checkpoint_name=None):
         numbered files of several prefixes (none "ckpt"): pass the name.
 
     Source: tf.train.latest_checkpoint (which reads TF's state file; here the
-    folder is listed, and numbers order the checkpoints).
+    folder is listed, numbers order the numbered checkpoints, and the state
+    file records only what ModelCheckpoint / save_weights wrote).
     """
     directory = os.fspath(directory)
-    if checkpoint_name is None:
-        prefixes = sorted({name for name, _, _ in _numbered_files(directory)})
-        if len(prefixes) > 1 and "ckpt" not in prefixes:
-            raise CheckpointError(f"checkpoint directory {directory!r} holds numbered files of several prefixes "
-                                  f"{prefixes}; pass checkpoint_name= to choose one")
-        checkpoint_name = "ckpt" if len(prefixes) != 1 else prefixes[0]
-    found = numbered_checkpoints(directory, checkpoint_name)
+    if checkpoint_name is not None:
+        found = numbered_checkpoints(directory, checkpoint_name)
+        return found[-1][1] if found else None
+    numbered = _newest_numbered(directory)
+    recorded = _read_state(directory)
+    if recorded is None or not os.path.exists(os.path.join(directory, recorded["latest"])):
+        return numbered
+    if numbered is not None and os.path.basename(numbered) != recorded["numbered_then"]:
+        return numbered     # a numbered checkpoint was saved after the recorded file
+    return os.path.join(directory, recorded["latest"])
+
+
+def _newest_numbered(directory):
+    """The highest-numbered `<prefix>-<n>` of the folder's one prefix ("ckpt" among several), or None."""
+    prefixes = sorted({name for name, _, _ in _numbered_files(directory)})
+    if len(prefixes) > 1 and "ckpt" not in prefixes:
+        raise CheckpointError(f"checkpoint directory {directory!r} holds numbered files of several prefixes "
+                              f"{prefixes}; pass checkpoint_name= to choose one")
+    found = numbered_checkpoints(directory, "ckpt" if len(prefixes) != 1 else prefixes[0])
     return found[-1][1] if found else None
+
+
+STATE_FILE = "checkpoint"   # TF's name for the folder's state file
+
+
+def record_latest(path):
+    """Notes `path` as its folder's newest checkpoint, for `latest_checkpoint(folder)` (ModelCheckpoint and
+    `Model.save_weights` call it where the file was written: rank 0 under MultiWorkerMirroredStrategy).
+
+    The folder's state file `checkpoint` (JSON, replaced atomically) holds
+    the file's name and the newest numbered checkpoint at that moment.
+    Raises ValueError for a checkpoint named `checkpoint` (the state file's name).
+    Source: TF's update_checkpoint_state, called by Model.save_weights.
+    """
+    path = check_not_state_file(path)
+    folder, name = os.path.split(path)
+    try:
+        numbered = _newest_numbered(folder or ".")
+    except CheckpointError:   # several prefixes: latest_checkpoint(folder) then asks for a name anyway
+        numbered = None
+    state = {"latest": name, "numbered_then": None if numbered is None else os.path.basename(numbered)}
+    _write_atomically(os.path.join(folder, STATE_FILE), json.dumps(state).encode())
+
+
+def check_not_state_file(path):
+    """`path` (str); ValueError when its file name is that of the folder's state file, `checkpoint`."""
+    path = os.fspath(path)
+    if os.path.basename(path) == STATE_FILE:
+        raise ValueError(f"a checkpoint may not be named {STATE_FILE!r} (the folder's state file, which "
+                         f"latest_checkpoint reads); choose another file name than {path!r}")
+    return path
+
+
+def _read_state(directory):
+    """The state file's {"latest", "numbered_then"}, or None when there is none or it is not ours."""
+    try:
+        with open(os.path.join(directory, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("latest"), str):
+        return None
+    return state
+
+
+def remove_checkpoint(path, strategy=None, folder_too=False):
+    """Deletes the checkpoint file `path` where checkpoints are written (rank 0 under
+    MultiWorkerMirroredStrategy; every worker calls it and waits until it is gone). A missing file is no error.
+
+    `strategy`: the one whose workers take part (default: the current one).
+    `folder_too`: also remove the file's folder when nothing else is left in it.
+    """
+    path = os.fspath(path)
+
+    def remove():
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        if folder_too:
+            try:
+                os.rmdir(os.path.dirname(path) or ".")
+            except OSError:
+                pass     # not empty (other files) or already gone
+    _ExtendedView((strategy or distribute.get_strategy()).extended).write(remove)

@@ -238,8 +238,10 @@ class Trainer:
 
     def save_weights(self, filepath):
         """Writes the model's variables to the checkpoint prefix `filepath` (`dtape.checkpoint.Checkpoint(model=self)`,
-        as ModelCheckpoint(save_weights_only=True) does). Returns the path. Source: tf.keras.Model.save_weights."""
-        return _checkpoint.Checkpoint(model=self).write(filepath)
+        as ModelCheckpoint(save_weights_only=True) does) and records it as the folder's newest for
+        `dtape.train.latest_checkpoint(folder)`. Returns the path. Source: tf.keras.Model.save_weights."""
+        path = _checkpoint.check_not_state_file(filepath)
+        return _checkpoint.Checkpoint(model=self).write_then(path, after=lambda: _checkpoint.record_latest(path))
 
     def load_weights(self, filepath):
         """Reads variables written by `save_weights` / ModelCheckpoint into this model (built first: variables
@@ -351,7 +353,7 @@ class Trainer:
 
     # -- the loops -------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_data=None,
-            shuffle=True, initial_epoch=0, steps_per_epoch=None):
+            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None):
         """Trains for `epochs` epochs; returns the `History` callback (`history.history[name]` per epoch).
 
         Args:
@@ -364,29 +366,55 @@ class Trainer:
           epochs, initial_epoch: train epochs `initial_epoch .. epochs - 1`.
           verbose: 1 a progress bar per epoch (tqdm), 2 one line per epoch, 0 silent.
           callbacks: `dtape.keras.callbacks.Callback`s.
-          validation_data: `(x_val, y_val)` arrays or an iterable of batches;
-            evaluated after each epoch, reported as `val_<name>`.
+          validation_data: `(x_val, y_val)` or `(x_val, y_val, val_sample_weight)`
+            arrays, or an iterable of batches; evaluated after each epoch,
+            reported as `val_<name>`.
           shuffle: array inputs only: a new order every epoch (numpy's global RNG, as Keras).
+          class_weight: `{class index: weight}`; each example's loss and
+            metrics are weighted by its class's weight (the class is `y`, or
+            `argmax(y)` for one-hot targets), times its `sample_weight` if
+            given. Every class in `y` must have a weight.
+          sample_weight: array-like of one weight per example (shape
+            [n] or [n, 1], or [n, timesteps] for per-timestep losses), sliced with
+            `x` and `y`: the per-example losses are multiplied by it, then
+            summed and divided by the number of examples of the global batch
+            (Keras's weighting, `dtape.nn.scale_losses_by_sample_weight`); the
+            metrics get it as their `sample_weight`. Arrays only (a dataset
+            gives `(x, y, sample_weight)` batches).
           steps_per_epoch: at most this many batches per epoch.
 
         Raises:
           RuntimeError: before `compile`.
-          ValueError: arrays of different lengths; `y` or `batch_size` with a dataset.
+          ValueError: arrays of different lengths (x, y, sample_weight); `y`,
+            `batch_size` or `sample_weight` with a dataset; a class without a
+            `class_weight`.
+        A `BackupAndRestore` callback may make fit start at a later epoch
+        and batch (the ones its backup recorded) instead of `initial_epoch`.
         Source: tf.keras.Model.fit.
         """
         self._check_compiled("fit")
-        data = _Data(x, y, batch_size, shuffle)
-        val = None if validation_data is None else _Data(*_val_xy(validation_data), batch_size, False)
+        data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
+        val = None
+        if validation_data is not None:
+            val_x, val_y, val_sw = _val_xy(validation_data)
+            val = _Data(val_x, val_y, None if _is_dataset(val_x) else batch_size, False, val_sw)
         vars(self)["history"] = history = _callbacks.History()
         cbs = _callbacks.CallbackList(list(callbacks or []) + [history], model=self, verbose=verbose,
                                       epochs=epochs, steps=_steps(data, steps_per_epoch))
         self.stop_training = False
+        vars(self)["_fit_data"], logs = data, {}
         cbs.on_train_begin()
-        for epoch in range(initial_epoch, epochs):
-            self._reset_metrics()
+        resume = vars(self).pop("_resume", None)
+        first = initial_epoch if resume is None else max(initial_epoch, resume.epoch)
+        for epoch in range(first, epochs):
+            mid_epoch = resume is not None and epoch == resume.epoch and resume.batch > 0
+            if not mid_epoch:   # resumed mid-epoch: the metrics hold the epoch's restored running state
+                self._reset_metrics()
+            data.resume = resume if mid_epoch else None
             cbs.on_epoch_begin(epoch)
             logs = self._run_epoch(data, self.train_step, cbs, "train", steps_per_epoch,
-                                   self._progress(verbose, data, steps_per_epoch, f"Epoch {epoch + 1}/{epochs}"))
+                                   self._progress(verbose, data, steps_per_epoch, f"Epoch {epoch + 1}/{epochs}",
+                                                  resume.batch if mid_epoch else 0))
             if val is not None:
                 val_logs = self._evaluate_data(val, cbs)
                 logs.update({"val_" + k: v for k, v in val_logs.items()})
@@ -395,15 +423,35 @@ class Trainer:
                 print(f"Epoch {epoch + 1}/{epochs} - " + " - ".join(f"{k}: {v:.4f}" for k, v in logs.items()))
             if self.stop_training:
                 break
-        cbs.on_train_end(logs if epochs > initial_epoch else {})
+        cbs.on_train_end(logs)
         return history
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose=0, callbacks=None, return_dict=False):
+    def _resume_fit(self, epoch, batch, order_state, after_skip):
+        """Makes the next fit (this one, when called from `on_train_begin`) start at `epoch`, batch `batch`.
+
+        `order_state`: the random states the epoch's data order was drawn
+        from (`_fit_order_state()` when it was saved); the epoch's first
+        `batch` batches are drawn again in that order and skipped, then
+        `after_skip()` runs (BackupAndRestore sets the random states of the
+        moment of its backup there). With `batch == 0` the epoch starts as usual.
+        """
+        vars(self)["_resume"] = _Resume(int(epoch), int(batch), order_state, after_skip)
+
+    def _fit_order_state(self):
+        """The random states this epoch's data order was drawn from (numpy's, torch's, the loader's generators)."""
+        data = vars(self).get("_fit_data")
+        return None if data is None else data.order_state
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose=0, callbacks=None, sample_weight=None,
+                 return_dict=False):
         """The loss and metrics over the data (one pass, training=False): a float, or a list of floats in
-        `metrics_names` order, or a dict with return_dict. Source: tf.keras.Model.evaluate."""
+        `metrics_names` order, or a dict with return_dict.
+
+        `sample_weight`: one weight per example of the arrays `x`, `y`, as in `fit`.
+        Source: tf.keras.Model.evaluate."""
         self._check_compiled("evaluate")
         cbs = _callbacks.CallbackList(list(callbacks or []), model=self, verbose=verbose)
-        logs = self._evaluate_data(_Data(x, y, batch_size, False), cbs)
+        logs = self._evaluate_data(_Data(x, y, batch_size, False, sample_weight), cbs)
         if return_dict:
             return logs
         values = [logs[m.name] for m in self.metrics if m.name in logs]
@@ -436,8 +484,9 @@ class Trainer:
 
     def _run_epoch(self, data, step_fn, cbs, mode, steps, bar):
         compiled = vars(self)["_compiled"]
-        strategy, logs = compiled.strategy, {}
-        for step, (batch, global_n) in enumerate(zip(data.batches(strategy), data.sizes())):
+        strategy, skip = compiled.strategy, (data.resume.batch if data.resume is not None else 0)
+        logs = {m.name: float(m.result()) for m in self.metrics} if skip else {}  # a backup after the last batch
+        for step, (batch, global_n) in enumerate(zip(data.batches(strategy), data.sizes()), start=skip):
             if steps is not None and step >= steps:
                 break
             getattr(cbs, f"on_{mode}_batch_begin")(step)
@@ -472,17 +521,25 @@ class Trainer:
     def _prints(self):
         return getattr(vars(self)["_compiled"].strategy.extended, "should_checkpoint", True)
 
-    def _progress(self, verbose, data, steps, desc):
+    def _progress(self, verbose, data, steps, desc, done=0):
         if verbose != 1 or not self._prints():
             return None
         total = _steps(data, steps)
-        return tqdm(total=total, desc=desc, unit="step", leave=True)
+        return tqdm(total=total, initial=done, desc=desc, unit="step", leave=True)
+
+
+class _Resume:
+    """Where a resumed fit starts (see `Trainer._resume_fit`)."""
+
+    def __init__(self, epoch, batch, order_state, after_skip):
+        self.epoch, self.batch, self.order_state, self.after_skip = epoch, batch, order_state, after_skip
 
 
 def _val_xy(validation_data):
+    """(x, y, sample_weight) of `validation_data`: a 2- or 3-tuple of arrays, or a dataset of batches."""
     if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and not _is_dataset(validation_data):
-        return validation_data[0], validation_data[1]
-    return validation_data, None
+        return validation_data[0], validation_data[1], (validation_data[2] if len(validation_data) == 3 else None)
+    return validation_data, None, None
 
 
 def _is_dataset(x):
@@ -509,22 +566,34 @@ def _first_float(v):
 
 
 class _Data:
-    """The batches of `fit`/`evaluate`/`predict`: arrays sliced into global batches, or a dataset as given."""
+    """The batches of `fit`/`evaluate`/`predict`: arrays sliced into global batches, or a dataset as given.
 
-    def __init__(self, x, y, batch_size, shuffle):
+    `order_state` is the random state each epoch's order was drawn from
+    (set as the epoch's iteration starts); with `resume` set, the epoch's
+    order is drawn again from the resume's state and its first batches are
+    skipped (BackupAndRestore).
+    """
+
+    def __init__(self, x, y, batch_size, shuffle, sample_weight=None, class_weight=None):
         if x is None:
             raise ValueError("no data: pass x (arrays, tensors or a dataset of batches)")
-        self.dataset = _is_dataset(x)
+        self.dataset, self.resume, self.order_state = _is_dataset(x), None, None
+        self.class_weight = _class_weights(class_weight)
         if self.dataset:
-            if y is not None or batch_size is not None:
-                raise ValueError("with a dataset of batches (an iterable / DataLoader) give neither y nor "
-                                 "batch_size: the batches are used as they come")
+            if y is not None or batch_size is not None or sample_weight is not None:
+                raise ValueError("with a dataset of batches (an iterable / DataLoader) give neither y nor batch_size "
+                                 "(nor sample_weight): the batches are used as they come ((x, y, sample_weight) "
+                                 "batches carry their weights)")
             self.x = x
             return
         self.x, self.y = nest.map_structure(_array, x), (None if y is None else nest.map_structure(_array, y))
-        lengths = {len(a) for a in nest.flatten([self.x] + ([] if self.y is None else [self.y]))}
+        self.sw = None if sample_weight is None else _array(sample_weight)
+        if self.sw is not None and self.y is None:
+            raise ValueError("sample_weight needs targets y: it weighs each example's loss")
+        arrays = nest.flatten([self.x] + ([] if self.y is None else [self.y]))
+        lengths = {len(a) for a in arrays + ([] if self.sw is None else [self.sw])}
         if len(lengths) != 1:
-            raise ValueError(f"x and y have different numbers of examples: {sorted(lengths)}")
+            raise ValueError(f"x, y and sample_weight have different numbers of examples: {sorted(lengths)}")
         self.n, self.batch_size, self.shuffle = lengths.pop(), int(batch_size or 32), shuffle
         self._order = np.arange(self.n)
 
@@ -537,16 +606,33 @@ class _Data:
             return None
 
     def _global_batches(self):
-        if self.dataset:
-            yield from self.x
-            return
+        if self.resume is not None:
+            _set_order_state(self.x if self.dataset else None, self.resume.order_state)
+        self.order_state = _order_state(self.x if self.dataset else None)
+        skip = 0 if self.resume is None else self.resume.batch
+        batches = self._dataset_batches(skip) if self.dataset else self._array_batches(skip)
+        if self.resume is not None:
+            self.resume.after_skip()
+        yield from batches
+
+    def _dataset_batches(self, skip):
+        batches = iter(self.x)
+        for _ in range(skip):       # drawn again in the same order, not trained on
+            next(batches, None)
+        return (_weighted(batch, self.class_weight) for batch in batches)
+
+    def _array_batches(self, skip):
         if self.shuffle:
             self._order = np.random.permutation(self.n)
-        for start in range(0, self.n, self.batch_size):
-            idx = self._order[start:start + self.batch_size]
-            part = nest.map_structure(lambda a: a[idx], self.x)
-            # (x,) as Keras packs it: a list of several inputs alone would unpack as (x, y)
-            yield (part,) if self.y is None else (part, nest.map_structure(lambda a: a[idx], self.y))
+        return (self._slice(self._order[start:start + self.batch_size])
+                for start in range(skip * self.batch_size, self.n, self.batch_size))
+
+    def _slice(self, idx):
+        x = nest.map_structure(lambda a: a[idx], self.x)
+        if self.y is None:
+            return (x,)  # as Keras packs it: a list of several inputs alone would unpack as (x, y)
+        batch = (x, nest.map_structure(lambda a: a[idx], self.y)) + (() if self.sw is None else (self.sw[idx],))
+        return _weighted(batch, self.class_weight)
 
     def batches(self, strategy):
         self._sizes = []
@@ -558,6 +644,62 @@ class _Data:
     def sizes(self):
         while True:
             yield self._sizes.pop(0) if self._sizes else None
+
+
+def _loader_generators(dataset):
+    """The torch.Generators a DataLoader draws its order from besides torch's default one (its own, its sampler's)."""
+    found = [getattr(dataset, "generator", None), getattr(getattr(dataset, "sampler", None), "generator", None)]
+    return [g for g in found if isinstance(g, torch.Generator)]
+
+
+def _order_state(dataset):
+    """The random states a data order is drawn from: numpy's global RNG (fit's shuffle), torch's default
+    generator (a DataLoader's shuffle without a generator) and the loader's own generators."""
+    return {"numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "loader": [g.get_state() for g in _loader_generators(dataset)]}
+
+
+def _set_order_state(dataset, state):
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    generators = _loader_generators(dataset)
+    if len(generators) != len(state["loader"]):
+        raise ValueError(f"the backup's data order was drawn with {len(state['loader'])} DataLoader generator(s), "
+                         f"this data has {len(generators)}: resume with the same data pipeline")
+    for g, saved in zip(generators, state["loader"]):
+        g.set_state(saved)
+
+
+def _class_weights(class_weight):
+    if class_weight is None:
+        return None
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise ValueError(f"class_weight must be a non-empty dict {{class index: weight}}, got {class_weight!r}")
+    top = max(int(k) for k in class_weight)
+    table = np.full(top + 1, np.nan, np.float32)
+    for k, w in class_weight.items():
+        table[int(k)] = float(w)
+    return table
+
+
+def _weighted(batch, table):
+    """A batch with its class weights multiplied into its sample weights (Keras's class_weight)."""
+    if table is None:
+        return batch
+    x, y, sw = unpack_x_y_sample_weight(batch)
+    if y is None or nest.flatten(y)[0] is not y:
+        raise ValueError("class_weight needs a single target y per batch")
+    labels = _array(y)
+    labels = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels.reshape(len(labels))
+    labels = labels.astype(np.int64)
+    if labels.min(initial=0) < 0 or labels.max(initial=0) >= len(table) or np.isnan(table[labels]).any():
+        missing = sorted({int(c) for c in labels if c < 0 or c >= len(table) or np.isnan(table[c])})
+        raise ValueError(f"class_weight has no weight for the classes {missing} found in y; give every class one")
+    weights = table[labels]
+    if sw is not None:   # per-timestep weights [n, T] get one class weight per example
+        sw = _array(sw).astype(np.float32)
+        weights = sw * weights.reshape((-1,) + (1,) * (sw.ndim - 1))
+    return x, y, weights
 
 
 class _Sized:

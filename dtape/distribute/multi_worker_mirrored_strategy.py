@@ -327,7 +327,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if len(states) != self.num_replicas_in_sync:
             raise ValueError(f"set_rng_state got {len(states)} states for {self.num_replicas_in_sync} workers; "
                              "restore states saved with the same number of workers")
-        self._generator.set_state(states[self._resolver.rank].detach().cpu())
+        self._generator.set_state(replica_scope.own_copy(states[self._resolver.rank]))   # not a view: see own_copy
 
     # -- variables --------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):

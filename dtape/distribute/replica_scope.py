@@ -125,12 +125,18 @@ class ReplicaGenerators:
         previous = self.get_state()
         for i, (g, s) in enumerate(zip(self._generators, states)):
             try:
-                g.set_state(s.detach().cpu())
+                g.set_state(own_copy(s))
             except (RuntimeError, ValueError, TypeError) as e:
                 for g0, s0 in zip(self._generators, previous):
                     g0.set_state(s0)
                 raise ValueError(f"set_rng_state: state {i} ({s.numel()} bytes) does not fit replica {i}'s "
                                  f"generator on {g.device} (saved from a strategy on other devices?): {e}") from None
+
+
+def own_copy(state):
+    """A CPU copy of `state` with storage of its own: torch's Generator.set_state crashes the process (SIGSEGV)
+    on a view into a larger storage, e.g. one row of a gathered or stacked tensor."""
+    return state.detach().to("cpu", copy=True)
 
 
 def _seeded(gen, seed):
