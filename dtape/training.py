@@ -115,6 +115,17 @@ def _per_example(loss, y_true, y_pred):
     return loss(y_true, y_pred)
 
 
+def _batch_loss(loss, sample_weight, strategy):
+    """A loss function that returned one value for the batch (TF's Transformer tutorial's masked_loss: a sum
+    over the kept tokens divided by their count) has reduced it itself: Keras takes it as it is (its mean over
+    the "batch" of one value) and, under a strategy, divides it by the number of replicas, so the summed
+    gradients are the replicas' mean. Returns (the loss to differentiate, the value for the loss tracker)."""
+    if sample_weight is not None:
+        raise ValueError("the compiled loss function returned one value for the whole batch, so sample_weight "
+                         "cannot weigh its examples; return the per-example losses [batch, ...] instead")
+    return loss / float(strategy.num_replicas_in_sync), loss
+
+
 def _rows(t):
     return int(t.shape[0]) if t.ndim else 1
 
@@ -243,7 +254,9 @@ class Trainer:
             raise ValueError(f"{self.name}: no loss was compiled; pass loss= to compile or override train_step")
         per_example = _per_example(compiled.loss, y, y_pred)
         local = _rows(per_example)
-        if isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
+        if per_example.ndim == 0:
+            data, mean_local = _batch_loss(per_example, sample_weight, compiled.strategy)
+        elif isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
             data = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
             mean_local = data / float(local)
         else:
