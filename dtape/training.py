@@ -163,7 +163,8 @@ class Trainer:
           optimizer: a dtape optimizer, or "adam", "sgd", "rmsprop", "adagrad", "adamw" (defaults).
           loss: a `dtape.losses.Loss` (any reduction: the per-example losses
             are reduced by the global batch), a function `(y_true, y_pred)`
-            returning per-example losses, a Keras name ("mse",
+            returning per-example losses (or one value for the batch: used as
+            it is, divided by the replicas, as Keras), a Keras name ("mse",
             "sparse_categorical_crossentropy", ...), or None when a custom
             `train_step` computes its own.
           metrics: a list of `dtape.metrics.Metric`, functions or names
