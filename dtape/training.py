@@ -440,7 +440,9 @@ class Trainer:
 
 
 def _val_xy(validation_data):
-    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and not _is_dataset(validation_data):
+    # A tuple is (x_val, y_val[, sample_weight]) as in Keras, also when x_val is itself a tuple of several inputs'
+    # arrays (which would look like a tuple of (x, y) batches); a dataset of batches is a list or an iterable.
+    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
         return validation_data[0], validation_data[1]
     return validation_data, None
 

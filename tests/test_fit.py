@@ -448,3 +448,12 @@ def test_a_loss_function_returning_the_batchs_loss_trains_as_keras_takes_it(repl
     np.testing.assert_allclose(history.history["loss"][0], float(loss), rtol=1e-6)
     with pytest.raises(ValueError, match="per-example losses"):
         model.fit([(x, y, np.ones(4, np.float32))], epochs=1, verbose=0)
+
+
+def test_validation_data_for_a_model_with_two_inputs_is_the_keras_tuple():
+    """validation_data=((x1, x2), y): a tuple is (x_val, y_val) as in Keras, though its first item is a tuple too."""
+    a, b = keras.Input((5,)), keras.Input((5,))
+    model = keras.Model([a, b], keras.layers.Dense(3, seed=1)(keras.layers.Concatenate()([a, b])))
+    model.compile("sgd", loss=_loss())
+    history = model.fit((X, X), Y, epochs=1, verbose=0, validation_data=((X, X), Y))
+    np.testing.assert_allclose(history.history["val_loss"][0], model.evaluate((X, X), Y), rtol=1e-6)
