@@ -507,7 +507,9 @@ class _Data:
         for start in range(0, self.n, self.batch_size):
             idx = self._order[start:start + self.batch_size]
             part = nest.map_structure(lambda a: a[idx], self.x)
-            yield part if self.y is None else (part, nest.map_structure(lambda a: a[idx], self.y))
+            # x alone is packed as (x,) (Keras's pack_x_y_sample_weight), so a model's several inputs (x1, x2)
+            # are not unpacked as (x, y)
+            yield (part,) if self.y is None else (part, nest.map_structure(lambda a: a[idx], self.y))
 
     def batches(self, strategy):
         self._sizes = []

@@ -457,3 +457,12 @@ def test_validation_data_for_a_model_with_two_inputs_is_the_keras_tuple():
     model.compile("sgd", loss=_loss())
     history = model.fit((X, X), Y, epochs=1, verbose=0, validation_data=((X, X), Y))
     np.testing.assert_allclose(history.history["val_loss"][0], model.evaluate((X, X), Y), rtol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [tuple, list])
+def test_predict_gives_a_two_input_model_both_inputs(pack):
+    """model.predict((x1, x2)) / predict([x1, x2]): the inputs, not an (x, y) pair (Keras packs x alone as (x,))."""
+    a, b = keras.Input((5,)), keras.Input((5,))
+    model = keras.Model([a, b], keras.layers.Concatenate()([a, b]))
+    got = model.predict(pack([X, 2 * X]), batch_size=32)
+    np.testing.assert_array_equal(got, np.concatenate([X, 2 * X], -1))
