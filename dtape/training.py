@@ -108,6 +108,17 @@ def _per_example(loss, y_true, y_pred):
     return loss(y_true, y_pred)
 
 
+def _batch_loss(loss, sample_weight, strategy):
+    """A loss function that returned one value for the batch (TF's Transformer tutorial's masked_loss: a sum
+    over the kept tokens divided by their count) has reduced it itself: Keras takes it as it is (its mean over
+    the "batch" of one value) and, under a strategy, divides it by the number of replicas, so the summed
+    gradients are the replicas' mean. Returns (the loss to differentiate, the value for the loss tracker)."""
+    if sample_weight is not None:
+        raise ValueError("the compiled loss function returned one value for the whole batch, so sample_weight "
+                         "cannot weigh its examples; return the per-example losses [batch, ...] instead")
+    return loss / float(strategy.num_replicas_in_sync), loss
+
+
 def _rows(t):
     return int(t.shape[0]) if t.ndim else 1
 
@@ -183,7 +194,8 @@ class Trainer:
           optimizer: a dtape optimizer, or "adam", "sgd", "rmsprop", "adagrad", "adamw" (defaults).
           loss: a `dtape.losses.Loss` (any reduction: the per-example losses
             are reduced by the global batch), a function `(y_true, y_pred)`
-            returning per-example losses, a Keras name ("mse",
+            returning per-example losses (or one value for the batch: used as
+            it is, divided by the replicas, as Keras), a Keras name ("mse",
             "sparse_categorical_crossentropy", ...), or None when a custom
             `train_step` computes its own.
           metrics: a list of `dtape.metrics.Metric`, functions or names
@@ -287,9 +299,11 @@ class Trainer:
             raise ValueError(f"{self.name}: no loss was compiled; pass loss= to compile or override train_step")
         per_example = _per_example(compiled.loss, y, y_pred)
         local, mask = _rows(per_example), _mask_of(y_pred)
-        if mask is not None:
+        if mask is not None and per_example.ndim > 0:
             sample_weight = _masked_weight(mask, sample_weight, per_example)
-        if isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
+        if per_example.ndim == 0:
+            data, mean_local = _batch_loss(per_example, sample_weight, compiled.strategy)
+        elif isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
             data = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
             mean_local = data / float(local)
         else:
@@ -537,7 +551,9 @@ class _Resume:
 
 def _val_xy(validation_data):
     """(x, y, sample_weight) of `validation_data`: a 2- or 3-tuple of arrays, or a dataset of batches."""
-    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and not _is_dataset(validation_data):
+    # A tuple is (x_val, y_val[, sample_weight]) as in Keras, also when x_val is itself a tuple of several inputs'
+    # arrays (which would look like a tuple of (x, y) batches); a dataset of batches is a list or an iterable.
+    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
         return validation_data[0], validation_data[1], (validation_data[2] if len(validation_data) == 3 else None)
     return validation_data, None, None
 

@@ -413,3 +413,58 @@ def test_sample_weight_with_a_trailing_axis_weighs_each_example_once():
     weighted = dtape.nn.compute_average_loss(dtape.constant((x - y).reshape(-1) ** 2), sample_weight=sw,
                                              global_batch_size=4)
     assert float(weighted) == pytest.approx(expected, rel=1e-6)
+
+
+def _masked_loss(label, pred):
+    """TF's Transformer tutorial's loss: one value for the batch, the mean over the tokens whose label is not 0."""
+    per_token = dtape.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")(label, pred)
+    mask = dtape.cast(label != 0, per_token.dtype)
+    return dtape.reduce_sum(per_token * mask) / dtape.reduce_sum(mask)
+
+
+def _token_model():
+    ids = keras.Input((None,), dtype="int64")
+    return keras.Model(ids, keras.layers.Dense(4, seed=3)(keras.layers.Embedding(4, 3, mask_zero=True, seed=2)(ids)))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_loss_function_returning_the_batchs_loss_trains_as_keras_takes_it(replicas):
+    """Keras uses such a value as it is and, under a strategy, divides it by the replicas (the summed gradients are
+    the mean of the replicas' losses' gradients): the update and the logged loss equal that plain loop's."""
+    x = np.array([[1, 2, 0], [3, 1, 2], [2, 0, 0], [1, 1, 3]])
+    y = np.array([[2, 0, 0], [1, 2, 3], [3, 0, 0], [2, 3, 1]])
+    ref = _token_model()
+    parts = [slice(0, 4)] if replicas == 1 else [slice(0, 2), slice(2, 4)]
+    with dtape.GradientTape() as tape:
+        losses = [_masked_loss(dtape.constant(y[p]), ref(x[p])) for p in parts]
+        loss = dtape.add_n(losses) / float(len(parts))
+    dtape.optimizers.SGD(0.5).apply_gradients(zip(tape.gradient(loss, ref.trainable_variables),
+                                                  ref.trainable_variables))
+    strategy = mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
+    with strategy.scope():
+        model = _token_model()
+        model.compile(dtape.optimizers.SGD(0.5), loss=_masked_loss)
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.trainable_variables, ref.trainable_variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(history.history["loss"][0], float(loss), rtol=1e-6)
+    with pytest.raises(ValueError, match="per-example losses"):
+        model.fit([(x, y, np.ones(4, np.float32))], epochs=1, verbose=0)
+
+
+def test_validation_data_for_a_model_with_two_inputs_is_the_keras_tuple():
+    """validation_data=((x1, x2), y): a tuple is (x_val, y_val) as in Keras, though its first item is a tuple too."""
+    a, b = keras.Input((5,)), keras.Input((5,))
+    model = keras.Model([a, b], keras.layers.Dense(3, seed=1)(keras.layers.Concatenate()([a, b])))
+    model.compile("sgd", loss=_loss())
+    history = model.fit((X, X), Y, epochs=1, verbose=0, validation_data=((X, X), Y))
+    np.testing.assert_allclose(history.history["val_loss"][0], model.evaluate((X, X), Y), rtol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [tuple, list])
+def test_predict_gives_a_two_input_model_both_inputs(pack):
+    """model.predict((x1, x2)) / predict([x1, x2]): the inputs, not an (x, y) pair (Keras packs x alone as (x,))."""
+    a, b = keras.Input((5,)), keras.Input((5,))
+    model = keras.Model([a, b], keras.layers.Concatenate()([a, b]))
+    got = model.predict(pack([X, 2 * X]), batch_size=32)
+    np.testing.assert_array_equal(got, np.concatenate([X, 2 * X], -1))
