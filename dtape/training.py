@@ -386,6 +386,7 @@ class Trainer:
             if self.stop_training:
                 break
         cbs.on_train_end(logs)
+        vars(self).pop("_fit_data", None)   # the arrays are not held after fit
         return history
 
     def _resume_fit(self, epoch, batch, order_state, after_skip):
