@@ -4,7 +4,7 @@ A `Callback` gets Keras's hooks with `self.model` (the model being
 trained) and `self.params` (`{"epochs", "steps", "verbose"}`). `logs`
 are dicts of Python floats: the running epoch means of the metrics at a
 batch's end, the epoch's values (and `val_*`) at an epoch's end. Files
-(CSVLogger, ModelCheckpoint, TensorBoard) are written on the worker that
+(CSVLogger, ModelCheckpoint, TensorBoard, BackupAndRestore) are written on the worker that
 checkpoints (rank 0 under MultiWorkerMirroredStrategy; the only one otherwise).
 Source: tf.keras.callbacks (TF 2 / Keras 2 semantics).
 """
