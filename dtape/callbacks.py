@@ -4,7 +4,7 @@ A `Callback` gets Keras's hooks with `self.model` (the model being
 trained) and `self.params` (`{"epochs", "steps", "verbose"}`). `logs`
 are dicts of Python floats: the running epoch means of the metrics at a
 batch's end, the epoch's values (and `val_*`) at an epoch's end. Files
-(CSVLogger, ModelCheckpoint, TensorBoard) are written on the worker that
+(CSVLogger, ModelCheckpoint, TensorBoard, BackupAndRestore) are written on the worker that
 checkpoints (rank 0 under MultiWorkerMirroredStrategy; the only one otherwise).
 Source: tf.keras.callbacks (TF 2 / Keras 2 semantics).
 """
@@ -473,6 +473,7 @@ class BackupAndRestore(Callback):
             return
         self._checkpoint.read(self.backup_path).expect_partial()  # the optimizer's slots wait for the first step
         saved = self._state.loaded
+        _check_replicas(model.distribute_strategy, saved, self.backup_path)
         _set_metric_rows(model.distribute_strategy, model.metrics, saved["metric_rows"])
         if saved["batch"] == 0:          # at an epoch's start: the random states are those the epoch starts with
             self._set_random(saved)
@@ -515,6 +516,18 @@ class BackupAndRestore(Callback):
         torch.set_rng_state(saved["torch"])
         if saved["replicas"] is not None:
             self.model.distribute_strategy.set_rng_state(saved["replicas"])
+
+
+def _check_replicas(strategy, saved, path):
+    """ValueError unless the backup's replica generators fit `strategy` (checked before anything is resumed)."""
+    states = saved["replicas"]
+    mine = strategy.num_replicas_in_sync if hasattr(strategy, "set_rng_state") else None
+    theirs = None if states is None else len(states)
+    if mine != theirs:
+        raise ValueError(f"BackupAndRestore: the backup {path} was written by "
+                         f"{'no strategy' if theirs is None else f'a strategy of {theirs} replicas'}, this fit "
+                         f"runs {'without one' if mine is None else f'on {mine} replicas'}; resume under the same "
+                         "strategy and number of replicas (or delete the backup to start over)")
 
 
 def _components(var):

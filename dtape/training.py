@@ -103,6 +103,7 @@ def _metric(metric):
 
 def _per_example(loss, y_true, y_pred):
     """The per-example losses of a loss object (any reduction but "sum") or function."""
+    y_true = _rank_matched(y_true, y_pred)
     if isinstance(loss, _losses.Loss):
         return loss.call(y_true, y_pred)
     return loss(y_true, y_pred)
@@ -117,6 +118,20 @@ def _batch_loss(loss, sample_weight, strategy):
         raise ValueError("the compiled loss function returned one value for the whole batch, so sample_weight "
                          "cannot weigh its examples; return the per-example losses [batch, ...] instead")
     return loss / float(strategy.num_replicas_in_sync), loss
+
+
+def _rank_matched(y_true, y_pred):
+    """`y_true` [n] for `y_pred` [n, 1] becomes [n, 1] (and [n, 1] for [n] loses its axis), as Keras's
+    compiled loss matches them (squeeze_or_expand_dimensions): 0/1 labels as a vector with one sigmoid unit
+    gave one scalar for the whole batch instead of a loss per example."""
+    if y_true is None or not isinstance(y_pred, Tensor) or nest.is_nested(y_true):
+        return y_true
+    y_true = convert_to_tensor(y_true)
+    if y_pred.ndim - y_true.ndim == 1 and y_pred.shape[-1] == 1:
+        return _array_ops.expand_dims(y_true, -1)
+    if y_true.ndim - y_pred.ndim == 1 and y_true.shape[-1] == 1:
+        return _array_ops.squeeze(y_true, -1)
+    return y_true
 
 
 def _rows(t):
@@ -438,6 +453,7 @@ class Trainer:
             if self.stop_training:
                 break
         cbs.on_train_end(logs)
+        vars(self).pop("_fit_data", None)   # the arrays are not held after fit
         return history
 
     def _resume_fit(self, epoch, batch, order_state, after_skip):
@@ -690,7 +706,9 @@ def _class_weights(class_weight):
     if class_weight is None:
         return None
     if not isinstance(class_weight, dict) or not class_weight:
-        raise ValueError(f"class_weight must be a non-empty dict {{class index: weight}}, got {class_weight!r}")
+        raise ValueError(f"class_weight must be a non-empty dict {{class index: weight}}, got {class_weight!r}; "
+                         "for an array of weights per class (sklearn's compute_class_weight) pass "
+                         "dict(enumerate(weights))")
     top = max(int(k) for k in class_weight)
     table = np.full(top + 1, np.nan, np.float32)
     for k, w in class_weight.items():

@@ -165,3 +165,10 @@ def test_replica_generator_states_restore_from_rows_of_one_tensor():
             "s.close()\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_backup_of_two_replicas_is_refused_by_a_fit_without_the_strategy(tmp_path):
+    backup = keras.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)
+    _fit(mirrored(2), 1, [backup, KillAfter(3)])
+    with pytest.raises(ValueError, match="written by a strategy of 2 replicas, this fit runs without one"):
+        _fit(dtape.distribute.get_strategy(), 1, [keras.callbacks.BackupAndRestore(tmp_path / "b")])

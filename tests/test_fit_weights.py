@@ -122,3 +122,18 @@ def test_bad_weights_are_refused_with_what_to_do():
         model.fit(X, Y, class_weight={0: 1.0, 1: 2.0}, verbose=0)
     with pytest.raises(ValueError, match="needs targets y"):
         model.evaluate(X, sample_weight=SW)
+
+
+def test_the_imbalanced_data_tutorials_binary_idiom():
+    # TF's imbalanced-data tutorial: one sigmoid unit, 0/1 labels as a vector, {0: w0, 1: w1}
+    labels = (Y == 1).astype(np.int64)
+    inputs = keras.Input(shape=(5,))
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid", seed=3)(inputs))
+    model.compile(keras.optimizers.SGD(0.0), "binary_crossentropy")
+    p = model.predict(X, batch_size=71)[:, 0].astype(np.float64)
+    bce = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+    weights = np.where(labels == 1, 3.0, 0.6)
+    history = model.fit(X, labels, class_weight={0: 0.6, 1: 3.0}, batch_size=32, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"][0], (weights * bce).sum() / 71, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"dict\(enumerate\(weights\)\)"):
+        model.fit(X, labels, class_weight=np.array([0.6, 3.0]), verbose=0)

@@ -20,7 +20,7 @@ top layer of pyproject.toml's import contract).
 `keras.Model` trains with `compile`/`fit`/`evaluate`/`predict` (`dtape.training`,
 distributed under `strategy.scope()`), with `keras.callbacks` (`dtape.callbacks`:
 History, EarlyStopping, LearningRateScheduler, ReduceLROnPlateau, CSVLogger,
-ModelCheckpoint, TensorBoard, custom Callbacks). `keras.Sequential` is
+ModelCheckpoint, BackupAndRestore, TensorBoard, custom Callbacks). `keras.Sequential` is
 `dtape.models.Sequential` (a model: it has `fit`), which extends the layer
 `dtape.layers.Sequential` (`keras.layers.Sequential`).
 Source: tf.keras (TF 2) / Keras 3 module layout.

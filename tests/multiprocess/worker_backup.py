@@ -77,5 +77,6 @@ if __name__ == "__main__":
         write(os.path.join(out, f"whole{RANK}.json"), fit(strategy, states, []))
     backup = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)
     resumed = fit(strategy, states, [backup, KillRank1()])
-    resumed["backup_left"] = sorted(os.listdir(os.path.join(out, "backup"))) if os.path.exists(os.path.join(out, "backup")) else None
+    folder = os.path.join(out, "backup")
+    resumed["backup_left"] = sorted(os.listdir(folder)) if os.path.exists(folder) else None   # None: deleted
     write(os.path.join(out, f"resumed{RANK}_{ATTEMPT}.json"), resumed)
