@@ -74,6 +74,9 @@ def test_update_traces_and_its_graph_gives_the_eager_steps(case):
         for got, want in zip(values, expected[k]):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=f"{case}, step {k + 1}")
     assert int(values[len(variables)]) == len(grads)  # iterations, an input and an output
+    if case == "loss_scale":  # 4, doubled after 2 finite steps, halved at the inf, doubled after 2 more
+        assert [float(e[-3]) for e in expected] == [4.0, 8.0, 4.0, 4.0, 8.0]
+        assert all(torch.equal(a, b) for a, b in zip(expected[1][:2], expected[2][:2]))  # the inf step skipped
 
 
 def test_the_learning_rate_variable_is_a_graph_input():
@@ -125,12 +128,13 @@ def _metric_graph(metric, *batch):
 @pytest.mark.parametrize("make, batches", [
     (lambda: dtape.metrics.Mean(), [(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 0.0, 2.0])),
                                     (torch.tensor([4.0, 5.0, 6.0]), torch.tensor([0.5, 0.5, 1.0]))]),
+    (lambda: dtape.metrics.Mean(), [(torch.tensor([1.0, 2.0, 3.0]),), (torch.tensor([4.0, 5.0, 7.0]),)]),
     (lambda: dtape.metrics.Accuracy(), [(torch.tensor([1, 2, 3]), torch.tensor([1, 0, 3])),
                                         (torch.tensor([0, 0, 1]), torch.tensor([0, 1, 1]))]),
     (lambda: dtape.metrics.SparseCategoricalAccuracy(),
      [(torch.tensor([1, 0]), torch.tensor([[0.1, 0.9], [0.2, 0.8]])),
       (torch.tensor([0, 0]), torch.tensor([[0.7, 0.3], [0.6, 0.4]]))]),
-], ids=["Mean", "Accuracy", "SparseCategoricalAccuracy"])
+], ids=["Mean_weighted", "Mean", "Accuracy", "SparseCategoricalAccuracy"])
 def test_metric_updates_trace_and_accumulate_as_eager(make, batches):
     eager = make()
     for b in batches:
