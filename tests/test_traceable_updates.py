@@ -16,6 +16,7 @@ from dtape import optimizers as opts
 from dtape.mixed_precision import LossScaleOptimizer
 from dtape.optimizers import schedules
 
+from _strategies import mirrored
 from _traceable import HostRead, NoHostReads, components, trace_with_variables
 
 CASES = {
@@ -156,3 +157,55 @@ def test_dropout_traces_and_draws_from_the_generator():
     with NoHostReads():
         y = dtape.nn.dropout(x, 0.5)
     assert set(y.torch().unique().tolist()) <= {0.0, 2.0}
+
+
+# -- the learning rate as a variable (Keras's API) -------------------------------------------------
+def test_learning_rate_is_a_settable_float64_variable_with_an_lr_alias():
+    w = dtape.Variable(torch.ones(2, dtype=torch.float64))
+    opt = opts.SGD(0.1)
+    lr = opt.learning_rate
+    assert dtape.tensor.is_variable(lr) and lr.dtype == torch.float64 and not lr.trainable
+    assert opt.lr is lr and float(lr) == 0.1
+    opt.learning_rate = 0.05
+    assert opt.learning_rate is lr and float(lr) == 0.05
+    opt.lr.assign(0.25)
+    opt.apply_gradients([(dtape.constant([1.0, 2.0], dtype=torch.float64), w)])
+    assert w.numpy().tolist() == [0.75, 0.5]
+    opt.learning_rate = schedules.PiecewiseConstantDecay([5], [0.5, 0.1])
+    opt.apply_gradients([(dtape.constant([1.0, 1.0], dtype=torch.float64), w)])
+    assert w.numpy().tolist() == [0.25, 0.0]
+    opt.lr = 1.0  # back to a number: the same variable
+    assert opt.learning_rate is lr and float(lr) == 1.0
+    with pytest.raises(ValueError, match="learning_rate"):
+        opt.learning_rate = -1.0
+    with pytest.raises(TypeError, match="learning_rate"):
+        opt.learning_rate = "fast"
+    assert float(opt.learning_rate) == 1.0
+
+
+def test_loss_scale_and_torch_optimizers_expose_lr_too():
+    inner = opts.Adam(0.01)
+    scaled = LossScaleOptimizer(inner)
+    scaled.lr = 0.003
+    assert float(inner.learning_rate) == 0.003 and scaled.lr is inner.learning_rate
+    p = torch.zeros(2)
+    torch_opt = torch.optim.SGD([p], lr=0.1)
+    wrapped = opts.from_torch(torch_opt)
+    wrapped.lr = 0.3
+    assert torch_opt.param_groups[0]["lr"] == 0.3 and wrapped.lr == 0.3
+
+
+@pytest.mark.usefixtures("closes_strategies")
+def test_a_rate_set_outside_run_reaches_every_replica():
+    strategy = mirrored(2)
+    with strategy.scope():
+        w = dtape.Variable(torch.zeros(2, dtype=torch.float64))
+        opt = opts.SGD(0.1)
+    opt.learning_rate = 0.5
+
+    def step():
+        rid = dtape.distribute.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(dtape.constant([1.0, 2.0], dtype=torch.float64) * (rid + 1), w)])
+    strategy.run(step)
+    for component in w.values:  # summed gradient [3, 6] times 0.5
+        assert component.numpy().tolist() == [-1.5, -3.0]
