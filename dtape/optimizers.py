@@ -225,12 +225,45 @@ class Optimizer:
             for g, v in pairs:
                 _check_gradient(g, v)
             ctx = distribute.get_replica_context()
+            if ctx is not None and ctx.num_replicas_in_sync > 1 and is_tracing():
+                return self._replica_local_apply(ctx, pairs)
             if ctx is not None and ctx.num_replicas_in_sync > 1:
                 reduced = distribute.gradient_sync.reduce_gradients(pairs)
                 return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
             if ctx is not None:
                 return ctx.merge_call(self._merge_apply, args=(pairs,))
             return self._distributed_apply(distribute.get_strategy(), _drop_missing(pairs))
+
+    def _replica_local_apply(self, ctx, pairs):
+        """A replica step being traced: no merge_call (a rendezvous of the replicas' Python threads, which
+        a graph cannot hold). Each replica sums the gradients with `torch.ops.dtape.all_reduce_sum` (one op
+        per bucket, run when the graph runs), clips the sums and updates its own components with them: the
+        same sums and the same formula on every replica, so the components stay identical, as with the one
+        update of merge_call. The slots must exist (`build(var_list)` in the strategy's scope first)."""
+        if type(self)._distributed_apply is not Optimizer._distributed_apply:
+            raise NotImplementedError(
+                f"{type(self).__name__}.apply_gradients cannot be traced in a replica step of a strategy with "
+                f"{ctx.num_replicas_in_sync} replicas (its update needs the cross-replica context); run this "
+                "step eagerly, or use a plain dtape optimizer")
+        kept = _drop_missing(pairs)
+        containers = [distribute.value_container(v) for _, v in kept]
+        unbuilt = [v.name for v in containers if self._slot_names and _slot_key(v) not in self._slots]
+        if unbuilt:
+            raise RuntimeError(f"{self.name}: the slots of {unbuilt[:4]} do not exist while this replica step is "
+                               "traced; call optimizer.build(variables) inside strategy.scope() before the first "
+                               "compiled step (slots are made in the cross-replica context)")
+        sums = distribute.traceable_collectives.reduce_gradients([convert_to_tensor(g).torch() for g, _ in kept])
+        comps = [c._component() if isinstance(c, distribute.DistributedValues) else c for c in containers]
+        clipped = self._clip_gradients([(Tensor(g), c) for g, c in zip(sums, comps)])
+        with _tp.stop_recording():
+            step = self._step_count() + 1
+            rid = ctx.replica_id_in_sync_group
+            self._update_many(comps, [convert_to_tensor(g).torch().to(c.device) for (g, _), c in zip(clipped, comps)],
+                              [self._component_slots(c, rid) for c in comps], step)
+            iterations = self.iterations
+            local = iterations._component() if isinstance(iterations, distribute.DistributedValues) else iterations
+            local.assign_add(1)
+        return iterations
 
     def _merge_apply(self, strategy, pairs):
         """merge_fn: fills one-sided None gradients with zeros, sums over replicas, applies."""

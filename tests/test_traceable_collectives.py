@@ -13,6 +13,7 @@ import dtape
 from dtape.distribute import traceable_collectives as tc
 
 from _strategies import mirrored
+from _traceable import trace_with_variables
 
 pytestmark = pytest.mark.usefixtures("closes_strategies")
 
@@ -83,3 +84,47 @@ def test_reduce_gradients_one_op_per_bucket_and_the_sums():
         torch.testing.assert_close(torch.as_tensor(a), torch.full((2, 2), 3.25), rtol=0, atol=0)
         torch.testing.assert_close(torch.as_tensor(b), torch.arange(3.0, dtype=torch.float64) * 2, rtol=0, atol=0)
         torch.testing.assert_close(torch.as_tensor(c), torch.full((4,), 0.5 * 6.25), rtol=0, atol=0)
+
+
+def _replica_model(strategy):
+    with strategy.scope():
+        w = dtape.Variable(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+        opt = dtape.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=5.0)
+        opt.build([w])
+    return w, opt, [w] + opt.variables() + [opt.learning_rate]
+
+
+def _replica_grad(k):
+    rid = dtape.distribute.get_replica_context().replica_id_in_sync_group
+    return torch.tensor([1.0, 2.0, -1.0], dtype=torch.float64) * (rid + 1) * (k + 1)
+
+
+def test_apply_gradients_traced_in_each_replica_reduces_with_the_op_and_matches_eager():
+    eager = mirrored(2)
+    w_e, opt_e, state_e = _replica_model(eager)
+    for k in range(3):
+        eager.run(lambda k=k: opt_e.apply_gradients([(dtape.Tensor(_replica_grad(k)), w_e)]))
+
+    strategy = mirrored(2)
+    w, opt, state = _replica_model(strategy)
+    graphs, values = {}, {}
+
+    def trace():
+        rid = dtape.distribute.get_replica_context().replica_id_in_sync_group
+        comps = [v.values[rid] for v in state]
+        graphs[rid] = trace_with_variables(lambda g: opt.apply_gradients([(dtape.Tensor(g), w)]), comps,
+                                           _replica_grad(0))
+        values[rid] = [c.torch().clone() for c in comps]
+    strategy.run(trace)
+    assert int(opt.iterations.numpy()) == 0  # tracing wrote nothing
+    for gm in graphs.values():
+        assert sum(n.target is torch.ops.dtape.all_reduce_sum.default for n in gm.graph.nodes) == 1
+
+    def run(k):
+        rid = dtape.distribute.get_replica_context().replica_id_in_sync_group
+        values[rid] = [t.clone() for t in graphs[rid](*values[rid], _replica_grad(k))]
+    for k in range(3):
+        strategy.run(lambda k=k: run(k))
+    for rid in range(2):
+        for got, var in zip(values[rid], state_e):
+            torch.testing.assert_close(got, var.values[rid].torch(), rtol=1e-12, atol=1e-14)
