@@ -7,6 +7,8 @@ those calls fail under `make_fx(tracing_mode="fake")` and under
 is the real thing: `make_fx` with fake tensors of `fn(*args)`, every
 variable's value a graph input and its value after `fn` an output.
 """
+import threading
+
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
@@ -50,6 +52,11 @@ class NoHostReads:
         return False
 
 
+# make_fx is not thread-safe (torch.fx's symbolic tracer keeps one global patcher: two threads tracing at
+# once fail with "CURRENT_PATCHER is None"), so replica threads trace one at a time.
+_TRACE_LOCK = threading.Lock()
+
+
 def components(variables):
     """The plain variables behind `variables` (a distributed variable's components)."""
     out = []
@@ -76,4 +83,5 @@ def trace_with_variables(fn, variables, *args):
             for v, t in zip(variables, saved):
                 v._t = t
 
-    return make_fx(step, tracing_mode="fake")(*[v._t for v in variables], *args)
+    with _TRACE_LOCK:
+        return make_fx(step, tracing_mode="fake")(*[v._t for v in variables], *args)
