@@ -128,3 +128,19 @@ def test_apply_gradients_traced_in_each_replica_reduces_with_the_op_and_matches_
     for rid in range(2):
         for got, var in zip(values[rid], state_e):
             torch.testing.assert_close(got, var.values[rid].torch(), rtol=1e-12, atol=1e-14)
+
+
+def test_traced_replica_step_without_slots_or_with_a_wrapping_optimizer_says_what_to_do():
+    strategy = mirrored(2)
+    with strategy.scope():
+        w = dtape.Variable(torch.zeros(3, dtype=torch.float64))
+        unbuilt = dtape.optimizers.SGD(0.1, momentum=0.9)
+        scaled = dtape.mixed_precision.LossScaleOptimizer(dtape.optimizers.SGD(0.1))
+    for opt, error, match in ((unbuilt, RuntimeError, "optimizer.build"), (scaled, NotImplementedError, "eagerly")):
+        def trace(opt=opt):
+            rid = dtape.distribute.get_replica_context().replica_id_in_sync_group
+            trace_with_variables(lambda g: opt.apply_gradients([(dtape.Tensor(g), w)]), [w.values[rid]],
+                                 _replica_grad(0))
+        with pytest.raises(error, match=match):
+            strategy.run(trace)
+    assert w.values[0].numpy().tolist() == [0.0, 0.0, 0.0]
