@@ -30,6 +30,7 @@ state. bfloat16 has float32's range and normally needs no loss scaling;
 float16 does.
 Source: tf.keras.mixed_precision (LossScaleOptimizer), torch.autocast.
 """
+import functools
 import math
 
 import torch
@@ -38,7 +39,7 @@ from dtape import distribute
 from dtape._policy import Policy, global_policy, set_global_policy
 from dtape import tape as _tp
 from dtape.optimizers import Optimizer
-from dtape.tensor import Tensor, convert_to_tensor, is_variable
+from dtape.tensor import Tensor, convert_to_tensor, is_tracing, is_variable
 
 __all__ = ["LossScaleOptimizer", "Policy", "set_global_policy", "global_policy"]
 
@@ -160,7 +161,15 @@ class LossScaleOptimizer(Optimizer):
 
     # -- the step -----------------------------------------------------------------
     def _distributed_apply(self, strategy, pairs):
-        """Cross-replica, gradients aggregated: apply if all finite, then update the scale."""
+        """Cross-replica, gradients aggregated: apply if all finite, then update the scale.
+
+        Eager: one host read decides. While tracing (a compiled step) there is
+        no host decision: the inner update runs and each value it wrote keeps
+        its new value only where the gradients were finite (torch.where over
+        the variables and the slots), as a graph conditional would.
+        """
+        if is_tracing():
+            return self._traced_apply(strategy, pairs)
         finite = _all_finite([g for g, _ in pairs])
         with _tp.stop_recording():
             if finite:
@@ -171,23 +180,47 @@ class LossScaleOptimizer(Optimizer):
                 self._update_scale(finite)
         return self.iterations
 
+    def _traced_apply(self, strategy, pairs):
+        finite = _finite_flag([g for g, _ in pairs])
+        with _tp.stop_recording():
+            self._inner.build([v for _, v in pairs])  # the slots exist before their values are kept
+            written = _components([v for _, v in pairs] + self._inner.variables()[1:])  # not iterations
+            before = [c.torch() for c in written]  # held: the update then writes copies, these stay intact
+            self._inner._distributed_apply(strategy, pairs)
+            for c, old in zip(written, before):
+                c._update_value(functools.partial(_keep_if, finite, old), "loss-scale skip")
+            if self.dynamic:
+                self._update_scale(finite)
+        return self.iterations
+
     def _update_scale(self, finite):
-        scale = float(self._loss_scale.numpy())
-        if not finite:
-            self._counter.assign(0)
-            self._loss_scale.assign(max(scale / 2.0, 1.0))
-            return
-        count = int(self._counter.numpy()) + 1
-        if count >= self.dynamic_growth_steps:
-            if math.isfinite(scale * 2.0):
-                self._loss_scale.assign(scale * 2.0)
-            self._counter.assign(0)
-        else:
-            self._counter.assign(count)
+        """Halves the scale (not below 1) after a non-finite step, doubles it after `dynamic_growth_steps`
+        finite ones (if finite): torch ops on the scale and counter variables, no host read."""
+        scale = self._loss_scale.read_value().torch()
+        count = self._counter.read_value().torch() + 1
+        finite = torch.as_tensor(finite).to(scale.device)
+        grown = (count >= self.dynamic_growth_steps).to(scale.device)
+        doubled = scale * 2.0
+        kept = torch.where(grown & torch.isfinite(doubled), doubled, scale)
+        self._loss_scale.assign(torch.where(finite, kept, torch.clamp(scale / 2.0, min=1.0)))
+        self._counter.assign(torch.where(finite.to(count.device) & ~grown.to(count.device), count,
+                                         torch.zeros_like(count)))
 
 
-def _all_finite(grads):
-    """One host decision for all replicas: every (first-copy of an aggregated) gradient is finite."""
+def _keep_if(finite, old, current):
+    return torch.where(finite.to(current.device), current, old)
+
+
+def _components(variables):
+    out = []
+    for v in variables:
+        out.extend(v.values if isinstance(v, distribute.DistributedValues) else (v,))
+    return out
+
+
+def _finite_flag(grads):
+    """A bool scalar tensor: every (first copy of an aggregated) floating gradient is finite (one decision
+    for all replicas)."""
     checks = []
     for g in grads:
         if isinstance(g, distribute.DistributedValues):
@@ -195,4 +228,9 @@ def _all_finite(grads):
         t = convert_to_tensor(g).torch()
         if t.is_floating_point() or t.is_complex():
             checks.append(torch.isfinite(t).all().to("cpu"))
-    return bool(torch.stack(checks).all()) if checks else True
+    return torch.stack(checks).all() if checks else torch.tensor(True)
+
+
+def _all_finite(grads):
+    """The one host decision of an eager step (see `_finite_flag`)."""
+    return bool(_finite_flag(grads))

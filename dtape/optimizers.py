@@ -38,7 +38,7 @@ from dtape.distribute.cross_device_ops import reduce_non_distributed_value
 from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.module import default_name_part
-from dtape.tensor import Tensor, convert_to_tensor, is_variable, normalize_device
+from dtape.tensor import Tensor, convert_to_tensor, is_tracing, is_variable, normalize_device
 from dtape.variables import Variable, VariableAggregation, update_together
 
 # `from dtape.optimizers.schedules import ExponentialDecay`, TF's spelling: this module is a file, not a
@@ -56,9 +56,14 @@ class Optimizer:
     tensor. (`_update(var, grad, slots, step)` updates one variable.)
 
     Args (every optimizer):
-      learning_rate: a float >= 0; a `schedules.LearningRateSchedule` (called
+      learning_rate: a float >= 0 (held in a non-trainable float64 scalar
+        Variable: `learning_rate`); a `schedules.LearningRateSchedule` (called
         with `iterations`); a callable taking the step; or a callable taking
-        no argument (Keras 3), evaluated at each step.
+        no argument (Keras 3), evaluated at each step. Eagerly the step is an
+        int and the rate is read as a float (bit-identical to a plain number);
+        while a compiled step is traced the step is a float64 scalar tensor
+        and the rate stays a tensor, so write a callable with operators or
+        torch ops (`0.1 / (1 + step)`), not `math` functions or `if`s on it.
       name: prefix of the slot variables' names.
       clipnorm: clip each aggregated gradient to this L2 norm (tf.clip_by_norm).
       clipvalue: clip each aggregated gradient elementwise to [-clipvalue, clipvalue].
@@ -77,12 +82,48 @@ class Optimizer:
     _slot_initial = {}  # slot name -> initial value (default 0)
 
     def __init__(self, learning_rate, name, clipnorm=None, clipvalue=None, global_clipnorm=None):
-        self.learning_rate = _check_learning_rate(learning_rate)
         self.name = name
+        self._learning_rate = None
+        self.learning_rate = learning_rate
         self.clipnorm, self.clipvalue, self.global_clipnorm = _check_clipping(clipnorm, clipvalue, global_clipnorm)
         self._slots = {}          # _slot_key(var) -> {slot name: variable}, in creation order
         self._slot_primary = {}   # _slot_key(var) -> weak reference to var, the variable those slots belong to
         self._iterations = None
+
+    @property
+    def learning_rate(self):
+        """The learning rate: a non-trainable float64 scalar Variable when it is a number (read at every step,
+        so a compiled step takes its current value as an input), else the schedule or callable given.
+
+        Set it to a number (assigned to that variable, or a new one if it was a schedule), a schedule, a
+        callable or a Variable of your own; `learning_rate.assign(x)` also works. `lr` is an alias.
+        Raises TypeError / ValueError as the constructor for a bad value.
+        Source: tf.keras.optimizers.Optimizer.learning_rate.
+        """
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        value = _check_learning_rate(value)
+        if callable(value) or is_variable(value):
+            self._learning_rate = value
+            return
+        own = self.__dict__.get("_own_learning_rate")  # the variable made for a number, reused by the next
+        if own is None:
+            own = self._own_learning_rate = self._make_variable(float(value), torch.float64, None, "learning_rate")
+        else:
+            with _tp.stop_recording():
+                own.assign(float(value))
+        self._learning_rate = own
+
+    @property
+    def lr(self):
+        """Alias of `learning_rate` (tf.keras's)."""
+        return self.learning_rate
+
+    @lr.setter
+    def lr(self, value):
+        self.learning_rate = value
 
     @property
     def iterations(self):
@@ -184,12 +225,45 @@ class Optimizer:
             for g, v in pairs:
                 _check_gradient(g, v)
             ctx = distribute.get_replica_context()
+            if ctx is not None and ctx.num_replicas_in_sync > 1 and is_tracing():
+                return self._replica_local_apply(ctx, pairs)
             if ctx is not None and ctx.num_replicas_in_sync > 1:
                 reduced = distribute.gradient_sync.reduce_gradients(pairs)
                 return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
             if ctx is not None:
                 return ctx.merge_call(self._merge_apply, args=(pairs,))
             return self._distributed_apply(distribute.get_strategy(), _drop_missing(pairs))
+
+    def _replica_local_apply(self, ctx, pairs):
+        """A replica step being traced: no merge_call (a rendezvous of the replicas' Python threads, which
+        a graph cannot hold). Each replica sums the gradients with `torch.ops.dtape.all_reduce_sum` (one op
+        per bucket, run when the graph runs), clips the sums and updates its own components with them: the
+        same sums and the same formula on every replica, so the components stay identical, as with the one
+        update of merge_call. The slots must exist (`build(var_list)` in the strategy's scope first)."""
+        if type(self)._distributed_apply is not Optimizer._distributed_apply:
+            raise NotImplementedError(
+                f"{type(self).__name__}.apply_gradients cannot be traced in a replica step of a strategy with "
+                f"{ctx.num_replicas_in_sync} replicas (its update needs the cross-replica context); run this "
+                "step eagerly, or use a plain dtape optimizer")
+        kept = _drop_missing(pairs)
+        containers = [distribute.value_container(v) for _, v in kept]
+        unbuilt = [v.name for v in containers if self._slot_names and _slot_key(v) not in self._slots]
+        if unbuilt:
+            raise RuntimeError(f"{self.name}: the slots of {unbuilt[:4]} do not exist while this replica step is "
+                               "traced; call optimizer.build(variables) inside strategy.scope() before the first "
+                               "compiled step (slots are made in the cross-replica context)")
+        sums = distribute.traceable_collectives.reduce_gradients([convert_to_tensor(g).torch() for g, _ in kept])
+        comps = [c._component() if isinstance(c, distribute.DistributedValues) else c for c in containers]
+        clipped = self._clip_gradients([(Tensor(g), c) for g, c in zip(sums, comps)])
+        with _tp.stop_recording():
+            step = self._step_count() + 1
+            rid = ctx.replica_id_in_sync_group
+            self._update_many(comps, [convert_to_tensor(g).torch().to(c.device) for (g, _), c in zip(clipped, comps)],
+                              [self._component_slots(c, rid) for c in comps], step)
+            iterations = self.iterations
+            local = iterations._component() if isinstance(iterations, distribute.DistributedValues) else iterations
+            local.assign_add(1)
+        return iterations
 
     def _merge_apply(self, strategy, pairs):
         """merge_fn: fills one-sided None gradients with zeros, sums over replicas, applies."""
@@ -242,7 +316,7 @@ class Optimizer:
         for _, var in pairs:  # slots are made here, once, in the cross-replica context
             self._slots_for(distribute.value_container(var))
         _restore_hooks.variables_created(self)   # a checkpoint restored before the slots existed fills them
-        step = int(self.iterations.numpy()) + 1
+        step = self._step_count() + 1
         # Ctrl-C waits for the whole update: every component and `iterations`, or nothing.
         with _tp.stop_recording(), uninterrupted():
             # one batched update per replica index (not one per variable): see the module docstring
@@ -318,14 +392,31 @@ class Optimizer:
         grads = tape.gradient(loss, var_list)
         return self.apply_gradients(zip(grads, var_list))
 
+    def _step_count(self):
+        """`iterations` (the steps applied so far): an int, or while tracing the int64 scalar tensor read."""
+        if is_tracing():
+            with _tp.stop_recording():
+                return self.iterations.read_value().torch()
+        return int(self.iterations.numpy())
+
     def _lr(self):
-        """The learning rate for this step: a float, a schedule or `fn(step)` of `iterations`, or `fn()`."""
-        lr = self.learning_rate
-        if isinstance(lr, schedules.LearningRateSchedule):
-            return float(lr(int(self.iterations.numpy())))
-        if callable(lr):
-            return float(lr(int(self.iterations.numpy())) if _takes_step(lr) else lr())
-        return float(lr)
+        """The learning rate for this step (a variable, a schedule or `fn(step)` of `iterations`, or `fn()`):
+        a float, read on the host (a CPU scalar: exact and cheap); while tracing a torch scalar tensor, so
+        the graph reads the variable and the schedule's ops on `iterations` instead of a baked-in number."""
+        lr = self._learning_rate
+        if is_variable(lr):
+            with _tp.stop_recording():
+                value = lr.read_value()
+        elif isinstance(lr, schedules.LearningRateSchedule) or (callable(lr) and _takes_step(lr)):
+            step = self._step_count()  # traced: a float64 tensor, so `0.1 / (1 + step)` stays in float64
+            value = lr(step.to(torch.float64) if isinstance(step, torch.Tensor) else step)
+        elif callable(lr):
+            value = lr()
+        else:
+            value = lr
+        if not is_tracing() or not hasattr(value, "__float__") or isinstance(value, (int, float)):
+            return float(value)
+        return value.torch() if hasattr(value, "torch") else torch.as_tensor(value)
 
 
 def _check_not_cross_replica(method, variables=()):
@@ -459,16 +550,16 @@ class _Batch:
         self.ts = ts
 
     def __add__(self, o):
-        return _Batch(torch._foreach_add(self.ts, _operand(o)))
+        return _Batch(torch._foreach_add(self.ts, _operand(o, self.ts)))
 
     def __sub__(self, o):
-        return _Batch(torch._foreach_sub(self.ts, _operand(o)))
+        return _Batch(torch._foreach_sub(self.ts, _operand(o, self.ts)))
 
     def __mul__(self, o):
-        return _Batch(torch._foreach_mul(self.ts, _operand(o)))
+        return _Batch(torch._foreach_mul(self.ts, _operand(o, self.ts)))
 
     def __truediv__(self, o):
-        return _Batch(torch._foreach_div(self.ts, _operand(o)))
+        return _Batch(torch._foreach_div(self.ts, _operand(o, self.ts)))
 
     __radd__ = __add__  # number + batch: IEEE addition and multiplication are commutative, so exact
     __rmul__ = __mul__
@@ -476,22 +567,30 @@ class _Batch:
     # in place (the `inplace` formulas of `_write_all`): the same foreach ops, written into self
     def add_(self, o, alpha=None):
         if alpha is None:
-            torch._foreach_add_(self.ts, _operand(o))
+            torch._foreach_add_(self.ts, _operand(o, self.ts))
+        elif isinstance(alpha, torch.Tensor):  # a traced learning rate: torch's Scalar alpha would read it
+            torch._foreach_add_(self.ts, torch._foreach_mul(_operand(o, self.ts), _operand(alpha, self.ts)))
         else:
-            torch._foreach_add_(self.ts, _operand(o), alpha=alpha)
+            torch._foreach_add_(self.ts, _operand(o, self.ts), alpha=alpha)
         return self
 
     def sub_(self, o):
-        torch._foreach_sub_(self.ts, _operand(o))
+        torch._foreach_sub_(self.ts, _operand(o, self.ts))
         return self
 
     def mul_(self, o):
-        torch._foreach_mul_(self.ts, _operand(o))
+        torch._foreach_mul_(self.ts, _operand(o, self.ts))
         return self
 
 
-def _operand(o):
-    return o.ts if isinstance(o, _Batch) else o
+def _operand(o, like):
+    """`o` as a foreach operand for the tensors `like`: a batch's list; a scalar tensor (a traced learning rate
+    or step size) on their device."""
+    if isinstance(o, _Batch):
+        return o.ts
+    if isinstance(o, torch.Tensor) and like and o.device != like[0].device:
+        return o.to(like[0].device)
+    return o
 
 
 def _sqrt(x):
@@ -499,7 +598,9 @@ def _sqrt(x):
 
 
 def _add(a, b, alpha):
-    """torch.add(a, b, alpha=alpha), batched."""
+    """torch.add(a, b, alpha=alpha), batched; a tensor alpha (traced) multiplies first."""
+    if isinstance(alpha, torch.Tensor):
+        return a + b * alpha
     return _Batch(torch._foreach_add(a.ts, b.ts, alpha=alpha))
 
 
@@ -641,9 +742,11 @@ class Adam(Optimizer):
     def _update_many(self, variables, grads, slots, step):
         b1, b2, eps, lr = self.beta_1, self.beta_2, self.epsilon, self._lr()
         decay = _FUSED_DECAY.get(type(self)._decay)  # None: a subclass's own decay formula
-        if decay is not None and _fused_adam(variables, grads, slots, step, lr, b1, b2, eps, decay(self)):
+        # the fused kernel takes its epsilon as a host float (from the step): eager only
+        if decay is not None and not is_tracing() and \
+                _fused_adam(variables, grads, slots, step, lr, b1, b2, eps, decay(self)):
             return
-        lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+        lr_t = _step_size(lr, step, b1, b2)
         m = _write_all([s["m"] for s in slots], lambda m, g: m * b1 + (1 - b1) * g, grads,
                        inplace=lambda m, g: m.mul_(b1).add_((1 - b1) * g))
         v = _write_all([s["v"] for s in slots], lambda v, g: v * b2 + (1 - b2) * g * g, grads,
@@ -654,6 +757,15 @@ class Adam(Optimizer):
 
     def _decay(self, w, lr):
         return w  # Adam: no decay (w - 0.0 would be w exactly)
+
+
+def _step_size(lr, step, b1, b2):
+    """Adam's `lr * sqrt(1 - b2^t) / (1 - b1^t)`: a float from host numbers, a float64 scalar tensor from a
+    traced step or learning rate (no host read)."""
+    if not isinstance(step, torch.Tensor) and not isinstance(lr, torch.Tensor):
+        return lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    t = torch.as_tensor(step).to(torch.float64)
+    return lr * torch.sqrt(1 - b2 ** t) / (1 - b1 ** t)
 
 
 # torch's fused Adam and AdamW kernels (torch.optim.Adam/AdamW(fused=True)), by "decoupled weight

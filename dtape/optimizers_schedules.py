@@ -1,11 +1,18 @@
 """Learning-rate schedules: ExponentialDecay, CosineDecay (with warm-up), PiecewiseConstantDecay.
 
 A schedule is called with the optimizer's step (its `iterations` before the
-update, an int) and returns a Python float. Pass one as `learning_rate=` to
-any optimizer; also reachable as `dtape.optimizers.schedules`.
+update) and returns the learning rate: a Python float for a Python (or
+numpy) number, and for a tensor step (what an optimizer passes while a
+compiled step is traced) a float64 scalar torch.Tensor computed with torch
+ops on its device, never read on the host, so the schedule is part of the
+graph. Both give the same value up to float64 rounding. Pass one as
+`learning_rate=` to any optimizer; also reachable as
+`dtape.optimizers.schedules`.
 Source: tf.keras.optimizers.schedules (Keras 3 formulas).
 """
 import math
+
+import torch
 
 __all__ = ["LearningRateSchedule", "ExponentialDecay", "CosineDecay", "PiecewiseConstantDecay"]
 
@@ -18,11 +25,30 @@ def _positive(value, what):
 
 
 def _step(step):
+    """A Python float step, or a tensor step (torch or dtape) as a float64 torch scalar (no host read)."""
+    if hasattr(step, "torch"):
+        step = step.torch()
+    if isinstance(step, torch.Tensor):
+        return step.to(torch.float64)
     return float(step.numpy()) if hasattr(step, "numpy") else float(step)
 
 
+def _floor(x):
+    return torch.floor(x) if isinstance(x, torch.Tensor) else math.floor(x)
+
+
+def _cos(x):
+    return torch.cos(x) if isinstance(x, torch.Tensor) else math.cos(x)
+
+
+def _minimum(x, bound):
+    return torch.clamp(x, max=bound) if isinstance(x, torch.Tensor) else min(x, bound)
+
+
 class LearningRateSchedule:
-    """Base class: `__call__(step) -> float`. Source: tf.keras.optimizers.schedules.LearningRateSchedule."""
+    """Base class: `__call__(step) -> float` (a float64 scalar tensor for a tensor step: see the module
+    docstring; a subclass traced in a compiled step must compute with torch ops on it, not read it).
+    Source: tf.keras.optimizers.schedules.LearningRateSchedule."""
 
     def __call__(self, step):
         raise NotImplementedError(f"{type(self).__name__} must define __call__(step)")
@@ -53,7 +79,7 @@ class ExponentialDecay(LearningRateSchedule):
     def __call__(self, step):
         p = _step(step) / self.decay_steps
         if self.staircase:
-            p = math.floor(p)
+            p = _floor(p)
         return self.initial_learning_rate * self.decay_rate ** p
 
 
@@ -88,18 +114,22 @@ class CosineDecay(LearningRateSchedule):
         self.name = name
 
     def _decay(self, step, peak):
-        cosine = 0.5 * (1.0 + math.cos(math.pi * step / self.decay_steps))
+        cosine = 0.5 * (1.0 + _cos(math.pi * step / self.decay_steps))
         return peak * ((1.0 - self.alpha) * cosine + self.alpha)
 
     def __call__(self, step):
         step = _step(step)
         if self.warmup_target is None:
-            return self._decay(min(step, self.decay_steps), self.initial_learning_rate)
-        step = min(step, self.decay_steps + self.warmup_steps)
-        if step < self.warmup_steps:
-            delta = self.warmup_target - self.initial_learning_rate
-            return delta * step / self.warmup_steps + self.initial_learning_rate
-        return self._decay(step - self.warmup_steps, self.warmup_target)
+            return self._decay(_minimum(step, self.decay_steps), self.initial_learning_rate)
+        step = _minimum(step, self.decay_steps + self.warmup_steps)
+        decayed = self._decay(step - self.warmup_steps, self.warmup_target)
+        if not self.warmup_steps:
+            return decayed
+        delta = self.warmup_target - self.initial_learning_rate
+        warm = delta * step / self.warmup_steps + self.initial_learning_rate
+        if isinstance(step, torch.Tensor):  # both branches computed, one selected: no host decision
+            return torch.where(step < self.warmup_steps, warm, decayed)
+        return warm if step < self.warmup_steps else decayed
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -128,6 +158,11 @@ class PiecewiseConstantDecay(LearningRateSchedule):
 
     def __call__(self, step):
         step = _step(step)
+        if isinstance(step, torch.Tensor):  # selected from the last interval down: no host decision
+            out = torch.full_like(step, self.values[-1])
+            for boundary, value in reversed(list(zip(self.boundaries, self.values))):
+                out = torch.where(step <= boundary, torch.full_like(step, value), out)
+            return out
         for boundary, value in zip(self.boundaries, self.values):
             if step <= boundary:
                 return value

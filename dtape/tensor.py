@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from dtape import _config
 from dtape._local import ThreadLocalScope
@@ -468,6 +469,17 @@ def convert_to_tensor(value, dtype=None, device=None, *, name=None):
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def is_tracing():
+    """Whether torch is tracing the calling code (make_fx, a TorchDispatchMode, torch.compile's dynamo).
+
+    Code that reads a scalar on the host in eager mode (a step count, a
+    learning rate: exact and cheap on the CPU) keeps it a tensor instead
+    while tracing, where a host read fails (fake tensors have no values) or
+    would bake the value into the graph.
+    """
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def storage_held_alone(t):

@@ -225,14 +225,14 @@ def test_learning_rate_scheduler_sets_the_rate_used_by_each_epoch():
 
     class LR(dtape.keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            seen.append(self.model.optimizer.learning_rate)
+            seen.append(float(self.model.optimizer.learning_rate))  # a variable, as Keras 3: read its value
 
     sched = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 * (epoch + 1))
     history = model.fit(X, Y, batch_size=71, epochs=3, verbose=0, callbacks=[sched, LR()])
     assert seen == pytest.approx([0.1, 0.2, 0.3]) and history.history["lr"] == pytest.approx([0.1, 0.2, 0.3])
     one_arg = keras.callbacks.LearningRateScheduler(lambda epoch: 0.01)
     model.fit(X, Y, batch_size=71, epochs=1, verbose=0, callbacks=[one_arg])
-    assert model.optimizer.learning_rate == 0.01
+    assert float(model.optimizer.learning_rate) == 0.01
 
 
 def test_reduce_lr_on_plateau():
@@ -242,7 +242,7 @@ def test_reduce_lr_on_plateau():
                         callbacks=[Script("score", [3.0, 2.0, 2.0, 2.0, 2.0, 2.0]), plateau])
     # no improvement at epochs 2 and 3: halved after epoch 3; again after two more (4, 5)
     assert history.history["lr"] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.5]
-    assert model.optimizer.learning_rate == 0.25
+    assert float(model.optimizer.learning_rate) == 0.25
 
 
 def test_csv_logger_writes_one_row_per_epoch(tmp_path):

@@ -8,6 +8,7 @@ from dtape.distribute.context import (get_replica_context, get_strategy, has_str
                                       in_cross_replica_context)
 from dtape.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended, ValueContext  # noqa: F401
 from dtape.distribute import gradient_sync  # noqa: F401
+from dtape.distribute import traceable_collectives  # noqa: F401  (registers torch.ops.dtape.all_reduce_sum)
 from dtape.distribute.gradient_sync import GradientAccumulator, GradientSync, compute_average_loss  # noqa: F401
 from dtape.distribute.input_lib import InputContext  # noqa: F401
 from dtape.distribute.mirrored_strategy import MirroredStrategy  # noqa: F401
