@@ -579,5 +579,8 @@ def _array(a):
         return a.numpy()
     if isinstance(a, torch.Tensor):
         return a.detach().cpu().numpy()
-    return np.asarray(a)
+    a = np.asarray(a)
+    # Keras's array adapter converts float64 numpy data (`x / 255.0`) to floatx, float32: float32 layers under a
+    # strategy would otherwise get float64 batches ("expected scalar type Double but found Float").
+    return a.astype(np.float32) if a.dtype == np.float64 else a
 
