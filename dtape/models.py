@@ -492,6 +492,9 @@ def _tuple_shape(shape):
     return type(shape)(_tuple_shape(d) for d in shape)
 
 
+_saving.set_model_loader(_load_spec)
+
+
 def load_model(filepath, custom_objects=None, compile=True):  # noqa: A002  (Keras's argument name)
     """The model `Model.save(filepath)` wrote: architecture rebuilt, variables filled (inside
     `strategy.scope()`: that strategy's variables, e.g. MirroredVariables).

@@ -26,8 +26,8 @@ ModelCheckpoint, TensorBoard, custom Callbacks). `keras.Sequential` is
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
 from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, \
-    optimizers, regularizers
+    optimizers, regularizers, saving
 from dtape.models import Input, Model, Sequential
 
 __all__ = ["activations", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models",
-           "optimizers", "regularizers", "Input", "Model", "Sequential"]
+           "optimizers", "regularizers", "saving", "Input", "Model", "Sequential"]
