@@ -13,6 +13,9 @@ loss made through either name is the same class, trained, checkpointed and
 distributed the same way. Nothing in dtape imports this package (it is the
 top layer of pyproject.toml's import contract).
 
+`keras.saving` (and `keras.models.load_model`, `Model.save`) is `dtape.saving`'s
+whole-model archive (config JSON and safetensors weights).
+
 `keras.Model` (functional: `keras.Model(inputs, outputs)` over
 `keras.Input(shape=...)`; or subclassed) and `keras.Input` are
 `dtape.models`'s, also under `keras.models`.
