@@ -570,6 +570,9 @@ class Trainer:
                 bar.set_postfix({k: f"{v:.4f}" for k, v in logs.items()}, refresh=False)
             if mode == "train" and self.stop_training:
                 break
+        # compute_loss called after fit/evaluate (a custom loop, a check) divides by its own batch, not the
+        # last global batch of the loop (9 examples were divided by the last batch's 1)
+        compiled.global_batch = None
         if bar is not None:
             bar.close()
         return logs
