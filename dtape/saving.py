@@ -104,9 +104,6 @@ def to_json_value(value, where):
 
 def _init_config(obj):
     """An initializer's constructor arguments, read back from its attributes of the same names."""
-    config = getattr(obj, "_constructor_args", None)
-    if config is not None:
-        return config
     params = list(inspect.signature(type(obj).__init__).parameters)[1:]
     return {p: getattr(obj, p) for p in params if hasattr(obj, p)}
 

@@ -208,3 +208,16 @@ def test_registered_objects_and_functions_as_the_save_guide_writes_them(tmp_path
     np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
     assert loaded.layers[1].sublayer.activation is squared and loaded.layers[2].hidden_units == [6, 2]
     _same_variables(model, loaded)
+
+
+def test_constructor_arguments_are_not_children():
+    # a layer given to a constructor but not kept as an attribute does not join the walk (its variables stay its own)
+    class Uses(keras.layers.Layer):
+        def __init__(self, template, **kwargs):
+            super().__init__(**kwargs)
+            self.units = template.units
+
+    template = keras.layers.Dense(3)
+    template.build((None, 2))
+    layer = Uses(template)
+    assert layer.get_config()["template"] is template and len(layer.variables) == 0 and len(layer.submodules) == 0
