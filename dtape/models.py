@@ -37,8 +37,12 @@ class InputLayer(Layer):
     Source: tf.keras.layers.InputLayer.
     """
 
-    def __init__(self, shape, batch_size=None, dtype=None, name=None):
+    def __init__(self, shape=None, batch_size=None, dtype=None, name=None, input_shape=None):
         super().__init__(name=name)
+        if (shape is None) == (input_shape is None):
+            raise TypeError("InputLayer takes the sample shape as shape= (Keras 3) or input_shape= (Keras 2): one of "
+                            f"them, got shape={shape!r}, input_shape={input_shape!r}")
+        shape = shape if input_shape is None else input_shape
         try:
             shape = (batch_size,) + tuple(None if d is None else int(d) for d in shape)
         except (TypeError, ValueError):
@@ -405,6 +409,11 @@ class Sequential(Trainer, _layers.Sequential):
 
     save, to_json = Model.save, Model.to_json
 
+    def add(self, layer):
+        """`dtape.layers.Sequential.add`; an `InputLayer` first (Keras 2's `InputLayer(input_shape=...)`) gives
+        the input shape as an `Input` does."""
+        super().add(layer.output if isinstance(layer, InputLayer) else layer)
+
     def get_config(self):
         """The layers' configs, in order, and the name. Source: tf.keras.Sequential.get_config."""
         return {"name": self.name, "layers": [_saving.serialize_layer(layer) for layer in self.layers]}
@@ -481,6 +490,9 @@ def _tuple_shape(shape):
     if isinstance(shape, dict):
         return {k: _tuple_shape(v) for k, v in shape.items()}
     return type(shape)(_tuple_shape(d) for d in shape)
+
+
+_saving.set_model_loader(_load_spec)
 
 
 def load_model(filepath, custom_objects=None, compile=True):  # noqa: A002  (Keras's argument name)

@@ -28,11 +28,50 @@ from dtape import nest
 from dtape import regularizers as _regularizers
 from dtape.layers import base as _base
 
-__all__ = ["save_model", "load_model", "serialize_model", "deserialize_model", "serialize_layer", "deserialize_layer",
+__all__ = ["register_keras_serializable", "serialize_keras_object", "deserialize_keras_object",
+           "get_registered_object", "save_model", "load_model", "serialize_model", "deserialize_model", "serialize_layer", "deserialize_layer",
            "serialize_layer_config", "functional_config", "functional_from_config", "find_class", "to_json_value",
-           "from_json_value"]
+           "from_json_value", "set_model_loader"]
 
 _FORMAT = "dtape-keras-1"
+
+
+# -- registered objects ---------------------------------------------------------------------------------------
+_registered = {}  # "package>name" and the bare name -> a class or function registered by the decorator
+
+
+def register_keras_serializable(package="Custom", name=None):
+    """Decorator: registers a class or function so that saved models find it by name without custom_objects
+    (as `"<package>><name>"`, and by its bare name). Returns the object unchanged.
+
+    Source: keras.saving.register_keras_serializable.
+    """
+    def register(obj):
+        key = f"{package}>{name or obj.__name__}"
+        if key in _registered and _registered[key] is not obj:
+            raise ValueError(f"{key!r} is already registered to {_registered[key]!r}")
+        _registered[key] = _registered[obj.__name__] = obj
+        obj._dtape_registered_name = key
+        return obj
+    return register
+
+
+def get_registered_object(name, custom_objects=None):
+    """The object registered (or in `custom_objects`) under `name`, else None. Source: keras.saving."""
+    return (custom_objects or {}).get(name, _registered.get(name))
+
+
+def serialize_keras_object(obj):
+    """A layer as `{"class_name", "config"}`; other values as stored in configs. Source: keras.saving."""
+    return serialize_layer(obj) if isinstance(obj, _base.Layer) else to_json_value(obj, repr(obj))
+
+
+def deserialize_keras_object(config, custom_objects=None):
+    """The layer (or value) of `serialize_keras_object`'s result. Source: keras.saving.deserialize_keras_object."""
+    objects = dict(custom_objects or {})
+    if isinstance(config, dict) and "class_name" in config and "config" in config:
+        return deserialize_layer(config, objects)
+    return from_json_value(config, objects)
 
 
 # -- values in configs ---------------------------------------------------------------------------------------
@@ -52,6 +91,10 @@ def to_json_value(value, where):
         return {"__object__": type(value).__name__, "config": to_json_value(value.get_config(), where)}
     if callable(value) and _base.activation_name(value) is not None:
         return _base.activation_name(value)
+    if isinstance(value, dict) and value.get("class_name") and "config" in value:  # serialize_keras_object's
+        return value
+    if callable(value) and not isinstance(value, type) and getattr(value, "__name__", "<lambda>") != "<lambda>":
+        return {"__function__": getattr(value, "_dtape_registered_name", value.__name__)}
     if isinstance(value, _base.Initializer):
         return {"__object__": type(value).__name__, "config": to_json_value(_init_config(value), where)}
     raise TypeError(f"cannot save {where}: its config holds {value!r} ({type(value).__name__}), which is neither a "
@@ -61,9 +104,6 @@ def to_json_value(value, where):
 
 def _init_config(obj):
     """An initializer's constructor arguments, read back from its attributes of the same names."""
-    config = getattr(obj, "_constructor_args", None)
-    if config is not None:
-        return config
     params = list(inspect.signature(type(obj).__init__).parameters)[1:]
     return {p: getattr(obj, p) for p in params if hasattr(obj, p)}
 
@@ -75,6 +115,8 @@ def from_json_value(value, objects):
         return value
     if "__dtype__" in value:
         return getattr(torch, value["__dtype__"])
+    if "__function__" in value:
+        return find_class(value["__function__"], objects)
     if "__layer__" in value:
         return deserialize_layer(value["__layer__"], objects)
     if "__object__" in value:
@@ -83,7 +125,7 @@ def from_json_value(value, objects):
 
 
 def find_class(class_name, objects):
-    for source in (objects, vars(_layers), vars(_regularizers)):
+    for source in (objects, _registered, vars(_layers), vars(_regularizers)):
         if class_name in source:
             return source[class_name]
     raise ValueError(f"unknown class {class_name!r} in the saved model: pass it in custom_objects="
@@ -103,11 +145,19 @@ def serialize_layer(layer):
     return {"class_name": type(layer).__name__, "config": serialize_layer_config(layer)}
 
 
+def set_model_loader(loader):
+    """`dtape.models` gives the function that rebuilds models (functional, Sequential, subclassed)."""
+    global _model_loader
+    _model_loader = loader
+
+
+_model_loader = None
+
+
 def deserialize_layer(spec, objects):
     """The layer (or model) of `serialize_layer`'s dict, unbuilt unless it is a model."""
-    maker = objects.get("__model_loader__")
     if spec["class_name"] in ("Functional", "Sequential") or "build_input_shape" in spec:
-        return maker(spec, objects)
+        return _model_loader(spec, objects)
     cls = find_class(spec["class_name"], objects)
     return cls.from_config(from_json_value(spec["config"], objects))
 
@@ -193,8 +243,8 @@ def save_model(model, filepath):
 
 def deserialize_model(text, loader, custom_objects=None):
     """The model of `serialize_model`'s JSON (unbuilt parts stay unbuilt; no weights)."""
-    objects = dict(custom_objects or {}, __model_loader__=loader)
-    return deserialize_layer(json.loads(text), objects)
+    set_model_loader(loader)
+    return deserialize_layer(json.loads(text), dict(custom_objects or {}))
 
 
 def load_model(filepath, loader, custom_objects=None):

@@ -176,6 +176,121 @@ def _per_row(t):
     return n
 
 
+def _reduced_loss(loss, y, y_pred, sample_weight, compiled):
+    """One loss over this replica's batch, reduced as Keras over the global batch (see `_compiled_loss`):
+    (the value to differentiate, this replica's mean for the tracker, its number of rows)."""
+    per_example = _per_example(loss, y, y_pred)
+    if per_example.ndim == 0:
+        data, mean_local = _batch_loss(per_example, sample_weight, compiled.strategy)
+        return data, mean_local, 1
+    local, mask = _rows(per_example), _mask_of(y_pred)
+    if mask is not None:
+        sample_weight = _masked_weight(mask, sample_weight, per_example)
+    if isinstance(loss, _losses.Loss) and loss.reduction == "sum":
+        data = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
+        return data, data / float(max(local, 1)), local
+    if mask is None:
+        data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
+                                        global_batch_size=compiled.global_batch or local)
+        data = data / float(_per_row(per_example)) if _per_row(per_example) != 1 else data
+    else:
+        unmasked = _global_sum(_math.reduce_sum(_masked_weight(mask, None, per_example)))
+        weighted = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
+        data = weighted / _math.maximum(unmasked, 1.0)
+    # A replica whose slice of a short last batch is empty has data 0 and weighs 0 in the tracker: 0, not 0 / 0
+    # (a NaN that the tracker's weighted sum kept: the epoch's loss was logged as nan).
+    return data, data * float(compiled.global_batch or local) / float(max(local, 1)), local
+
+
+def _output_names(model):
+    """The output layers' names of a functional model (Keras's `output_names`), else None."""
+    outputs = getattr(model, "outputs", None) if getattr(model, "_graph", None) is not None else None
+    return None if outputs is None else [t.node.layer.name for t in outputs]
+
+
+def _per_output(value, names, what):
+    """A list (one entry per output) or a dict keyed by output names, as a list in the outputs' order."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"compile: {what} keys {unknown} are not output names; the outputs are {names}")
+        return [value.get(n) for n in names]
+    if len(value) != len(names):
+        raise ValueError(f"compile: {len(value)} {what} for {len(names)} outputs {names}; give one per output "
+                         "(None for none) or a dict keyed by output name")
+    return list(value)
+
+
+def _target(y, index, names):
+    """The targets of output `index`: y[index] from a list/tuple, y[name] from a dict."""
+    if isinstance(y, dict):
+        return y[names[index]]
+    return nest.flatten(y)[index] if nest.is_nested(y) else y
+
+
+class _PerOutput:
+    """The losses of a model with several outputs: one per output (or None), weights, "<output>_loss" trackers."""
+
+    def __init__(self, losses, weights, names):
+        self.losses, self.weights, self.names = losses, weights, names
+        self.trackers = [None if l is None else _metrics.Mean(name=f"{n}_loss") for l, n in zip(losses, names)]
+
+    def total(self, model, y, y_pred, sample_weight, compiled):
+        flat = nest.flatten(y_pred)
+        if len(flat) != len(self.losses):
+            raise ValueError(f"{model.name}: {len(flat)} outputs for {len(self.losses)} compiled losses")
+        data = mean = None
+        local = 0
+        for i, (loss, weight, tracker) in enumerate(zip(self.losses, self.weights, self.trackers)):
+            if loss is None:
+                continue
+            value, mean_i, local = _reduced_loss(loss, _target(y, i, self.names), flat[i], sample_weight, compiled)
+            tracker.update_state(mean_i, sample_weight=float(local))
+            data = value * weight if data is None else data + value * weight
+            mean = mean_i * weight if mean is None else mean + mean_i * weight
+        return data, mean, local
+
+
+def _loss_spec(loss, loss_weights, names):
+    """The compiled loss: one loss (a single output), or a `_PerOutput` for several outputs / a list or dict."""
+    several = names is not None and len(names) > 1
+    if not several and not isinstance(loss, (list, tuple, dict)):
+        if loss_weights is not None:
+            raise ValueError("compile: loss_weights is for a model with several outputs")
+        return _loss_fn(loss)
+    if names is None:
+        raise ValueError("compile: a list or dict of losses needs a functional model with several outputs")
+    if loss is None:
+        return None
+    losses = _per_output(loss, names, "losses") if isinstance(loss, (list, tuple, dict)) else [loss] * len(names)
+    weights = [1.0] * len(names) if loss_weights is None else _per_output(loss_weights, names, "loss_weights")
+    return _PerOutput([None if l is None else _loss_fn(l) for l in losses],
+                      [1.0 if w is None else float(w) for w in weights], names)
+
+
+def _metrics_spec(metrics, names):
+    """The compiled metrics and, for each, the output it reads (None: the whole y / y_pred)."""
+    metrics = metrics or []
+    several = names is not None and len(names) > 1
+    if not several:
+        return [_metric(m) for m in metrics], [None] * len(metrics)
+    if isinstance(metrics, dict) or (metrics and all(isinstance(m, (list, tuple)) for m in metrics)):
+        per = _per_output(metrics, names, "metric lists")
+    else:
+        if any(isinstance(m, _metrics.Metric) for m in metrics):
+            raise ValueError("compile: with several outputs give metric objects per output (a list of lists or "
+                             "a dict keyed by output name); names in a flat list apply to every output")
+        per = [list(metrics)] * len(names)
+    made, outputs = [], []
+    for index, (name, group) in enumerate(zip(names, per)):
+        for m in [] if group is None else (group if isinstance(group, (list, tuple)) else [group]):
+            metric = _metric(m)
+            metric._name = f"{name}_{metric.name}"  # Keras prefixes each output's metrics with its name
+            made.append(metric)
+            outputs.append(index)
+    return made, outputs
+
+
 class _Compiled:
     """What `compile` set (held outside the module walk: the optimizer and metrics are not the model's variables)."""
 
@@ -187,12 +302,20 @@ class _Compiled:
 
 
 class _CompiledMetrics:
-    def __init__(self, metrics):
-        self.metrics = metrics
+    def __init__(self, metrics, outputs=None, names=None):
+        self.metrics, self.outputs, self.names = metrics, outputs or [None] * len(metrics), names
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        for m in self.metrics:
-            m.update_state(y_true, y_pred, sample_weight=sample_weight)
+        for m, index in zip(self.metrics, self.outputs):
+            if index is None:
+                m.update_state(y_true, y_pred, sample_weight=sample_weight)
+                continue
+            out = nest.flatten(y_pred)[index]
+            weight = sample_weight
+            mask = _mask_of(out)
+            if mask is not None:
+                weight = _masked_weight(mask, sample_weight, _as_tensor(out))
+            m.update_state(_target(y_true, index, self.names), out, sample_weight=weight)
 
 
 class Trainer:
@@ -202,7 +325,7 @@ class Trainer:
     optimizer = None  # set by compile
 
     # -- compile ---------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None):
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None):
         """Configures training: the optimizer, the loss and the metrics.
 
         Args:
@@ -215,6 +338,13 @@ class Trainer:
             `train_step` computes its own.
           metrics: a list of `dtape.metrics.Metric`, functions or names
             ("accuracy": sparse categorical accuracy with a sparse loss).
+            A functional model with several outputs takes, as Keras, a list
+            of losses (one per output, None for none) or a dict keyed by the
+            output layers' names, `loss_weights` (list or dict; the loss is
+            the weighted sum, each output's also logged as
+            "<output>_loss"), and metrics as a list of lists or a dict of
+            lists per output (logged as "<output>_<metric>"); one loss or a
+            flat list of metric names applies to every output.
 
         The strategy is the one of the current scope, else the one the
         model's variables were made in. Metrics are made in its scope.
@@ -222,11 +352,13 @@ class Trainer:
         Source: tf.keras.Model.compile.
         """
         strategy = self._strategy()
-        loss = _loss_fn(loss)
+        names = _output_names(self)
         with strategy.scope():
-            made = [_metric(m) for m in (metrics or [])]
+            loss = _loss_spec(loss, loss_weights, names)
+            made, outputs = _metrics_spec(metrics, names)
             tracker = _metrics.Mean(name="loss")
         vars(self)["_compiled"] = _Compiled(_optimizer(optimizer), loss, made, strategy, tracker)
+        vars(self)["_compiled"].metric_outputs = outputs
         self.optimizer = vars(self)["_compiled"].optimizer  # a plain attribute, as Keras's (not a Module: not walked)
 
     def _strategy(self):
@@ -257,7 +389,10 @@ class Trainer:
         compiled = vars(self).get("_compiled")
         if compiled is None:
             return []
-        return ([compiled.loss_tracker] if compiled.loss is not None else []) + list(compiled.metrics)
+        trackers = [compiled.loss_tracker] if compiled.loss is not None else []
+        if isinstance(compiled.loss, _PerOutput):
+            trackers += [t for t in compiled.loss.trackers if t is not None]
+        return trackers + list(compiled.metrics)
 
     @property
     def metrics_names(self):
@@ -302,7 +437,8 @@ class Trainer:
     @property
     def compiled_metrics(self):
         """Keras 2's `compiled_metrics`: `update_state(y_true, y_pred, sample_weight=None)` on the compiled metrics."""
-        return _CompiledMetrics(self._check_compiled("compiled_metrics").metrics)
+        compiled = self._check_compiled("compiled_metrics")
+        return _CompiledMetrics(compiled.metrics, getattr(compiled, "metric_outputs", None), _output_names(self))
 
     def _compiled_loss(self, y, y_pred, sample_weight, reg):
         """Keras's reduction over the global batch: sum(losses * weight) / (global batch * losses per example),
@@ -312,25 +448,10 @@ class Trainer:
         compiled = self._check_compiled("compute_loss")
         if compiled.loss is None:
             raise ValueError(f"{self.name}: no loss was compiled; pass loss= to compile or override train_step")
-        per_example = _per_example(compiled.loss, y, y_pred)
-        local, mask = _rows(per_example), _mask_of(y_pred)
-        if mask is not None and per_example.ndim > 0:
-            sample_weight = _masked_weight(mask, sample_weight, per_example)
-        if per_example.ndim == 0:
-            data, mean_local = _batch_loss(per_example, sample_weight, compiled.strategy)
-        elif isinstance(compiled.loss, _losses.Loss) and compiled.loss.reduction == "sum":
-            data = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
-            mean_local = data / float(local)
+        if isinstance(compiled.loss, _PerOutput):
+            data, mean_local, local = compiled.loss.total(self, y, y_pred, sample_weight, compiled)
         else:
-            if mask is None:
-                data = _nn.compute_average_loss(per_example, sample_weight=sample_weight,
-                                                global_batch_size=compiled.global_batch or local)
-                data = data / float(_per_row(per_example)) if _per_row(per_example) != 1 else data
-            else:
-                unmasked = _global_sum(_math.reduce_sum(_masked_weight(mask, None, per_example)))
-                weighted = _math.reduce_sum(_nn.scale_losses_by_sample_weight(per_example, sample_weight))
-                data = weighted / _math.maximum(unmasked, 1.0)
-            mean_local = data * float(compiled.global_batch or local) / float(local)
+            data, mean_local, local = _reduced_loss(compiled.loss, y, y_pred, sample_weight, compiled)
         if reg:
             reg_total = _math.add_n(reg)
             data, mean_local = data + _nn.scale_regularization_loss(reg_total), mean_local + reg_total
@@ -340,7 +461,7 @@ class Trainer:
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         """Updates the compiled metrics and returns `{name: result}` for every metric; an output's Keras mask
         multiplies the sample weight (masked positions do not count). Source: Keras 2."""
-        mask = _mask_of(y_pred)
+        mask = None if nest.is_nested(y_pred) else _mask_of(y_pred)
         if mask is not None:
             sample_weight = _masked_weight(mask, sample_weight, _as_tensor(y_pred))
         self.compiled_metrics.update_state(y, y_pred, sample_weight)
@@ -529,6 +650,9 @@ class Trainer:
                 bar.set_postfix({k: f"{v:.4f}" for k, v in logs.items()}, refresh=False)
             if mode == "train" and self.stop_training:
                 break
+        # compute_loss called after fit/evaluate (a custom loop, a check) divides by its own batch, not the
+        # last global batch of the loop (9 examples were divided by the last batch's 1)
+        compiled.global_batch = None
         if bar is not None:
             bar.close()
         return logs
@@ -755,5 +879,8 @@ def _array(a):
         return a.numpy()
     if isinstance(a, torch.Tensor):
         return a.detach().cpu().numpy()
-    return np.asarray(a)
+    a = np.asarray(a)
+    # Keras's array adapter converts float64 numpy data (`x / 255.0`) to floatx, float32: float32 layers under a
+    # strategy would otherwise get float64 batches ("expected scalar type Double but found Float").
+    return a.astype(np.float32) if a.dtype == np.float64 else a
 

@@ -92,3 +92,18 @@ def test_masked_fit_under_two_replicas_equals_one_device():
     with strategy.scope():
         logs = two.evaluate(IDS, LABELS, batch_size=5, return_dict=True)
     np.testing.assert_allclose(logs["loss"], _by_hand(one)[0], rtol=1e-5)
+
+
+def test_a_replica_with_an_empty_slice_does_not_make_the_loss_nan():
+    # 5 examples in batches of 4: the last batch of 1 leaves the second replica nothing.
+    x, y = np.arange(10, dtype=np.float32).reshape(5, 2) / 10, np.ones((5, 1), np.float32)
+
+    def run():
+        inputs = keras.Input(shape=(2,))
+        model = keras.Model(inputs, keras.layers.Dense(1, seed=1)(inputs))
+        model.compile(dtape.optimizers.SGD(0.1), "mse")
+        return model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"]
+    one = run()
+    with mirrored(2).scope():
+        two = run()
+    np.testing.assert_allclose(two, one, rtol=1e-5)

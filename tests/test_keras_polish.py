@@ -8,6 +8,7 @@ import torch
 import dtape
 from dtape import keras
 from dtape.keras import layers
+from tests._strategies import close_all, mirrored
 
 
 def test_masking_layer_masks_all_equal_steps_and_feeds_the_loss():
@@ -86,3 +87,32 @@ def test_tensorboard_accepts_keras_defaults_and_refuses_the_rest(tmp_path):
     keras.callbacks.TensorBoard(log_dir=str(tmp_path), histogram_freq=0, embeddings_freq=0, update_freq="epoch")
     with pytest.raises(ValueError, match="histogram_freq"):
         keras.callbacks.TensorBoard(log_dir=str(tmp_path), histogram_freq=1)
+
+
+def test_tf_multi_worker_tutorial_model_with_float64_numpy_data_under_two_replicas():
+    # The tutorial's model (Keras 2's InputLayer(input_shape=) first in a Sequential) fed `x / 255.0` (float64 in
+    # numpy): Keras's data adapter makes it float32 (floatx); one device and two replicas give the same losses.
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 255, (12, 6, 6)) / 255.0, rng.integers(0, 10, 12)
+    assert x.dtype == np.float64
+
+    def build():
+        model = keras.Sequential([layers.InputLayer(input_shape=(6, 6)), layers.Reshape(target_shape=(6, 6, 1)),
+                                  layers.Conv2D(4, 3, activation="relu", seed=1), layers.Flatten(),
+                                  layers.Dense(10, seed=2)])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=keras.optimizers.SGD(learning_rate=0.1), metrics=["accuracy"])
+        return model
+
+    try:
+        one = build().fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+        strategy = mirrored(2)
+        with strategy.scope():
+            model = build()
+        assert model.output_shape == (None, 10)
+        two = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    finally:
+        close_all()
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
+    with pytest.raises(TypeError, match="shape= .* or input_shape="):
+        layers.InputLayer()

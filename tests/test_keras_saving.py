@@ -152,3 +152,72 @@ def test_errors(tmp_path):
     _functional().save(tmp_path / "m.keras")
     with pytest.raises(FileExistsError):
         _functional().save(tmp_path / "m.keras", overwrite=False)
+
+
+def squared(x):
+    return x ** 2
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Wrapper(keras.layers.Layer):
+    """Keras's save guide's pattern: a sublayer argument serialized with serialize_keras_object."""
+
+    def __init__(self, sublayer, **kwargs):
+        super().__init__(**kwargs)
+        self.sublayer = sublayer
+
+    def call(self, x):
+        return self.sublayer(x)
+
+    def get_config(self):
+        return {**super().get_config(), "sublayer": keras.saving.serialize_keras_object(self.sublayer)}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config.pop("sublayer")), **config)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Stack(keras.Model):
+    def __init__(self, hidden_units, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_units = hidden_units
+        self.dense_layers = [keras.layers.Dense(u, seed=i) for i, u in enumerate(hidden_units)]
+
+    def call(self, inputs):
+        for layer in self.dense_layers:
+            inputs = layer(inputs)
+        return inputs
+
+    def get_config(self):
+        return {"hidden_units": self.hidden_units}
+
+
+def test_registered_objects_and_functions_as_the_save_guide_writes_them(tmp_path):
+    assert keras.saving.load_model is keras.models.load_model is dtape.models.load_model
+    assert keras.saving.register_keras_serializable is dtape.saving.register_keras_serializable
+    inputs = keras.Input(shape=(4,))
+    hidden = Wrapper(keras.layers.Dense(8, activation=squared, seed=3))(inputs)
+    model = keras.Model(inputs, Stack([6, 2])(hidden))
+    _perturb(model)
+    model.save(tmp_path / "g.keras")
+    with pytest.raises(ValueError, match="unknown class 'squared'"):  # a plain function: by custom_objects
+        keras.saving.load_model(tmp_path / "g.keras")
+    loaded = keras.saving.load_model(tmp_path / "g.keras", custom_objects={"squared": squared})
+    x = RNG.normal(size=(3, 4)).astype(np.float32)
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
+    assert loaded.layers[1].sublayer.activation is squared and loaded.layers[2].hidden_units == [6, 2]
+    _same_variables(model, loaded)
+
+
+def test_constructor_arguments_are_not_children():
+    # a layer given to a constructor but not kept as an attribute does not join the walk (its variables stay its own)
+    class Uses(keras.layers.Layer):
+        def __init__(self, template, **kwargs):
+            super().__init__(**kwargs)
+            self.units = template.units
+
+    template = keras.layers.Dense(3)
+    template.build((None, 2))
+    layer = Uses(template)
+    assert layer.get_config()["template"] is template and len(layer.variables) == 0 and len(layer.submodules) == 0

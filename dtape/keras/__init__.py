@@ -13,6 +13,9 @@ loss made through either name is the same class, trained, checkpointed and
 distributed the same way. Nothing in dtape imports this package (it is the
 top layer of pyproject.toml's import contract).
 
+`keras.saving` (and `keras.models.load_model`, `Model.save`) is `dtape.saving`'s
+whole-model archive (config JSON and safetensors weights).
+
 `keras.Model` (functional: `keras.Model(inputs, outputs)` over
 `keras.Input(shape=...)`; or subclassed) and `keras.Input` are
 `dtape.models`'s, also under `keras.models`.
@@ -26,8 +29,8 @@ ModelCheckpoint, BackupAndRestore, TensorBoard, custom Callbacks). `keras.Sequen
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
 from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, \
-    optimizers, regularizers
+    optimizers, regularizers, saving
 from dtape.models import Input, Model, Sequential
 
 __all__ = ["activations", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models",
-           "optimizers", "regularizers", "Input", "Model", "Sequential"]
+           "optimizers", "regularizers", "saving", "Input", "Model", "Sequential"]

@@ -279,6 +279,16 @@ def activation_name(fn):
 _init_signatures = {}  # class -> inspect.Signature of its __init__ (for the constructor arguments)
 
 
+class _Recorded:
+    """Holds a layer's constructor arguments out of the module walk (a layer or variable among them is not one
+    of this layer's children unless an attribute holds it)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, args):
+        self.args = args
+
+
 def _constructor_args(cls, args, kwargs):
     """The arguments a layer was constructed with, by parameter name (what `get_config` returns by default)."""
     sig = _init_signatures.get(cls)
@@ -307,7 +317,7 @@ class _LayerMeta(type):
 
     def __call__(cls, *args, **kwargs):
         layer = super().__call__(*args, **kwargs)
-        vars(layer).setdefault("_constructor_args", _constructor_args(cls, args, kwargs))
+        vars(layer).setdefault("_constructor_args", _Recorded(_constructor_args(cls, args, kwargs)))
         shape = vars(layer).get("_input_shape_arg")
         if shape is not None and not layer.built:
             layer.build((None,) + shape)
@@ -396,7 +406,8 @@ class Layer(Module, metaclass=_LayerMeta):
         Raises NotImplementedError for a layer constructed with extra positional arguments (*args).
         Source: tf.keras.layers.Layer.get_config.
         """
-        args = vars(self).get("_constructor_args")
+        recorded = vars(self).get("_constructor_args")
+        args = None if recorded is None else recorded.args
         if args is None or any(k.startswith("*") for k in args):
             raise NotImplementedError(f"{type(self).__name__} cannot tell its constructor arguments; define "
                                       "get_config() returning them (and from_config if needed)")
