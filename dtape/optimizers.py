@@ -1239,8 +1239,10 @@ class TorchOptimizer(Optimizer):
 
         def step(tensors):  # under the variables' locks, on their tensors or their copies
             _bind(opt, entries, tensors, saved)
-            for ((g, i), _, grad), t in zip(entries, tensors):
-                t.grad = self._grad_buffer(opt, (g, i), t).copy_(grad)
+            buffers = [self._grad_buffer(opt, slot, t) for (slot, _, _), t in zip(entries, tensors)]
+            torch._foreach_copy_(buffers, [grad for _, _, grad in entries])  # one call, not one per variable
+            for t, buf in zip(tensors, buffers):
+                t.grad = buf
             try:
                 if self.global_clipnorm is not None:
                     torch.nn.utils.clip_grad_norm_(tensors, self.global_clipnorm)
@@ -1299,6 +1301,8 @@ def _bind(opt, entries, tensors, released):
     current tensor, or (a slot let go of, None) its entry in `released`."""
     for ((g, i), _, _), t, state in zip(entries, tensors, released):
         params = opt.param_groups[g]["params"]
+        if params[i] is t:  # already there with its state (an in-place step): nothing to move
+            continue
         if params[i] is not None:
             state = opt.state.pop(params[i], None)
         params[i] = t

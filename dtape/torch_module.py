@@ -25,7 +25,7 @@ from dtape import _call_context
 from dtape import random as _random
 from dtape import tape as _tp
 from dtape.module import Module
-from dtape.ops._dispatch import SeededRandomFunctions, call_fallback
+from dtape.ops._dispatch import SeededRandomFunctions, call_fallback, flatten_args
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 from dtape.variables import Variable, VariableAggregation, share_storage
 
@@ -147,6 +147,7 @@ class TorchModule(Module):
         super().__init__(name=name)
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
+        self._slots = _param_slots(self._params)
         aggregation = _BUFFER_SYNC[sync_buffers]
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
                                    lambda b, name: _buffer_var(b, name, aggregation))
@@ -159,9 +160,11 @@ class TorchModule(Module):
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
         values = _param_values(self._params)  # recorded reads: the op's first inputs
-        args, kwargs = pytree.tree_map(_as_input, (args, kwargs))
-        run = _ForwardCall(shadow, self._params, list(values))
-        out = call_fallback(run, (list(values.values()), args, kwargs), {})
+        # One flat tuple (parameter values, then the arguments' leaves) for the fallback: it flattens and
+        # rebuilds its arguments on every call, and pytree walks a nested list value by value.
+        leaves, spec = flatten_args(args, kwargs)
+        run = _ForwardCall(shadow, self._slots, len(values), spec)
+        out = call_fallback(run, (*values.values(), *[_as_input(x) for x in leaves]), {})
         self._write_back(shadow, before, mode)
         return out
 
@@ -320,16 +323,43 @@ def _is_compiled(module):
 
 
 def _owner(root, name):
-    *path, leaf = name.split(".")
+    path, leaf = _split_name(name)
     for part in path:
         root = root._modules[part]
     return root, leaf
+
+
+def _split_name(name):
+    """("a.b.weight") -> (("a", "b"), "weight"): the submodule path and the slot of a torch name."""
+    *path, leaf = name.split(".")
+    return tuple(path), leaf
+
+
+def _install_parameters(shadow, slots, values):
+    """Puts `values[k]` in the shadow's parameter slot of each (path, name, k) of `slots`."""
+    owners = {(): shadow}
+    for path, leaf, k in slots:
+        owner = owners.get(path)
+        if owner is None:
+            owner = shadow
+            for part in path:
+                owner = owner._modules[part]
+            owners[path] = owner
+        owner._parameters[leaf] = values[k]
 
 
 def _install(shadow, variables, values, slot):
     for name, var in variables.items():
         owner, leaf = _owner(shadow, name)
         getattr(owner, slot)[leaf] = values[id(var)]
+
+
+def _param_slots(params):
+    """[(submodule path, slot name, k)] per torch name: its value is the k-th of `_param_values(params)`."""
+    index = {}
+    for var in params.values():
+        index.setdefault(id(var), len(index))
+    return [(*_split_name(name), index[id(var)]) for name, var in params.items()]
 
 
 def _param_values(params):
@@ -352,17 +382,23 @@ def _buffer_values(buffers):
 
 
 class _ForwardCall:
-    """The whole forward as one torch function of (parameter values, args, kwargs): the fallback runs it
-    once on plain tensors (under torch's autograd when a tape records it) and records it as one op, so
-    its gradient is one `torch.autograd.grad` over the graph torch built, and everything inside the
-    forward (autocast, no_grad, detach, in-place ops on activations) means what it means in torch."""
+    """The whole forward as one torch function of (parameter values..., the arguments' pytree leaves...):
+    the fallback runs it once on plain tensors (under torch's autograd when a tape records it) and
+    records it as one op, so its gradient is one `torch.autograd.grad` over the graph torch built, and
+    everything inside the forward (autocast, no_grad, detach, in-place ops on activations) means what it
+    means in torch."""
 
-    def __init__(self, shadow, params, keys):
-        self.shadow, self.params, self.keys = shadow, params, keys
+    def __init__(self, shadow, slots, n_values, spec):
+        self.shadow, self.slots, self.n_values, self.spec = shadow, slots, n_values, spec
         self.__name__ = type(shadow).__name__
 
-    def __call__(self, values, args, kwargs):
-        _install(self.shadow, self.params, dict(zip(self.keys, values)), "_parameters")
+    def __call__(self, *flat):
+        values = flat[:self.n_values]
+        _install_parameters(self.shadow, self.slots, values)
+        if self.spec is None:  # positional leaves only (flatten_args)
+            args, kwargs = flat[self.n_values:], {}
+        else:
+            args, kwargs = pytree.tree_unflatten(list(flat[self.n_values:]), self.spec)
         versions = [v._version for v in values]
         try:
             out = self._forward(args, kwargs)

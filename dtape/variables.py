@@ -364,6 +364,9 @@ class Variable(metaclass=_VariableMeta):
     # tensor before it looks at this: a read either holds the tensor in time for the check (the
     # update then copies) or waits here for the finished value.
     _writing = False
+    # Set on a distributed variable's components (dtape.distribute); here so that a plain variable answers
+    # without `__getattr__` (which raises for private names: every tape's first read of it asks).
+    _distributed_container = None
     # The value's storage is shared with another owner (`share_storage`): every write goes into it.
     _shared = False
 

@@ -457,3 +457,34 @@ def test_a_fallback_in_a_dtape_function_serves_the_walks_of_every_tape_after_spl
     g1, = torch.autograd.grad(yt, xt, create_graph=True)
     g2, = torch.autograd.grad((g1 * yt).sum(), xt)
     torch.testing.assert_close(d2.torch(), g2, rtol=1e-12, atol=0)
+
+
+def test_fallback_arguments_flat_nested_and_keyword_give_torch_s_values_and_gradients():
+    """The fallback passes positional leaf arguments (tensors, numbers, None, dtypes) through as they are
+    and flattens the rest (lists, keywords) with pytree: each form gives torch's value and gradient."""
+    x0 = torch.randn(3, 4, dtype=torch.float64)
+    w0 = torch.randn(3, 4, dtype=torch.float64)
+    cases = [lambda x, w: torch.lerp(x, x * w, 0.25),                      # positional: tensors, a number
+             lambda x, w: torch.lerp(x, w, 0.25),                          # a variable (read first)
+             lambda x, w: F.softplus(x * w, 2.0, 0.5),                    # positional numbers
+             lambda x, w: torch.cumprod(x, 1, dtype=None),                # a keyword
+             lambda x, w: F.pad(x * w, [1, 2], "constant", 0.5),          # a list argument (pytree path)
+             lambda x, w: torch.addcmul(x, x, w, value=0.5),              # tensors and a keyword
+             lambda x, w: torch.logcumsumexp(torch.hypot(x, w), 0)]       # chained
+    for fn in cases:
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        expected = fn(x, w)
+        seed = torch.randn_like(expected)
+        grads = torch.autograd.grad(expected, [x, w], seed, allow_unused=True)
+        dx, dw = dtape.constant(x0), dtape.Variable(w0)
+        with dtape.GradientTape() as tape:
+            tape.watch(dx)
+            out = fn(dx, dw)
+            loss = dtape.reduce_sum(out * dtape.constant(seed))
+        got = tape.gradient(loss, [dx, dw])
+        np.testing.assert_allclose(out.numpy(), expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        for g, e in zip(got, grads):
+            if e is None:
+                assert g is None
+            else:
+                np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)

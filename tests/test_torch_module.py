@@ -392,3 +392,51 @@ def test_docs_examples_run():
     namespace = {}
     for block in blocks:                     # blocks share one namespace, in order, as a reader runs them
         exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102 (our own docs)
+
+
+def test_gradients_through_nested_args_kwargs_and_flat_args_equal_torch():
+    """The forward's arguments reach it flattened and rebuilt (nested containers, keywords, non-tensor
+    leaves, or only positional tensors): values and gradients (parameters, tensor arguments) are torch's."""
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, inputs, k, shift=None, scale=1.0):
+            h = self.lin(inputs["x"]) * scale + inputs["parts"][1]
+            return (h[:, :k] + (0.0 if shift is None else shift)).sum()
+
+    module = _seeded(Mix).double()
+    x, part, shift = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64),
+                      torch.randn(4, 1, dtype=torch.float64))
+    tm = dtape.layers.TorchModule(module)
+    calls = [(lambda m, a, b, s: m({"x": a, "parts": [a, b]}, 1, shift=s, scale=2.0)),
+             (lambda m, a, b, s: m({"x": a, "parts": (a, b)}, 2, s)),
+             (lambda m, a, b, s: m({"x": a, "parts": [b, b]}, 2))]
+    class Flat(nn.Module):  # positional tensors only
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, a, b, c):
+            return (self.lin(a) * b + c).sum()
+
+    flat = _seeded(Flat).double()
+    flat_tm = dtape.layers.TorchModule(flat)
+    calls.append(lambda m, a, b, s: (flat if m is module else flat_tm)(a, b, s))
+    for call in calls:
+        leaves = [t.clone().requires_grad_() for t in (x, part, shift)]
+        expected = call(module, *leaves)
+        ours = flat_tm if call is calls[-1] else tm
+        grads = torch.autograd.grad(expected, [*ours.module.parameters(), *leaves], allow_unused=True)
+        inputs = [dtape.constant(t) for t in (x, part, shift)]
+        with dtape.GradientTape() as tape:
+            tape.watch(inputs)
+            out = call(tm, *inputs)
+        got = tape.gradient(out, [*ours.trainable_variables, *inputs])
+        assert float(out) == pytest.approx(expected.item(), rel=1e-12)
+        for g, e in zip(got, grads):
+            if e is None or not e.abs().sum():
+                assert g is None or not g.numpy().any()
+            else:
+                np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)

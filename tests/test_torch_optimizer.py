@@ -358,3 +358,46 @@ def test_torch_state_restored_in_the_same_order_continues_the_run(tmp_path):
     step(tm2, opt2)
     for a, b in zip(tm.variables, tm2.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+class _FailingSGD(torch.optim.SGD):
+    fail = False
+
+    def step(self, closure=None):
+        if self.fail:
+            raise RuntimeError("step failed")
+        return super().step(closure)
+
+
+def test_update_that_copies_a_held_tensor_moves_torch_s_state_with_it():
+    """A read held across a step makes the update write a copy (dtape tensors are immutable): the torch
+    optimizer must then hold the copy, with its momentum; after a step that fails on a copy it must hold
+    the variable's unchanged tensor, with its state; and the run must go on equal to torch's."""
+    torch.manual_seed(0)
+    w0, x = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    ref = w0.clone().requires_grad_()
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    var = dtape.Variable(w0.clone())
+    opt = dtape.optimizers.from_torch(_FailingSGD([var.torch()], lr=0.1, momentum=0.9))
+    for step in range(5):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(dtape.square(dtape.constant(x) @ var))
+        grad = tape.gradient(loss, var)
+        held = (var.read_value(), var.numpy()) if step in (1, 2) else None  # held: the update writes a copy
+        before = var.torch().data_ptr()
+        opt.torch_optimizer.fail = step == 2
+        if step == 2:
+            with pytest.raises(RuntimeError, match="step failed"):
+                opt.apply_gradients([(grad, var)])
+        else:
+            opt.apply_gradients([(grad, var)])
+            ref_opt.zero_grad()
+            (x @ ref).square().sum().backward()
+            ref_opt.step()
+        if step < 2:  # (later, the failed step's traceback may hold the tensor: the updates copy)
+            assert (var.torch().data_ptr() == before) == (step == 0)
+        param = opt.torch_optimizer.param_groups[0]["params"][0]
+        assert param is var.torch() and "momentum_buffer" in opt.torch_optimizer.state[param]
+        np.testing.assert_allclose(var.numpy(), ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+        if held is not None:
+            np.testing.assert_array_equal(held[0].numpy(), held[1])  # the held read kept its value

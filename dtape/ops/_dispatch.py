@@ -68,7 +68,10 @@ class TorchFallback(_tp.RecordOp):
         leaves = list(self.leaves)
         for pos, t in zip(self.positions, tensors):
             leaves[pos] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        if self.spec is None:  # flat positional arguments (`flatten_args`)
+            args, kwargs = leaves, {}
+        else:
+            args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         if self.seed is None:
             return self.func(*args, **kwargs)
         with _seeded(*self.seed):
@@ -333,7 +336,7 @@ def call_fallback(func, args, kwargs):
                         f"Use the out-of-place torch.{name[:-1]} instead")
     if kwargs.get("inplace") is True:  # torch.nn.functional's `inplace=`: immutable inputs, return the result
         kwargs = dict(kwargs, inplace=False)
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat, spec = flatten_args(args, kwargs)
     leaves, tensors, positions = _unwrap_leaves(flat)
     seed = _new_seed(tensors) if func in _RANDOM_FNS and _draws(func, args, kwargs) else None
     op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
@@ -343,14 +346,31 @@ def call_fallback(func, args, kwargs):
         out = op.call_graph(raws)
     else:
         n_tapes, out = 0, op.call_raw(raws)
-    out_leaves, out_spec = pytree.tree_flatten(out)
+    single = type(out) is torch.Tensor  # the common output: one tensor, no pytree walk
+    out_leaves, out_spec = ([out], None) if single else pytree.tree_flatten(out)
     wrapped = [_output(o, n_tapes) if isinstance(o, torch.Tensor) else o for o in out_leaves]
     if n_tapes:
         outs = [o if o.requires_grad else None for o in out_leaves if isinstance(o, torch.Tensor)]
         if any(o is not None for o in outs):
             op.outs, op.in_ids, op.shared = outs, tuple([t._id for t in tensors]), n_tapes > 1
             _tp.record(op, op.in_ids, tuple(tensors), tuple(w for w in wrapped if type(w) is Tensor), None)
-    return pytree.tree_unflatten(wrapped, out_spec)
+    return wrapped[0] if single else pytree.tree_unflatten(wrapped, out_spec)
+
+
+# Argument types pytree always treats as leaves: positional arguments of only these need no pytree walk.
+_LEAF_TYPES = frozenset([Tensor, torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str, type(None),
+                         torch.dtype, torch.device, torch.memory_format])
+
+
+def flatten_args(args, kwargs):
+    """(leaves, spec) of (args, kwargs) as pytree gives them; spec None for positional leaves only (flat)."""
+    if not kwargs:
+        for a in args:
+            if type(a) not in _LEAF_TYPES:
+                break
+        else:
+            return list(args), None
+    return pytree.tree_flatten((args, kwargs))
 
 
 # torch functions whose result torch's autograd treats as a constant (no grad_fn): `.detach()`,
