@@ -53,6 +53,8 @@ from dtape.variables import Variable, trace_scope, variable_creator_scope
 RETRACE_WARNING_THRESHOLD = 5
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, nest)) + (
     sysconfig.get_paths()["stdlib"] + os.sep,)
+_DTAPE_DIR = os.path.dirname(nest.__file__) + os.sep
+_TENSOR_FILES = ("tensor.py", "variables.py")  # the conversion itself: the note names its caller
 
 
 class OperatorNotAllowedInGraphError(TypeError):
@@ -162,7 +164,7 @@ class JitFunction:
         self._input_signature = None if input_signature is None else list(input_signature)
         self._reduce_retracing = bool(reduce_retracing)
         self._backend = backend
-        self._compile_options = dict(compile_options or {})
+        self._compile_options = _compile_options(backend, compile_options)
         self._eager_call = eager_call  # the eager Function, for a first call that must create variables
         self._lock = threading.RLock()
         self._concrete = {}  # relaxed key -> list of _Concrete
@@ -236,6 +238,15 @@ class JitFunction:
     def trace_variable(self, variable):
         """Registers a variable met during a trace (the trace restarts with it as an input)."""
         self._variables.setdefault(variable, None)
+
+
+def _compile_options(backend, options):
+    """`torch.compile` keyword arguments: inductor draws random numbers with torch's own kernels from the
+    graph's generator (`fallback_random`), so dropout follows the caller's seed and equals eager's draws."""
+    options = dict(options or {})
+    if backend == "inductor" and "mode" not in options:
+        options["options"] = {"fallback_random": True, **options.get("options", {})}
+    return options
 
 
 def _classify(leaves):
@@ -333,8 +344,13 @@ class _Concrete:
     def call(self, leaves, tensors):
         """Runs the compiled graph, applies the writes, records one op on recording tapes; returns the result."""
         ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors] + [v.torch() for v in self.variables]
+        # The graph draws from this function's generator: it takes over the caller's stream (the thread's or
+        # replica's generator, `dtape.random.get_generator`) for the call, so draws follow the caller's seed.
+        stream = _random.get_generator(self.generator.device)
+        self.generator.set_state(stream.get_state())
         state = self.generator.get_state() if _tp.could_possibly_record() else None
         outs = self.compiled(*ins)
+        stream.set_state(self.generator.get_state())
         n = len(outs) - len(self.written)
         for v, new in zip(self.written, outs[n:]):
             v._update_value(lambda old, new=new: new, "dtape.function write")
@@ -453,17 +469,23 @@ def _make_fx(owner, body, fakes, dynamic):
 
 
 def _user_frame(exc):
-    """(file, line, source) of the innermost frame of `exc`'s traceback outside dtape, torch and the stdlib."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+    """(file, line, source) of the innermost frame of `exc`'s traceback outside dtape, torch and the stdlib,
+    and a note naming the innermost dtape frame below it (where a library function made the read)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    note = ""
+    for frame in reversed(frames):
+        if frame.filename.startswith(_DTAPE_DIR) and not note and not frame.filename.endswith(_TENSOR_FILES):
+            note = f" (in {os.path.relpath(frame.filename, os.path.dirname(_DTAPE_DIR.rstrip(os.sep)))}:{frame.lineno}: " \
+                   f"`{(frame.line or '').strip()}`)"
         if not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
-            return frame.filename, frame.lineno, (frame.line or "").strip()
-    return "<unknown>", 0, ""
+            return frame.filename, frame.lineno, (frame.line or "").strip(), note
+    return "<unknown>", 0, "", note
 
 
 def _host_read_error(owner, exc, what):
-    path, line, source = _user_frame(exc)
+    path, line, source, note = _user_frame(exc)
     return OperatorNotAllowedInGraphError(
-        f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}; "
+        f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}{note}; "
         "while the function is traced its tensors have no values. Use dtape ops on tensors instead "
         "(dtape.where(cond, a, b) for a choice, a mask for a conditional update), move the read out of the "
         "function (return the tensor and read it after the call), or use jit_compile=False")
