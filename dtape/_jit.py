@@ -136,7 +136,9 @@ class JitFunction:
         (None dims take any size); a call that does not match raises.
       reduce_retracing: when a call's tensor shapes differ from a traced
         signature's, trace once with the differing dims generalised (any size).
-      backend: `torch.compile`'s backend ("inductor", "aot_eager", "eager", ...).
+      backend: `torch.compile`'s backend ("inductor", "aot_eager", "eager", ...);
+        None runs the traced aten graph as it is (no `torch.compile`: no
+        compile time, for debugging and tests).
       compile_options: extra keyword arguments of `torch.compile` (e.g. `mode`).
 
     Calls return what the body returns (Tensors as new Tensors of the graph's
@@ -292,8 +294,7 @@ class _Concrete:
         started = time.perf_counter()
         self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
         owner.trace_seconds.append(time.perf_counter() - started)
-        self.compiled = torch.compile(self.graph, backend=owner._backend, dynamic=self.dynamic,
-                                      **owner._compile_options)
+        self.compiled = _compile(owner, self.graph, self.dynamic)
 
     @property
     def dynamic(self):
@@ -409,7 +410,14 @@ class _Concrete:
             box["keep"] = [g is not None for g in grads]
             return [g.torch() for g in grads if g is not None]
         graph = _make_fx(self.owner, body, self._fakes(ins[:n_in - len(self.variables)], dys), self.dynamic)
-        return torch.compile(graph, backend=self.owner._backend, dynamic=self.dynamic), box["keep"]
+        return _compile(self.owner, graph, self.dynamic), box["keep"]
+
+
+def _compile(owner, graph, dynamic):
+    """`graph` compiled with the owner's backend (None: the traced graph itself, run op by op)."""
+    if owner._backend is None:
+        return graph
+    return torch.compile(graph, backend=owner._backend, dynamic=dynamic, **owner._compile_options)
 
 
 class _TensorSlot:
