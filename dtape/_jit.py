@@ -14,8 +14,8 @@ read and write of a variable on this thread goes to a tracer
 (`dtape.variables.trace_scope`), which gives the variable's placeholder (or
 the value the body last wrote) and collects the writes as graph outputs; the
 call applies them to the variables afterwards. A variable first met during a
-trace (one read through a closure, one built lazily) makes the trace start
-again with it among the inputs.
+trace (one read through a closure, one built lazily) is read there as a
+constant, which the trace then turns into a new graph input.
 
 Tensors have no values while the body is traced (fake tensors), so a host
 read (`float(t)`, `bool(t)` in an `if`, `.numpy()`) cannot bake a value in:
@@ -95,10 +95,6 @@ def _shape_matches(pattern, shape):
     return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
 
 
-class _RestartTrace(Exception):
-    """A trace met a variable it did not take as an input: trace again with it."""
-
-
 class _NeedsEagerCall(Exception):
     """The body creates a variable from a value computed in the trace: this call runs eagerly."""
 
@@ -116,7 +112,7 @@ class _Tracer:
         t = self.values.get(variable)
         if t is None:
             self.unknown[variable] = None
-            return variable._t  # a constant in this trace only: the trace restarts with it as an input
+            return variable._t  # a constant, which becomes an input once the trace ends (`_lift_constants`)
         return t
 
     def write(self, variable, t):
@@ -173,18 +169,20 @@ class JitFunction:
         self._variables = {}  # every variable a trace took as an input, in first-seen order
         self._initialized = False  # variables may be created only until the first trace completes
         self.trace_count = 0
-        self.trace_seconds = []  # per trace: make_fx time (the compile happens on the first call of each graph)
+        # per signature: the seconds spent tracing; the compile happens in the first call of each graph
+        self.trace_seconds = []
 
     def _name(self):
         return getattr(self.python_function, "__qualname__", None) or getattr(self.python_function, "__name__",
                                                                                "function")
 
     def __call__(self, *args, **kwargs):
-        leaves = nest.flatten((args, kwargs))
+        flat = not kwargs and not any(nest.is_nested(a) for a in args)  # the common case, without the nest walk
+        leaves = list(args) if flat else nest.flatten((args, kwargs))
         kinds, tensors, shapes = _classify(leaves)
         if self._input_signature is not None:
             shapes = self._signature_shapes(args, kwargs, tensors)
-        relaxed = (repr(nest.map_structure(lambda _: 0, (args, kwargs))), kinds)
+        relaxed = (len(args) if flat else repr(nest.map_structure(lambda _: 0, (args, kwargs))), kinds)
         with self._lock:
             concrete = self._lookup(relaxed, tensors, shapes)
             if concrete is None:
@@ -218,12 +216,9 @@ class JitFunction:
         for x in leaves:
             if is_variable(x) and isinstance(x, Variable):
                 self._variables.setdefault(x, None)
-        while True:
-            try:
-                concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
-                break
-            except _RestartTrace:
-                continue
+        started = time.perf_counter()
+        concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
+        self.trace_seconds.append(time.perf_counter() - started)
         self._initialized = True
         self.trace_count += 1
         self._concrete.setdefault(relaxed, []).append(concrete)
@@ -238,7 +233,7 @@ class JitFunction:
         return concrete
 
     def trace_variable(self, variable):
-        """Registers a variable met during a trace (the trace restarts with it as an input)."""
+        """Registers a variable met during a trace (an input of this trace's graph and of later traces)."""
         self._variables.setdefault(variable, None)
 
 
@@ -291,9 +286,7 @@ class _Concrete:
         self.structure = (args, kwargs)
         self.generator = torch.Generator(device=_device_of(tensors, variables))
         self._vjp = None
-        started = time.perf_counter()
         self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
-        owner.trace_seconds.append(time.perf_counter() - started)
         self.compiled = _compile(owner, self.graph, self.dynamic)
 
     @property
@@ -334,12 +327,18 @@ class _Concrete:
         def body(*flat):
             tracer = _Tracer(zip(self.variables, flat[len(flat) - len(self.variables):]))
             result = self._run_body(leaves, flat, tracer)
-            _check_unknown(self.owner, tracer)
+            box["tracer"] = tracer
             box["template"] = nest.map_structure(lambda y: _TENSOR if isinstance(y, Tensor) else y, result)
             box["written"] = list(tracer.written)
             outs = [y.torch() for y in nest.flatten(result) if isinstance(y, Tensor)]
             return outs + [tracer.values[v] for v in tracer.written]
         graph = _make_fx(self.owner, body, self._fakes(tensors), self.dynamic)
+        met = list(box["tracer"].unknown)
+        if met:
+            _lift_constants(graph, [v._t for v in met])
+            self.variables = self.variables + met
+            for v in met:
+                self.owner.trace_variable(v)
         return graph, box["template"], box["written"]
 
     def call(self, leaves, tensors):
@@ -355,9 +354,13 @@ class _Concrete:
         n = len(outs) - len(self.written)
         for v, new in zip(self.written, outs[n:]):
             v._update_value(lambda old, new=new: new, "dtape.function write")
-        it = iter(outs[:n])
-        flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
-        result = nest.pack_sequence_as(self.template, flat)
+        if self.template is _TENSOR:
+            result = Tensor(outs[0])
+            flat = [result]
+        else:
+            it = iter(outs[:n])
+            flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
+            result = nest.pack_sequence_as(self.template, flat)
         if state is not None:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
         return result
@@ -433,11 +436,28 @@ def _device_of(tensors, variables):
     return torch.device("cpu")
 
 
-def _check_unknown(owner, tracer):
-    if tracer.unknown:
-        for v in tracer.unknown:
-            owner.trace_variable(v)
-        raise _RestartTrace()
+def _lift_constants(graph, values):
+    """Turns the graph's constants that are `values` (torch tensors, by identity) into new last inputs.
+
+    The variables a trace met without taking them as inputs were read as
+    constants (their tensors, `get_attr` nodes of the graph); made inputs,
+    they need no second trace.
+    """
+    uses = {id(v): [] for v in values}
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" and id(getattr(graph, node.target, None)) in uses:
+            uses[id(getattr(graph, node.target))].append(node)
+    last = [n for n in graph.graph.nodes if n.op == "placeholder"][-1]
+    for k, v in enumerate(values):
+        with graph.graph.inserting_after(last):
+            last = graph.graph.placeholder(f"variable_{k}")
+        for node in uses[id(v)]:
+            last.meta.setdefault("val", node.meta.get("val"))
+            node.replace_all_uses_with(last)
+            graph.graph.erase_node(node)
+    for target in {node.target for nodes in uses.values() for node in nodes}:
+        delattr(graph, target)
+    graph.recompile()
 
 
 def _creator(owner, tracer):
@@ -464,7 +484,7 @@ def _creator(owner, tracer):
 def _make_fx(owner, body, fakes, dynamic):
     try:
         return make_fx(body, tracing_mode="symbolic" if dynamic else "fake", _allow_non_fake_inputs=True)(*fakes)
-    except (_RestartTrace, _NeedsEagerCall):
+    except _NeedsEagerCall:
         raise
     except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as e:
         raise _host_read_error(owner, e, "the value of a tensor (float(t), int(t), bool(t) as in `if t:` "
