@@ -447,9 +447,11 @@ def _lift_constants(graph, values):
     for node in graph.graph.nodes:
         if node.op == "get_attr" and id(getattr(graph, node.target, None)) in uses:
             uses[id(getattr(graph, node.target))].append(node)
-    last = [n for n in graph.graph.nodes if n.op == "placeholder"][-1]
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
     for k, v in enumerate(values):
-        with graph.graph.inserting_after(last):
+        with (graph.graph.inserting_after(last) if last is not None
+              else graph.graph.inserting_before(next(iter(graph.graph.nodes)))):
             last = graph.graph.placeholder(f"variable_{k}")
         for node in uses[id(v)]:
             last.meta.setdefault("val", node.meta.get("val"))
@@ -523,7 +525,10 @@ class _JitOp(_tp.RecordOp):
     """Record op of one compiled call: its backward runs the compiled VJP graph."""
 
     __slots__ = ("name", "concrete", "leaves", "ins", "state")
-    saves_inputs = saves_outputs = False
+    # Declared as read, so that a walk recorded by a tape watching an input (second order) is not raw:
+    # `backward` then sees it and refuses.
+    saves_inputs = True
+    saves_outputs = False
     raw_saved = True
 
     def __init__(self, concrete, leaves, ins, state):
