@@ -154,13 +154,22 @@ class Module:
 
     @property
     def trainable_variables(self):
-        """The variables with `trainable=True`, as a tuple in discovery order."""
-        return tuple(v for v in self.variables if getattr(v, "trainable", True))
+        """The variables with `trainable=True` not held by a frozen module (a Keras layer with
+        `trainable = False`, this one or one below), as a tuple in discovery order."""
+        frozen = self._frozen_ids()
+        return tuple(v for v in self.variables if getattr(v, "trainable", True) and id(v) not in frozen)
 
     @property
     def non_trainable_variables(self):
-        """The variables with `trainable=False`, as a tuple in discovery order."""
-        return tuple(v for v in self.variables if not getattr(v, "trainable", True))
+        """The other variables (`trainable=False`, or held by a frozen module), as a tuple in discovery order."""
+        frozen = self._frozen_ids()
+        return tuple(v for v in self.variables if not getattr(v, "trainable", True) or id(v) in frozen)
+
+    def _frozen_ids(self):
+        """ids of the variables held by this module or a sub-module whose `trainable` is False (Keras's frozen
+        layers: `layer.trainable = False` takes their weights out of `trainable_weights`, so fit leaves them)."""
+        return {id(v) for m in (self,) + self.submodules if getattr(m, "trainable", True) is False
+                for v in m.variables}
 
     @property
     def submodules(self):
