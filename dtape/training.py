@@ -503,7 +503,8 @@ class Trainer:
 
     # -- the loops -------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_data=None,
-            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None):
+            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+            validation_split=0.0):
         """Trains for `epochs` epochs; returns the `History` callback (`history.history[name]` per epoch).
 
         Args:
@@ -532,6 +533,10 @@ class Trainer:
             metrics get it as their `sample_weight`. Arrays only (a dataset
             gives `(x, y, sample_weight)` batches).
           steps_per_epoch: at most this many batches per epoch.
+          validation_split: a fraction in [0, 1) of array data held out for
+            validation: the LAST examples of `x`, `y` (and `sample_weight`),
+            taken before any shuffling, as Keras; ignored when
+            `validation_data` is given.
 
         Raises:
           RuntimeError: before `compile`.
@@ -543,6 +548,8 @@ class Trainer:
         Source: tf.keras.Model.fit.
         """
         self._check_compiled("fit")
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = _split_validation(x, y, sample_weight, validation_split)
         data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
         val = None
         if validation_data is not None:
@@ -696,6 +703,25 @@ def _val_xy(validation_data):
     if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
         return validation_data[0], validation_data[1], (validation_data[2] if len(validation_data) == 3 else None)
     return validation_data, None, None
+
+
+def _split_validation(x, y, sample_weight, fraction):
+    """((x, y, sample_weight) to train on, (x, y, sample_weight) to validate on): the last `fraction` of the
+    examples held out, unshuffled (Keras's train_validation_split: split at floor(n * (1 - fraction)))."""
+    if not 0.0 < float(fraction) < 1.0:
+        raise ValueError(f"validation_split must be a fraction in (0, 1), got {fraction!r}")
+    if x is None or _is_dataset(x) or y is None:
+        raise ValueError("validation_split needs arrays x and y (it holds out their last examples); with a "
+                         "dataset of batches pass validation_data instead")
+    n = len(nest.flatten(x)[0])
+    at = int(np.floor(n * (1.0 - float(fraction))))
+    if at == 0 or at == n:
+        raise ValueError(f"validation_split={fraction} of {n} examples leaves no training or no validation data")
+    x, y = nest.map_structure(_array, x), nest.map_structure(_array, y)
+    sw = None if sample_weight is None else _array(sample_weight)
+    head = nest.map_structure(lambda a: a[:at], (x, y)) + (None if sw is None else sw[:at],)
+    tail = nest.map_structure(lambda a: a[at:], (x, y)) + (None if sw is None else sw[at:],)
+    return head, tail
 
 
 def _is_dataset(x):

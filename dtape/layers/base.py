@@ -450,6 +450,28 @@ class Layer(Module, metaclass=_LayerMeta):
             if isinstance(m, Layer):
                 vars(m)["_trainable"] = bool(value)
 
+    def get_weights(self):
+        """The values of `weights` (this layer's and its sub-layers' variables, in `weights` order) as a list
+        of numpy arrays (copies). Source: tf.keras.layers.Layer.get_weights."""
+        return [v.numpy().copy() for v in self.weights]
+
+    def set_weights(self, weights):
+        """Assigns a list of arrays (as `get_weights` returns) to `weights`, in order.
+
+        Raises ValueError when the number of arrays or a shape differs from the
+        layer's weights (nothing is assigned then). Source: tf.keras.layers.Layer.set_weights."""
+        variables, weights = self.weights, list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(f"{self.name}.set_weights: got {len(weights)} arrays for {len(variables)} weights "
+                             f"{[v.name for v in variables]}; pass the list get_weights() returns")
+        arrays = [np.asarray(w) for w in weights]
+        for v, a in zip(variables, arrays):
+            if tuple(a.shape) != tuple(v.shape):
+                raise ValueError(f"{self.name}.set_weights: weight {v.name} has shape {tuple(v.shape)}, "
+                                 f"got an array of shape {tuple(a.shape)}")
+        for v, a in zip(variables, arrays):
+            v.assign(a)  # cast to the variable's dtype
+
     @classmethod
     def from_config(cls, config):
         """`cls(**config)`: a new, unbuilt layer from `get_config()`'s dict. Source: tf.keras.layers.Layer.from_config."""

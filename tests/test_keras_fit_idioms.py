@@ -1,0 +1,42 @@
+"""Everyday idioms of Keras's guides ("Writing your own callbacks", the beginner tutorials) on dtape's fit."""
+import numpy as np
+import pytest
+
+from dtape import keras
+
+RNG = np.random.default_rng(5)
+X = RNG.normal(size=(23, 4)).astype(np.float32)
+Y = RNG.normal(size=(23, 1)).astype(np.float32)
+
+
+def _model(seed=1):
+    inputs = keras.Input(shape=(4,))
+    model = keras.Model(inputs, keras.layers.Dense(1, seed=seed)(keras.layers.Dense(3, seed=seed + 1)(inputs)))
+    model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+    return model
+
+
+def test_get_and_set_weights_round_trip_as_the_callbacks_guide():
+    model = _model()
+    best = model.get_weights()
+    assert [w.shape for w in best] == [tuple(v.shape) for v in model.weights]
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    assert np.abs(model.get_weights()[0] - best[0]).max() > 0
+    model.set_weights(best)
+    for w, v in zip(best, model.weights):
+        np.testing.assert_array_equal(v.numpy(), w)
+    with pytest.raises(ValueError, match="got 3 arrays for 4 weights"):
+        model.set_weights(best[:3])
+    with pytest.raises(ValueError, match=r"has shape \(4, 3\), got an array of shape \(3, 4\)"):
+        model.set_weights([best[0].T] + best[1:])
+
+
+def test_validation_split_holds_out_the_last_examples_unshuffled():
+    split = _model().fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False, validation_split=0.3).history
+    # floor(23 * 0.7) = 16 examples to train on, the last 7 to validate on
+    given = _model().fit(X[:16], Y[:16], batch_size=8, epochs=2, verbose=0, shuffle=False,
+                         validation_data=(X[16:], Y[16:])).history
+    assert sorted(split) == ["loss", "mae", "val_loss", "val_mae"]
+    np.testing.assert_allclose(split["val_loss"], given["val_loss"], rtol=1e-6)
+    with pytest.raises(ValueError, match="validation_split needs arrays x and y"):
+        _model().fit([(X, Y)], validation_split=0.2, verbose=0)
