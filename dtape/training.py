@@ -308,14 +308,27 @@ class _CompiledMetrics:
     def update_state(self, y_true, y_pred, sample_weight=None):
         for m, index in zip(self.metrics, self.outputs):
             if index is None:
-                m.update_state(y_true, y_pred, sample_weight=sample_weight)
+                m.update_state(_labels_ranked(y_true, y_pred), y_pred, sample_weight=sample_weight)
                 continue
             out = nest.flatten(y_pred)[index]
             weight = sample_weight
             mask = _mask_of(out)
             if mask is not None:
                 weight = _masked_weight(mask, sample_weight, _as_tensor(out))
-            m.update_state(_target(y_true, index, self.names), out, sample_weight=weight)
+            m.update_state(_labels_ranked(_target(y_true, index, self.names), out), out, sample_weight=weight)
+
+
+def _labels_ranked(y_true, y_pred):
+    """Labels [n] for outputs [n, 1] become [n, 1], as Keras 2's compiled metrics match them
+    (compile_utils.match_dtype_and_rank): 0/1 labels as a vector with one sigmoid unit otherwise made
+    "accuracy" one value per batch (the epoch's accuracy a mean over batches, not examples; nan for a
+    replica's empty slice; a crash with sample weights)."""
+    if y_true is None or nest.is_nested(y_true) or not isinstance(y_pred, Tensor):
+        return y_true
+    y_true = _as_tensor(y_true)
+    if y_true.ndim == 1 and y_pred.ndim == 2 and y_pred.shape[-1] == 1:
+        return _array_ops.expand_dims(y_true, -1)
+    return y_true
 
 
 class Trainer:

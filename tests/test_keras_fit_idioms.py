@@ -3,6 +3,9 @@ import numpy as np
 import pytest
 
 from dtape import keras
+from tests._strategies import mirrored
+
+pytestmark = pytest.mark.usefixtures("closes_strategies")
 
 RNG = np.random.default_rng(5)
 X = RNG.normal(size=(23, 4)).astype(np.float32)
@@ -40,3 +43,30 @@ def test_validation_split_holds_out_the_last_examples_unshuffled():
     np.testing.assert_allclose(split["val_loss"], given["val_loss"], rtol=1e-6)
     with pytest.raises(ValueError, match="validation_split needs arrays x and y"):
         _model().fit([(X, Y)], validation_split=0.2, verbose=0)
+
+
+XB = RNG.normal(size=(13, 4)).astype(np.float32)   # batches of 4, 4, 4, 1: the last leaves a replica empty
+YB = (XB[:, 0] > 0).astype(np.int64)               # 0/1 labels as a vector, one sigmoid unit: shapes [n] vs [n, 1]
+SW = RNG.uniform(0.5, 2.0, size=13).astype(np.float32)
+
+
+def _binary(strategy=None):
+    def make():
+        inputs = keras.Input(shape=(4,))
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid", seed=2)(inputs))
+        model.compile("sgd", "binary_crossentropy", metrics=["accuracy"])
+        return model
+    if strategy is None:
+        return make()
+    with strategy.scope():
+        return make()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_binary_accuracy_with_vector_labels_is_the_mean_over_examples(replicas):
+    model = _binary(None if replicas == 1 else mirrored(replicas))
+    hits = ((model.predict(XB, batch_size=4)[:, 0] > 0.5) == YB).astype(np.float64)
+    got = model.evaluate(XB, YB, batch_size=4, return_dict=True)
+    np.testing.assert_allclose(got["accuracy"], hits.mean(), rtol=1e-6)
+    weighted = model.evaluate(XB, YB, batch_size=4, sample_weight=SW, return_dict=True)
+    np.testing.assert_allclose(weighted["accuracy"], (hits * SW).sum() / SW.sum(), rtol=1e-6)
