@@ -102,3 +102,37 @@ def test_frozen_fit_on_two_replicas_equals_one_device():
     np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
     for a, b in zip(two_weights, one_weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Scale(keras.layers.Layer):
+    """A subclass passing Keras's base-layer arguments through, as the subclassing guide's serializable layers."""
+
+    def __init__(self, units=2, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="ones")
+
+    def call(self, x):
+        return dtape.matmul(x, self.w)
+
+
+def test_subclassed_layer_takes_trainable_through_kwargs_and_config():
+    layer = _Scale(3, trainable=False)
+    layer(dtape.ones((1, 4)))
+    assert _counts(layer) == (1, 0, 1)
+    again = _Scale.from_config(layer.get_config())
+    again(dtape.ones((1, 4)))
+    assert _counts(again) == (1, 0, 1) and again.units == 3
+
+
+class _FrozenScale(_Scale):
+    def __init__(self):
+        super().__init__(units=2, trainable=False)
+
+
+def test_subclass_freezing_itself_in_init():
+    layer = _FrozenScale()
+    layer(dtape.ones((1, 4)))
+    assert _counts(layer) == (1, 0, 1)

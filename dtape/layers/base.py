@@ -377,6 +377,8 @@ class Layer(Module, metaclass=_LayerMeta):
         when given the layer is built at construction for (None, *input_shape).
       activity_regularizer: None, a name ("l1", "l2") or a callable; its
         value on the output is added to `losses` at each call.
+      trainable: False freezes the layer (see `trainable`); every layer's
+        constructor takes it, as Keras's.
 
     Losses added during a call (`add_loss`, activity regularizers) are kept
     per thread and cleared when the next top-level layer call starts on it.
@@ -391,8 +393,10 @@ class Layer(Module, metaclass=_LayerMeta):
         if build is not None and not getattr(build, "_dtape_wrapped", False):
             cls.build = _wrap_build(build)
 
-    def __init__(self, name=None, dtype=None, seed=None, input_shape=None, activity_regularizer=None):
+    def __init__(self, name=None, dtype=None, seed=None, input_shape=None, activity_regularizer=None, trainable=True):
         super().__init__(name=name)
+        if not trainable:   # `super().__init__(trainable=False)` in a subclass, as Keras's Layer takes it
+            vars(self)["_trainable"] = False
         self.dtype_policy = _policy.get(dtype)
         self.dtype, self.compute_dtype = self.dtype_policy.variable_dtype, self.dtype_policy.compute_dtype
         self.built = False
