@@ -70,3 +70,42 @@ def test_binary_accuracy_with_vector_labels_is_the_mean_over_examples(replicas):
     np.testing.assert_allclose(got["accuracy"], hits.mean(), rtol=1e-6)
     weighted = model.evaluate(XB, YB, batch_size=4, sample_weight=SW, return_dict=True)
     np.testing.assert_allclose(weighted["accuracy"], (hits * SW).sum() / SW.sum(), rtol=1e-6)
+
+
+def test_model_checkpoint_keras_path_saves_the_model_load_model_reads(tmp_path):
+    path = str(tmp_path / "best.model.keras")
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    snapshots = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: snapshots.append(
+        (logs["val_loss"], model.predict(X, batch_size=8))))
+    model.fit(X, Y, batch_size=8, epochs=4, verbose=0, validation_data=(X[:8], Y[:8]), callbacks=[
+        keras.callbacks.ModelCheckpoint(path, monitor="val_loss", save_best_only=True), record])
+    best = min(snapshots, key=lambda s: s[0])[1]
+    np.testing.assert_allclose(keras.models.load_model(path).predict(X, batch_size=8), best, rtol=1e-6)
+
+
+def test_model_checkpoint_save_freq_in_batches(tmp_path):
+    model = _model()
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}.weights"), save_weights_only=True,
+                                                 save_freq=2)
+    model.fit(X, Y, batch_size=5, epochs=2, verbose=0, callbacks=[checkpoint])   # 5 batches an epoch
+    assert [p[len(str(tmp_path)) + 1:] for p in checkpoint.saved] == ["ckpt-1.weights"] * 2 + ["ckpt-2.weights"] * 3
+    again = _model(seed=9)
+    again.load_weights(checkpoint.saved[-1])
+    for a, b in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="save_freq must be 'epoch' or a positive int"):
+        keras.callbacks.ModelCheckpoint("x", save_freq=0)
+
+
+def test_lambda_callback_hooks():
+    seen = []
+    callback = keras.callbacks.LambdaCallback(on_batch_end=lambda batch, logs: seen.append(("batch", batch)),
+                                              on_epoch_end=lambda epoch, logs: seen.append(("epoch", epoch)),
+                                              on_train_end=lambda logs: seen.append(sorted(logs)))
+    _model().fit(X, Y, batch_size=12, epochs=2, verbose=0, callbacks=[callback])
+    assert seen == [("batch", 0), ("batch", 1), ("epoch", 0), ("batch", 0), ("batch", 1), ("epoch", 1),
+                    ["loss", "mae"]]
+    with pytest.raises(TypeError, match="'on_epoch' is not a callback hook"):
+        keras.callbacks.LambdaCallback(on_epoch=print)
