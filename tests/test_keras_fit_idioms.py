@@ -109,3 +109,17 @@ def test_lambda_callback_hooks():
                     ["loss", "mae"]]
     with pytest.raises(TypeError, match="'on_epoch' is not a callback hook"):
         keras.callbacks.LambdaCallback(on_epoch=print)
+
+
+def test_validation_freq_steps_and_batch_size():
+    batches = []
+    counter = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: batches.append(batch))
+    history = _model().fit(X, Y, batch_size=8, epochs=4, verbose=0, validation_data=(X, Y), validation_freq=2,
+                           validation_steps=2, validation_batch_size=5, callbacks=[counter]).history
+    assert len(history["loss"]) == 4 and len(history["val_loss"]) == 2   # after epochs 2 and 4
+    assert batches == [0, 1, 0, 1]
+    model = _model()
+    np.testing.assert_allclose(model.evaluate(X, Y, batch_size=5, steps=2), model.evaluate(X[:10], Y[:10]), rtol=1e-6)
+    assert model.predict(X, batch_size=5, steps=2).shape == (10, 1)
+    with pytest.raises(ValueError, match="validation_freq must be a positive int"):
+        model.fit(X, Y, verbose=0, validation_data=(X, Y), validation_freq=0)
