@@ -23,7 +23,7 @@ from dtape import distribute
 from dtape.tensor import Tensor
 
 __all__ = ["Callback", "CallbackList", "History", "EarlyStopping", "LearningRateScheduler", "ReduceLROnPlateau",
-           "CSVLogger", "ModelCheckpoint", "TensorBoard", "BackupAndRestore"]
+           "CSVLogger", "ModelCheckpoint", "TensorBoard", "BackupAndRestore", "LambdaCallback"]
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
           "on_train_batch_end", "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
@@ -72,6 +72,27 @@ def _to_batch_hook(which):
 # still write on_batch_end).
 Callback.on_batch_begin = Callback.on_batch_end = _noop
 Callback.on_train_batch_begin, Callback.on_train_batch_end = _to_batch_hook("begin"), _to_batch_hook("end")
+
+
+class LambdaCallback(Callback):
+    """A callback made of functions given by hook name, each called as that hook is (`on_epoch_end=lambda
+    epoch, logs: ...`, `on_train_begin=lambda logs: ...`); `on_batch_begin` / `on_batch_end` are the
+    training batches' hooks (Keras's older names).
+
+    Raises TypeError for a name that is not a hook, or a value that is not callable.
+    Source: tf.keras.callbacks.LambdaCallback.
+    """
+
+    def __init__(self, **hooks):
+        super().__init__()
+        for name, fn in hooks.items():
+            hook = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}.get(name, name)
+            if hook not in _HOOKS:
+                raise TypeError(f"LambdaCallback: {name!r} is not a callback hook; use one of {list(_HOOKS)}")
+            if fn is not None and not callable(fn):
+                raise TypeError(f"LambdaCallback: {name} must be a function, got {fn!r}")
+            if fn is not None:
+                setattr(self, hook, fn)
 
 
 class CallbackList:
@@ -310,7 +331,12 @@ class ModelCheckpoint(_Monitor):
         `model.load_weights(path)` or `dtape.checkpoint.Checkpoint(model=model).read(path)`;
         `dtape.train.latest_checkpoint("ckpt")` returns the file written last (the folder's state
         file `checkpoint` records it, as TF's does).
+        A path ending in ".keras" with save_weights_only=False gets the whole
+        model (`model.save`, read back with `keras.models.load_model`), as Keras 3.
       monitor, mode: as EarlyStopping (for save_best_only).
+      save_freq: "epoch" (at each epoch's end), or an int: every that many
+        batches (counted across epochs; the batch's logs are monitored and
+        formatted, `epoch` is the current one), as Keras.
     Attributes: `best`, `saved` (the paths written, in order).
     Raises KeyError naming the missing key when `filepath` uses a key the logs lack (e.g. val_loss without
     validation_data); ValueError for a file named `checkpoint` (the state file's name).
@@ -318,13 +344,31 @@ class ModelCheckpoint(_Monitor):
     """
 
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False, save_weights_only=False,
-                 mode="auto"):
+                 mode="auto", save_freq="epoch"):
         super().__init__(monitor, mode, 0)
+        if save_freq != "epoch" and (type(save_freq) is not int or save_freq < 1):
+            raise ValueError(f"ModelCheckpoint: save_freq must be 'epoch' or a positive int (batches), "
+                             f"got {save_freq!r}")
         self.filepath, self.verbose = _checkpoint.check_not_state_file(filepath), verbose
-        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
+        self.save_best_only, self.save_weights_only, self.save_freq = save_best_only, save_weights_only, save_freq
         self.best, self.saved = self._initial(), []
+        self._epoch, self._batches_seen = 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        self._batches_seen += 1   # counted across epochs, as Keras
+        if self._batches_seen % self.save_freq == 0:
+            self._save(self._epoch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._save(epoch, logs)
+
+    def _save(self, epoch, logs):
         logs = logs or {}
         if self.save_best_only:
             current = self._current(logs)
@@ -336,10 +380,14 @@ class ModelCheckpoint(_Monitor):
         except KeyError as e:
             raise KeyError(f"ModelCheckpoint: filepath {self.filepath!r} uses {e.args[0]!r}, which is not in the "
                            f"logs {sorted(logs)} (nor 'epoch'); pass validation_data for val_* keys") from None
-        objects = {"model": self.model}
-        if not self.save_weights_only:
-            objects["optimizer"] = self.model.optimizer
-        _checkpoint.Checkpoint(**objects).write_then(path, after=lambda: _checkpoint.record_latest(path))
+        if not self.save_weights_only and path.endswith(".keras"):
+            if _writes(self.model):  # the whole model, as Keras 3 writes a .keras path (load_model reads it)
+                self.model.save(path)
+        else:
+            objects = {"model": self.model}
+            if not self.save_weights_only:
+                objects["optimizer"] = self.model.optimizer
+            _checkpoint.Checkpoint(**objects).write_then(path, after=lambda: _checkpoint.record_latest(path))
         self.saved.append(path)
 
 

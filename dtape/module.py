@@ -154,13 +154,28 @@ class Module:
 
     @property
     def trainable_variables(self):
-        """The variables with `trainable=True`, as a tuple in discovery order."""
-        return tuple(v for v in self.variables if getattr(v, "trainable", True))
+        """The variables with `trainable=True` not held by a frozen module (a Keras layer with
+        `trainable = False`, this one or one below), as a tuple in discovery order."""
+        variables, frozen = self._variables_and_frozen()
+        return tuple(v for v in variables if getattr(v, "trainable", True) and id(v) not in frozen)
 
     @property
     def non_trainable_variables(self):
-        """The variables with `trainable=False`, as a tuple in discovery order."""
-        return tuple(v for v in self.variables if not getattr(v, "trainable", True))
+        """The other variables (`trainable=False`, or held by a frozen module), as a tuple in discovery order."""
+        variables, frozen = self._variables_and_frozen()
+        return tuple(v for v in variables if not getattr(v, "trainable", True) or id(v) in frozen)
+
+    def _variables_and_frozen(self):
+        """(every variable, the ids of those held by this module or a sub-module whose `trainable` is False):
+        Keras's frozen layers, whose weights `layer.trainable = False` takes out of `trainable_weights` so fit
+        leaves them. One walk; only frozen modules (rare) walk their own variables again."""
+        variables, frozen_modules = [], [self] if getattr(self, "trainable", True) is False else []
+        for kind, obj in _walk(self):
+            if kind == "variable":
+                variables.append(obj)
+            elif getattr(obj, "trainable", True) is False:
+                frozen_modules.append(obj)
+        return variables, {id(v) for m in frozen_modules for v in m.variables}
 
     @property
     def submodules(self):

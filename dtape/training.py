@@ -308,14 +308,27 @@ class _CompiledMetrics:
     def update_state(self, y_true, y_pred, sample_weight=None):
         for m, index in zip(self.metrics, self.outputs):
             if index is None:
-                m.update_state(y_true, y_pred, sample_weight=sample_weight)
+                m.update_state(_labels_ranked(y_true, y_pred), y_pred, sample_weight=sample_weight)
                 continue
             out = nest.flatten(y_pred)[index]
             weight = sample_weight
             mask = _mask_of(out)
             if mask is not None:
                 weight = _masked_weight(mask, sample_weight, _as_tensor(out))
-            m.update_state(_target(y_true, index, self.names), out, sample_weight=weight)
+            m.update_state(_labels_ranked(_target(y_true, index, self.names), out), out, sample_weight=weight)
+
+
+def _labels_ranked(y_true, y_pred):
+    """Labels [n] for outputs [n, 1] become [n, 1], as Keras 2's compiled metrics match them
+    (compile_utils.match_dtype_and_rank): 0/1 labels as a vector with one sigmoid unit otherwise made
+    "accuracy" one value per batch (the epoch's accuracy a mean over batches, not examples; nan for a
+    replica's empty slice; a crash with sample weights)."""
+    if y_true is None or nest.is_nested(y_true) or not isinstance(y_pred, Tensor):
+        return y_true
+    y_true = _as_tensor(y_true)
+    if y_true.ndim == 1 and y_pred.ndim == 2 and y_pred.shape[-1] == 1:
+        return _array_ops.expand_dims(y_true, -1)
+    return y_true
 
 
 class Trainer:
@@ -503,7 +516,8 @@ class Trainer:
 
     # -- the loops -------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_data=None,
-            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None):
+            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+            validation_split=0.0, validation_steps=None, validation_batch_size=None, validation_freq=1):
         """Trains for `epochs` epochs; returns the `History` callback (`history.history[name]` per epoch).
 
         Args:
@@ -532,6 +546,14 @@ class Trainer:
             metrics get it as their `sample_weight`. Arrays only (a dataset
             gives `(x, y, sample_weight)` batches).
           steps_per_epoch: at most this many batches per epoch.
+          validation_split: a fraction in [0, 1) of array data held out for
+            validation: the LAST examples of `x`, `y` (and `sample_weight`),
+            taken before any shuffling, as Keras; ignored when
+            `validation_data` is given.
+          validation_steps: at most this many validation batches per evaluation.
+          validation_batch_size: the validation arrays' batch (default `batch_size`).
+          validation_freq: validate after every `validation_freq`-th epoch (an
+            int), or after the epochs (1-based) in a list, as Keras.
 
         Raises:
           RuntimeError: before `compile`.
@@ -543,11 +565,15 @@ class Trainer:
         Source: tf.keras.Model.fit.
         """
         self._check_compiled("fit")
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = _split_validation(x, y, sample_weight, validation_split)
         data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
         val = None
         if validation_data is not None:
             val_x, val_y, val_sw = _val_xy(validation_data)
-            val = _Data(val_x, val_y, None if _is_dataset(val_x) else batch_size, False, val_sw)
+            val = _Data(val_x, val_y, None if _is_dataset(val_x) else (validation_batch_size or batch_size), False,
+                        val_sw)
+        validates = _validation_epochs(validation_freq)
         vars(self)["history"] = history = _callbacks.History()
         cbs = _callbacks.CallbackList(list(callbacks or []) + [history], model=self, verbose=verbose,
                                       epochs=epochs, steps=_steps(data, steps_per_epoch))
@@ -565,8 +591,8 @@ class Trainer:
             logs = self._run_epoch(data, self.train_step, cbs, "train", steps_per_epoch,
                                    self._progress(verbose, data, steps_per_epoch, f"Epoch {epoch + 1}/{epochs}",
                                                   resume.batch if mid_epoch else 0))
-            if val is not None:
-                val_logs = self._evaluate_data(val, cbs)
+            if val is not None and validates(epoch + 1):
+                val_logs = self._evaluate_data(val, cbs, validation_steps)
                 logs.update({"val_" + k: v for k, v in val_logs.items()})
             cbs.on_epoch_end(epoch, logs)
             if verbose == 2 and self._prints():
@@ -594,36 +620,39 @@ class Trainer:
         return None if data is None else data.order_state
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose=0, callbacks=None, sample_weight=None,
-                 return_dict=False):
+                 return_dict=False, steps=None):
         """The loss and metrics over the data (one pass, training=False): a float, or a list of floats in
         `metrics_names` order, or a dict with return_dict.
 
-        `sample_weight`: one weight per example of the arrays `x`, `y`, as in `fit`.
+        `sample_weight`: one weight per example of the arrays `x`, `y`, as in `fit`; `steps`: at most this many
+        batches (an endless dataset needs it).
         Source: tf.keras.Model.evaluate."""
         self._check_compiled("evaluate")
         cbs = _callbacks.CallbackList(list(callbacks or []), model=self, verbose=verbose)
-        logs = self._evaluate_data(_Data(x, y, batch_size, False, sample_weight), cbs)
+        logs = self._evaluate_data(_Data(x, y, batch_size, False, sample_weight), cbs, steps)
         if return_dict:
             return logs
         values = [logs[m.name] for m in self.metrics if m.name in logs]
         return values[0] if len(values) == 1 else values
 
-    def _evaluate_data(self, data, cbs):
+    def _evaluate_data(self, data, cbs, steps=None):
         self._reset_metrics()
         cbs.on_test_begin()
-        logs = self._run_epoch(data, self.test_step, cbs, "test", None, None)
+        logs = self._run_epoch(data, self.test_step, cbs, "test", steps, None)
         cbs.on_test_end(logs)
         return logs
 
-    def predict(self, x, batch_size=None, verbose=0, callbacks=None):
+    def predict(self, x, batch_size=None, verbose=0, callbacks=None, steps=None):
         """The model's outputs on `x` (arrays or a dataset of batches), batches concatenated: a numpy array
-        (or a nest of them). Source: tf.keras.Model.predict."""
+        (or a nest of them); `steps`: at most this many batches. Source: tf.keras.Model.predict."""
         strategy = self._strategy()
         data = _Data(x, None, batch_size, False)
         cbs = _callbacks.CallbackList(list(callbacks or []), model=self, verbose=verbose)
         cbs.on_predict_begin()
         outs = []
         for step, batch in enumerate(data.batches(strategy)):
+            if steps is not None and step >= steps:
+                break
             cbs.on_predict_batch_begin(step)
             out = strategy.run(self.predict_step, (batch,))
             outs.append(nest.map_structure(lambda v: strategy.gather(v, axis=0).numpy(), out))  # all workers' rows
@@ -696,6 +725,35 @@ def _val_xy(validation_data):
     if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
         return validation_data[0], validation_data[1], (validation_data[2] if len(validation_data) == 3 else None)
     return validation_data, None, None
+
+
+def _validation_epochs(freq):
+    """Whether to validate after epoch `n` (1-based): every `freq`-th epoch, or those in a list (Keras)."""
+    if isinstance(freq, (list, tuple, set)):
+        chosen = {int(e) for e in freq}
+        return lambda n: n in chosen
+    if type(freq) is not int or freq < 1:
+        raise ValueError(f"validation_freq must be a positive int or a list of epochs, got {freq!r}")
+    return lambda n: n % freq == 0
+
+
+def _split_validation(x, y, sample_weight, fraction):
+    """((x, y, sample_weight) to train on, (x, y, sample_weight) to validate on): the last `fraction` of the
+    examples held out, unshuffled (Keras's train_validation_split: split at floor(n * (1 - fraction)))."""
+    if not 0.0 < float(fraction) < 1.0:
+        raise ValueError(f"validation_split must be a fraction in (0, 1), got {fraction!r}")
+    if x is None or _is_dataset(x) or y is None:
+        raise ValueError("validation_split needs arrays x and y (it holds out their last examples); with a "
+                         "dataset of batches pass validation_data instead")
+    n = len(nest.flatten(x)[0])
+    at = int(np.floor(n * (1.0 - float(fraction))))
+    if at == 0 or at == n:
+        raise ValueError(f"validation_split={fraction} of {n} examples leaves no training or no validation data")
+    x, y = nest.map_structure(_array, x), nest.map_structure(_array, y)
+    sw = None if sample_weight is None else _array(sample_weight)
+    head = nest.map_structure(lambda a: a[:at], (x, y)) + (None if sw is None else sw[:at],)
+    tail = nest.map_structure(lambda a: a[at:], (x, y)) + (None if sw is None else sw[at:],)
+    return head, tail
 
 
 def _is_dataset(x):

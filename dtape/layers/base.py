@@ -289,11 +289,21 @@ class _Recorded:
         self.args = args
 
 
-def _constructor_args(cls, args, kwargs):
-    """The arguments a layer was constructed with, by parameter name (what `get_config` returns by default)."""
+def _init_signature(cls):
     sig = _init_signatures.get(cls)
     if sig is None:
         sig = _init_signatures[cls] = inspect.signature(cls.__init__)
+    return sig
+
+
+def _init_parameters(cls):
+    """The named parameters of `cls.__init__` (not its **kwargs)."""
+    return {n for n, p in _init_signature(cls).parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def _constructor_args(cls, args, kwargs):
+    """The arguments a layer was constructed with, by parameter name (what `get_config` returns by default)."""
+    sig = _init_signature(cls)
     try:
         bound = sig.bind(None, *args, **kwargs)
     except TypeError:
@@ -316,7 +326,13 @@ class _LayerMeta(type):
     construction when `input_shape=` was given."""
 
     def __call__(cls, *args, **kwargs):
+        # Keras's base Layer takes trainable= for every layer (`Dense(3, trainable=False)`): set after __init__
+        # unless the layer's own __init__ names it
+        trainable = kwargs.pop("trainable", None) if "trainable" not in _init_parameters(cls) else None
         layer = super().__call__(*args, **kwargs)
+        if trainable is not None:
+            layer.trainable = trainable
+            kwargs = dict(kwargs, trainable=bool(trainable))
         vars(layer).setdefault("_constructor_args", _Recorded(_constructor_args(cls, args, kwargs)))
         shape = vars(layer).get("_input_shape_arg")
         if shape is not None and not layer.built:
@@ -361,6 +377,8 @@ class Layer(Module, metaclass=_LayerMeta):
         when given the layer is built at construction for (None, *input_shape).
       activity_regularizer: None, a name ("l1", "l2") or a callable; its
         value on the output is added to `losses` at each call.
+      trainable: False freezes the layer (see `trainable`); every layer's
+        constructor takes it, as Keras's.
 
     Losses added during a call (`add_loss`, activity regularizers) are kept
     per thread and cleared when the next top-level layer call starts on it.
@@ -375,8 +393,10 @@ class Layer(Module, metaclass=_LayerMeta):
         if build is not None and not getattr(build, "_dtape_wrapped", False):
             cls.build = _wrap_build(build)
 
-    def __init__(self, name=None, dtype=None, seed=None, input_shape=None, activity_regularizer=None):
+    def __init__(self, name=None, dtype=None, seed=None, input_shape=None, activity_regularizer=None, trainable=True):
         super().__init__(name=name)
+        if not trainable:   # `super().__init__(trainable=False)` in a subclass, as Keras's Layer takes it
+            vars(self)["_trainable"] = False
         self.dtype_policy = _policy.get(dtype)
         self.dtype, self.compute_dtype = self.dtype_policy.variable_dtype, self.dtype_policy.compute_dtype
         self.built = False
@@ -411,7 +431,50 @@ class Layer(Module, metaclass=_LayerMeta):
         if args is None or any(k.startswith("*") for k in args):
             raise NotImplementedError(f"{type(self).__name__} cannot tell its constructor arguments; define "
                                       "get_config() returning them (and from_config if needed)")
-        return dict(args, name=self.name)
+        config = dict(args, name=self.name)
+        if not self.trainable:  # frozen after construction: a saved model reloads frozen, as Keras's
+            config["trainable"] = False
+        else:
+            config.pop("trainable", None)
+        return config
+
+    @property
+    def trainable(self):
+        """False once frozen: the layer's weights (and its sub-layers') are in `non_trainable_weights`, so
+        `fit` and `optimizer.minimize(loss, model.trainable_variables)` leave them; a frozen
+        BatchNormalization runs in inference mode (its moving statistics used and kept). Setting it sets
+        every sub-layer's too (so `base_model.trainable = True` unfreezes all, as Keras's fine-tuning).
+        Also a constructor argument of every layer (`Dense(3, trainable=False)`).
+        Source: tf.keras.layers.Layer.trainable (Keras 2 / TF 2 BatchNormalization semantics)."""
+        return vars(self).get("_trainable", True)
+
+    @trainable.setter
+    def trainable(self, value):
+        for m in (self,) + self.submodules:
+            if isinstance(m, Layer):
+                vars(m)["_trainable"] = bool(value)
+
+    def get_weights(self):
+        """The values of `weights` (this layer's and its sub-layers' variables, in `weights` order) as a list
+        of numpy arrays (copies). Source: tf.keras.layers.Layer.get_weights."""
+        return [v.numpy().copy() for v in self.weights]
+
+    def set_weights(self, weights):
+        """Assigns a list of arrays (as `get_weights` returns) to `weights`, in order.
+
+        Raises ValueError when the number of arrays or a shape differs from the
+        layer's weights (nothing is assigned then). Source: tf.keras.layers.Layer.set_weights."""
+        variables, weights = self.weights, list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(f"{self.name}.set_weights: got {len(weights)} arrays for {len(variables)} weights "
+                             f"{[v.name for v in variables]}; pass the list get_weights() returns")
+        arrays = [np.asarray(w) for w in weights]
+        for v, a in zip(variables, arrays):
+            if tuple(a.shape) != tuple(v.shape):
+                raise ValueError(f"{self.name}.set_weights: weight {v.name} has shape {tuple(v.shape)}, "
+                                 f"got an array of shape {tuple(a.shape)}")
+        for v, a in zip(variables, arrays):
+            v.assign(a)  # cast to the variable's dtype
 
     @classmethod
     def from_config(cls, config):

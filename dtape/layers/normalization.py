@@ -113,6 +113,8 @@ class BatchNormalization(Layer):
     moving_variance with var (Keras: the biased variance; torch's BatchNorm
     uses the unbiased one and momentum = 1 - Keras momentum).
     training=False: the moving statistics instead of the batch's.
+    A frozen layer (`trainable = False`) runs as with training=False
+    whatever `training` is, and leaves its moving statistics (Keras 2 / TF 2).
 
     Under a strategy: with synchronized=True the statistics are those of the
     global batch (sums all-reduced across replicas, as PyTorch's
@@ -190,7 +192,7 @@ class BatchNormalization(Layer):
         rank = x.ndim
         axis = self._feature_axis(rank)
         axes = [a for a in range(rank) if a != axis]
-        if training:
+        if training and self.trainable:  # frozen: inference mode even in training (Keras 2 / TF 2)
             ctx = _replica_info.replica_context()
             if self.synchronized:
                 mean, var, count = _sync_moments(x, axes, ctx)
