@@ -98,14 +98,14 @@ def test_dropped_variable_frees_its_slots():
     keep = dtape.Variable(torch.ones(3))
     drop = dtape.Variable(torch.ones(3))
     opt.apply_gradients([(dtape.constant([1.0, 1.0, 1.0]), keep), (dtape.constant([1.0, 1.0, 1.0]), drop)])
-    assert len(opt.variables()) == 5  # iterations + 2 slots each
-    slot_refs = [weakref.ref(s) for s in opt.variables()[3:]]
+    assert len(opt.variables()) == 6  # iterations, learning_rate + 2 slots each
+    slot_refs = [weakref.ref(s) for s in opt.variables()[4:]]
     del drop
     gc.collect()
     assert all(r() is None for r in slot_refs)
-    assert len(opt.variables()) == 3
+    assert len(opt.variables()) == 4
     opt.apply_gradients([(dtape.constant([1.0, 1.0, 1.0]), keep)])  # the survivor keeps training
-    assert len(opt.variables()) == 3
+    assert len(opt.variables()) == 4
 
 
 def test_dropped_optimizer_does_not_keep_slots_alive():
