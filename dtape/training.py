@@ -16,6 +16,7 @@ all-reduced during the backward walk (`GradientSync`). Under
 `MultiWorkerMirroredStrategy` only rank 0 prints.
 Source: tf.keras.Model (TF 2 / Keras 2 engine/training.py, compile_utils.py).
 """
+import math
 import threading
 import weakref
 
@@ -502,8 +503,9 @@ class Trainer:
         return self(x, training=False)
 
     # -- the loops -------------------------------------------------------------------
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_data=None,
-            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None):
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_split=0.0,
+            validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
+            steps_per_epoch=None):
         """Trains for `epochs` epochs; returns the `History` callback (`history.history[name]` per epoch).
 
         Args:
@@ -516,6 +518,13 @@ class Trainer:
           epochs, initial_epoch: train epochs `initial_epoch .. epochs - 1`.
           verbose: 1 a progress bar per epoch (tqdm), 2 one line per epoch, 0 silent.
           callbacks: `dtape.keras.callbacks.Callback`s.
+          validation_split: a float in [0, 1): the last examples of the arrays
+            x, y (and sample_weight), from index `floor(n * (1 - split))` on,
+            are held out before any shuffling (never trained on) and
+            evaluated as `validation_data` would be (Keras's rule; ignored
+            when validation_data is given). Arrays only: ValueError for a
+            dataset, for a split outside [0, 1), and when it would leave no
+            example on one side.
           validation_data: `(x_val, y_val)` or `(x_val, y_val, val_sample_weight)`
             arrays, or an iterable of batches; evaluated after each epoch,
             reported as `val_<name>`.
@@ -543,6 +552,8 @@ class Trainer:
         Source: tf.keras.Model.fit.
         """
         self._check_compiled("fit")
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = _split_off_validation(x, y, sample_weight, validation_split)
         data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
         val = None
         if validation_data is not None:
@@ -687,6 +698,28 @@ class _Resume:
 
     def __init__(self, epoch, batch, order_state, after_skip):
         self.epoch, self.batch, self.order_state, self.after_skip = epoch, batch, order_state, after_skip
+
+
+def _split_off_validation(x, y, sample_weight, split):
+    """((x, y, sample_weight) to train on, (x, y, sample_weight) to validate on): the arrays' examples from
+    `floor(n * (1 - split))` on are validated on, as Keras's train_validation_split takes them before fit
+    shuffles."""
+    if not (isinstance(split, (int, float)) and 0.0 <= split < 1.0):
+        raise ValueError(f"fit: validation_split must be a float in [0, 1), got {split!r}")
+    if _is_dataset(x):
+        raise ValueError("fit: validation_split is only supported for arrays and tensors (x, y), not for a dataset "
+                         "of batches or a DataLoader (their length and order are unknown up front); pass "
+                         "validation_data=... instead")
+    arrays = [None if part is None else nest.map_structure(_array, part) for part in (x, y, sample_weight)]
+    n = len(nest.flatten(arrays[0])[0])
+    at = int(math.floor(n * (1.0 - split)))
+    if at in (0, n):
+        raise ValueError(f"fit: the training data has {n} examples, too few to split by validation_split={split} "
+                         f"(it would leave {at} to train on and {n - at} to validate on); give more data or another "
+                         f"validation_split")
+    def part(rows):
+        return tuple(None if a is None else nest.map_structure(lambda t: t[rows], a) for a in arrays)
+    return part(slice(None, at)), part(slice(at, None))
 
 
 def _val_xy(validation_data):
