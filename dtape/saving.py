@@ -229,7 +229,7 @@ def save_model(model, filepath):
         raise ValueError(f"{model.name} is not built: call it on data or build(input_shape) before save()")
     config = serialize_model(model)
     variables = list(model.variables)
-    arrays = {f"{i:05d}": np.ascontiguousarray(v.numpy()) for i, v in enumerate(variables)}
+    arrays = {f"{i:05d}": np.array(v.numpy(), order="C") for i, v in enumerate(variables)}  # 0-d stays 0-d
     metadata = {"format": _FORMAT, "names": [v.name for v in variables]}
     weights = safetensors.numpy.save(arrays, metadata={"names": json.dumps(metadata["names"])}) if arrays else b""
     if os.path.dirname(filepath):
