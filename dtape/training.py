@@ -32,7 +32,6 @@ from dtape import metrics as _metrics
 from dtape import nest
 from dtape import nn as _nn
 from dtape import optimizers as _optimizers
-from dtape import saving as _saving
 from dtape import tape as _tp
 from dtape.backprop import GradientTape
 from dtape.ops import array_ops as _array_ops
@@ -409,11 +408,7 @@ class Trainer:
 
     def load_weights(self, filepath):
         """Reads variables written by `save_weights` / ModelCheckpoint into this model (built first: variables
-        created later are filled when made). Returns the load status. A whole model written by `save` /
-        ModelCheckpoint("....keras") gives its weights too (by position, shapes checked; the model must be
-        built; returns None then). Source: tf.keras.Model.load_weights."""
-        if _saving.is_model_archive(filepath):
-            return _saving.load_archive_weights(self, filepath)
+        created later are filled when made). Returns the load status. Source: tf.keras.Model.load_weights."""
         return _checkpoint.Checkpoint(model=self).read(filepath)
 
     # -- the steps -------------------------------------------------------------------

@@ -123,3 +123,14 @@ def test_weights_h5_names_are_dtape_checkpoints_and_hdf5_models_are_refused(tmp_
         with pytest.raises(ValueError, match=r"HDF5 whole model .*which dtape does not write; use a name ending in "
                                              r"\.keras"):
             keras.callbacks.ModelCheckpoint(str(tmp_path / name))
+
+
+def test_a_sequential_models_keras_file_loads_with_load_model_and_load_weights(tmp_path):
+    model = keras.Sequential([keras.layers.Dense(3, input_shape=(4,), seed=1)])
+    model.compile(keras.optimizers.SGD(0.3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(X, Y, epochs=1, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(str(tmp_path / "s.keras"))])
+    fresh = keras.Sequential([keras.layers.Dense(3, input_shape=(4,), seed=2)])
+    fresh.load_weights(str(tmp_path / "s.keras"))
+    for loaded in (fresh, keras.models.load_model(tmp_path / "s.keras")):
+        for got, want in zip(_weights(loaded), _weights(model)):
+            np.testing.assert_array_equal(got, want)
