@@ -2,7 +2,9 @@
 
 A variable passed as `name` is stored under the key `name`; a module's or an
 optimizer's variables under `name/0`, `name/1`, ... in their stable order,
-each with its `.name` (for a distributed variable, the container's name).
+each with its `.name` (for a distributed variable, the container's name);
+an optimizer's learning-rate variable under its own key `name.learning_rate`
+(files without it restore the rest and leave the rate as it is).
 Variables are recognised by `dtape.tensor.is_variable`; a distributed
 variable also has a `.values` tuple of components (its logical value is saved: a MirroredVariable's primary, a
 SyncOnReadVariable's aggregate; restore assigns every component); a

@@ -654,3 +654,26 @@ def test_a_mirrored_optimizers_learning_rate_is_restored_on_every_replica(tmp_pa
     var2, opt2 = _sgd_state(0.3, strategy)
     Checkpoint(w=var2, optimizer=opt2).restore(path).assert_consumed()
     assert [float(c.numpy()) for c in opt2.learning_rate.values] == [0.0125, 0.0125]
+
+
+def test_a_loss_scale_optimizers_learning_rate_is_saved_and_old_files_still_restore(tmp_path, monkeypatch):
+    def made(lr):
+        var = dtape.Variable(torch.tensor([1.0, -2.0]), name="w")
+        opt = dtape.mixed_precision.LossScaleOptimizer(optimizers.Adam(0.1), initial_scale=8.0)
+        opt.build([var])
+        opt.learning_rate = lr
+        return var, opt
+
+    var, opt = made(0.0125)
+    names = [v.name for v in opt.variables()]
+    assert names[:2] == ["Adam/iterations", "Adam/learning_rate"] and len(names) == 6   # + m, v, scale, counter
+    path = Checkpoint(w=var, optimizer=opt).save(tmp_path / "ckpt")
+    var2, opt2 = made(0.1)
+    Checkpoint(w=var2, optimizer=opt2).restore(path).assert_consumed()
+    assert float(opt2.learning_rate) == 0.0125 and float(opt2.loss_scale) == 8.0
+    with monkeypatch.context() as patch:      # an older dtape's file: no learning rate
+        patch.setattr(optimizers.Adam, "_checkpoint_children", lambda self: {})
+        old = Checkpoint(w=var, optimizer=opt).save(tmp_path / "old")
+    var3, opt3 = made(0.1)
+    Checkpoint(w=var3, optimizer=opt3).restore(old).assert_existing_objects_matched()
+    assert float(opt3.learning_rate) == 0.1 and float(opt3.loss_scale) == 8.0
