@@ -322,25 +322,35 @@ class CSVLogger(Callback):
 
 
 class ModelCheckpoint(_Monitor):
-    """Saves the model's variables (a `dtape.checkpoint.Checkpoint(model=...)`, plus the optimizer unless
-    `save_weights_only`) at each epoch's end, or only when `monitor` improved (`save_best_only`).
+    """Saves the model at each epoch's end, or only when `monitor` improved (`save_best_only`).
+
+    What is written depends on `filepath` and `save_weights_only`, as Keras 3 decides by the name:
+      * a name ending in `.keras` (save_weights_only=False): the whole model, `model.save(path)` (a zip
+        of its config and weights, see `dtape.saving`; the optimizer is not in it), reloaded with
+        `dtape.keras.models.load_model(path)` or its weights with `model.load_weights(path)`;
+      * save_weights_only=True: the model's variables, `model.save_weights(path)` (a dtape checkpoint,
+        `dtape.checkpoint.Checkpoint(model=...)`). Keras 3's `.weights.h5` names are accepted, but the
+        file is a dtape checkpoint (safetensors), NOT HDF5: h5py and Keras cannot read it;
+        `model.load_weights(path)` can;
+      * any other name (save_weights_only=False): a `dtape.checkpoint.Checkpoint(model=..., optimizer=...)`
+        (tf.keras 2's TF checkpoint, the optimizer's slots included), read with `model.load_weights(path)`
+        or `Checkpoint(model=model, optimizer=opt).read(path)`.
+    Checkpoint files (not `.keras` archives) are recorded in the folder's state file `checkpoint`, so
+    `dtape.train.latest_checkpoint(folder)` returns the file written last, as TF's.
 
     Args:
-      filepath: a checkpoint file path, formatted with `epoch` (1-based) and the logs' keys,
-        e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}" or "ckpt/ckpt_{epoch}". Restore with
-        `model.load_weights(path)` or `dtape.checkpoint.Checkpoint(model=model).read(path)`;
-        `dtape.train.latest_checkpoint("ckpt")` returns the file written last (the folder's state
-        file `checkpoint` records it, as TF's does).
-        A path ending in ".keras" with save_weights_only=False gets the whole
-        model (`model.save`, read back with `keras.models.load_model`), as Keras 3.
+      filepath: a file path, formatted with `epoch` (1-based) and the logs' keys,
+        e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}", "ckpt/ckpt_{epoch}" or "best.keras".
       monitor, mode: as EarlyStopping (for save_best_only).
       save_freq: "epoch" (at each epoch's end), or an int: every that many
         batches (counted across epochs; the batch's logs are monitored and
         formatted, `epoch` is the current one), as Keras.
     Attributes: `best`, `saved` (the paths written, in order).
     Raises KeyError naming the missing key when `filepath` uses a key the logs lack (e.g. val_loss without
-    validation_data); ValueError for a file named `checkpoint` (the state file's name).
-    Source: tf.keras.callbacks.ModelCheckpoint.
+    validation_data); ValueError for a file named `checkpoint` (the state file's name), for a `.keras` name
+    with save_weights_only=True (a `.keras` file is a whole model, as in Keras 3), and for an HDF5 name
+    (`.h5`, `.hdf5`) with save_weights_only=False: dtape does not write HDF5 (use `.keras`).
+    Source: tf.keras.callbacks.ModelCheckpoint (Keras 3's file-name rules).
     """
 
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False, save_weights_only=False,
@@ -353,6 +363,7 @@ class ModelCheckpoint(_Monitor):
         self.save_best_only, self.save_weights_only, self.save_freq = save_best_only, save_weights_only, save_freq
         self.best, self.saved = self._initial(), []
         self._epoch, self._batches_seen = 0, 0
+        self._whole_model = _checked_checkpoint_name(self.filepath, save_weights_only)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -380,15 +391,34 @@ class ModelCheckpoint(_Monitor):
         except KeyError as e:
             raise KeyError(f"ModelCheckpoint: filepath {self.filepath!r} uses {e.args[0]!r}, which is not in the "
                            f"logs {sorted(logs)} (nor 'epoch'); pass validation_data for val_* keys") from None
-        if not self.save_weights_only and path.endswith(".keras"):
-            if _writes(self.model):  # the whole model, as Keras 3 writes a .keras path (load_model reads it)
+        if self._whole_model:
+            if _writes(self.model):
                 self.model.save(path)
-        else:
-            objects = {"model": self.model}
-            if not self.save_weights_only:
-                objects["optimizer"] = self.model.optimizer
-            _checkpoint.Checkpoint(**objects).write_then(path, after=lambda: _checkpoint.record_latest(path))
+            self.saved.append(path)
+            return
+        objects = {"model": self.model}
+        if not self.save_weights_only:
+            objects["optimizer"] = self.model.optimizer
+        _checkpoint.Checkpoint(**objects).write_then(path, after=lambda: _checkpoint.record_latest(path))
         self.saved.append(path)
+
+
+def _checked_checkpoint_name(filepath, save_weights_only):
+    """True when ModelCheckpoint writes the whole model (a `.keras` name), False for a checkpoint; ValueError
+    for the names Keras 3 refuses with these settings, and for HDF5 whole models (dtape writes no HDF5)."""
+    name = os.fspath(filepath).lower()
+    if name.endswith(".keras"):
+        if save_weights_only:
+            raise ValueError(f"ModelCheckpoint: filepath {filepath!r} ends in .keras, a whole model, but "
+                             f"save_weights_only=True; name weights-only files e.g. 'ckpt.weights.h5' (Keras 3's "
+                             f"name; the file is a dtape checkpoint, not HDF5) or 'ckpt/weights_{{epoch}}'")
+        return True
+    if name.endswith((".h5", ".hdf5")) and not save_weights_only:
+        raise ValueError(f"ModelCheckpoint: filepath {filepath!r} asks for an HDF5 whole model (Keras 2's .h5 "
+                         f"format), which dtape does not write; use a name ending in .keras for the whole model "
+                         f"(dtape.keras.models.load_model reads it), or save_weights_only=True (a dtape checkpoint "
+                         f"in safetensors, not HDF5, read by model.load_weights)")
+    return False
 
 
 class TensorBoard(Callback):

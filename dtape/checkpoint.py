@@ -2,7 +2,9 @@
 
 A variable passed as `name` is stored under the key `name`; a module's or an
 optimizer's variables under `name/0`, `name/1`, ... in their stable order,
-each with its `.name` (for a distributed variable, the container's name).
+each with its `.name` (for a distributed variable, the container's name);
+an optimizer's learning-rate variable under its own key `name.learning_rate`
+(files without it restore the rest and leave the rate as it is).
 Variables are recognised by `dtape.tensor.is_variable`; a distributed
 variable also has a `.values` tuple of components (its logical value is saved: a MirroredVariable's primary, a
 SyncOnReadVariable's aggregate; restore assigns every component); a
@@ -99,13 +101,34 @@ class CheckpointError(ValueError):
 # -- objects -> keys ------------------------------------------------------------
 
 def _variables_of(obj):
-    """The variables of a module/optimizer, or None when `obj` has none to offer."""
-    found = getattr(obj, "variables", None)
+    """The variables of a module/optimizer matched by position (an optimizer's `_checkpoint_variables`: its
+    learning rate is a child entry, see `_with_children`), or None when `obj` has none to offer."""
+    found = getattr(obj, "_checkpoint_variables", None) if not is_variable(obj) else None
+    found = found if callable(found) else getattr(obj, "variables", None)
     if found is None:
         return None
     if callable(found):
         found = found()
     return list(found)
+
+
+def _with_children(objects):
+    """(`objects` plus each object's children, the names of those children).
+
+    An optimizer's learning-rate variable (`_checkpoint_children`) is its own
+    entry `<name>.learning_rate`, not one of `<name>/i`: files written before
+    it was saved lack it, and restoring one of them leaves the rate as it is
+    instead of shifting the positions of `iterations` and the slots.
+    """
+    out, optional = dict(objects), set()
+    for name, obj in objects.items():
+        children = getattr(obj, "_checkpoint_children", None)
+        if is_variable(obj) or not callable(children) or _has_state_dict(obj):
+            continue
+        for child, var in children().items():
+            out[f"{name}.{child}"] = var
+            optional.add(f"{name}.{child}")
+    return out, optional
 
 
 def _has_state_dict(obj):
@@ -352,6 +375,7 @@ def save_objects(path, objects, make_folder=False, after=None, waiting=None):
     Returns `path` (str).
     """
     path = os.fspath(path)
+    objects = _with_children(objects)[0]
     tensors, stored, data, every, states, slots, pairs_of = {}, {}, {}, [], [], {}, {}
     for name, obj in objects.items():
         _check_name(name)
@@ -781,7 +805,11 @@ def restore(path, *, strict=True, **objects):
     tensors, stored, data, states, slots = _load_all(path)
     path = os.fspath(path)
     plan, loads, pairs_of = [], [], {}
-    for name, obj in objects.items():
+    objects, optional = _with_children(objects)
+    for name, obj in list(objects.items()):
+        if name in optional and name not in stored:   # an older file: the learning rate stays as it is
+            del objects[name]
+            continue
         _check_name(name)
         if _has_state_dict(obj):
             if name not in states:
@@ -1093,6 +1121,8 @@ def _restore_objects(path, objects):
     tensors, stored, data, states, slots = _load_all(path)
     path = os.fspath(path)
     plan, loads, waiting, missing, matched = [], [], [], [], False
+    objects, optional = _with_children(objects)
+    objects = {name: obj for name, obj in objects.items() if name in stored or name not in optional}
     keys = _current_keys(objects)
     for name, obj in objects.items():
         if _has_state_dict(obj):

@@ -44,11 +44,19 @@ def _tensor(x):
 
 
 def _squeeze_or_expand(y_true, y_pred):
-    """Keras' squeeze_or_expand_to_same_rank: a trailing size-1 axis on one side is dropped."""
+    """Keras 3's squeeze_or_expand_to_same_rank: when the ranks differ by one and the higher-rank side ends in
+    a size-1 axis, a rank-1 other side gains that axis ([n] with [n, 1] -> [n, 1] and [n, 1], so the mean over
+    the last axis leaves one loss per example), else that axis is dropped ([n, t, 1] with [n, t] -> [n, t])."""
     if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        y_true = _array.squeeze(y_true, -1)
+        if y_pred.ndim == 1:
+            y_pred = _array.expand_dims(y_pred, -1)
+        else:
+            y_true = _array.squeeze(y_true, -1)
     elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        y_pred = _array.squeeze(y_pred, -1)
+        if y_true.ndim == 1:
+            y_true = _array.expand_dims(y_true, -1)
+        else:
+            y_pred = _array.squeeze(y_pred, -1)
     return y_true, y_pred
 
 
@@ -102,10 +110,17 @@ def categorical_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=
     """Per-example `-sum(y_true * log p)`, with `y_true * (1 - ls) + ls / classes` when label_smoothing > 0.
 
     Shapes: y_true, y_pred [batch, ..., classes] -> [batch, ...].
+    Raises ValueError when the ranks differ (integer class ids [batch] with
+    [batch, classes] would broadcast: use sparse_categorical_crossentropy),
+    as Keras 3's.
     Source: tf.keras.losses.categorical_crossentropy.
     """
     y_pred = _tensor(y_pred)
     y_true = _array.cast(_tensor(y_true), y_pred.dtype)
+    if y_true.ndim != y_pred.ndim:
+        raise ValueError(f"categorical_crossentropy: y_true of shape {list(y_true.shape)} and y_pred of shape "
+                         f"{list(y_pred.shape)} have different ranks; y_true must be one-hot (or soft) labels of "
+                         f"y_pred's shape: for integer class ids use sparse_categorical_crossentropy")
     if label_smoothing:
         y_true = y_true * (1.0 - label_smoothing) + label_smoothing / y_pred.shape[axis]
     return -_math.reduce_sum(y_true * _log_probs(y_pred, from_logits, axis), axis=axis)
@@ -117,7 +132,12 @@ def binary_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, 
     Labels are smoothed to `y * (1 - ls) + 0.5 * ls`. With from_logits the
     stable `sigmoid_cross_entropy_with_logits` is used; otherwise p is
     clipped to [1e-7, 1 - 1e-7].
-    Shapes: y_true, y_pred [batch, ..., d] -> [batch, ...].
+    Shapes: y_true, y_pred [batch, ..., d] -> [batch, ...]. Ranks that differ
+    by a trailing size-1 axis are matched first (`_squeeze_or_expand`): labels
+    [n] with one sigmoid unit [n, 1] give [n], one loss per example. (Keras
+    3's function raises for different ranks and tf.keras 2's broadcast them
+    to [n, n] and averaged the wrong pairs; dtape matches them as Keras's
+    BinaryCrossentropy class does.)
     Source: tf.keras.losses.binary_crossentropy.
     """
     y_true, y_pred = _float_pair(y_true, y_pred)
@@ -161,8 +181,14 @@ class Loss:
       name: a name for messages.
 
     Subclasses define `call(y_true, y_pred)` returning per-example losses.
+    The built-in losses first match the ranks of y_true and y_pred as
+    Keras's LossFunctionWrapper does (squeeze_or_expand_to_same_rank): labels
+    [n] with predictions [n, 1] give [n] per-example losses, not one number.
+    A subclass of your own gets them as given (as Keras's Loss).
     Source: tf.keras.losses.Loss.
     """
+
+    _match_ranks = False   # the built-in losses below set it, as Keras's LossFunctionWrapper matches ranks
 
     # A built-in training loop that divides the replicas' mean losses by the number of replicas sets
     # this on its loss objects (TF's LossesContainer does the same): they may then reduce by batch size.
@@ -185,6 +211,8 @@ class Loss:
             reduction="none" and `dtape.nn.compute_average_loss`.
         """
         self._check_distributed_reduction()
+        if self._match_ranks:
+            y_true, y_pred = _squeeze_or_expand(_tensor(y_true), _tensor(y_pred))
         losses = _tensor(self.call(y_true, y_pred))
         losses = _nn.scale_losses_by_sample_weight(losses, sample_weight)
         if self.reduction == "none":
@@ -229,6 +257,8 @@ class SparseCategoricalCrossentropy(Loss):
       0.6931
     """
 
+    _match_ranks = True
+
     def __init__(self, from_logits=False, reduction="sum_over_batch_size", name="sparse_categorical_crossentropy"):
         super().__init__(reduction, name)
         self.from_logits = bool(from_logits)
@@ -242,6 +272,8 @@ class CategoricalCrossentropy(Loss):
 
     Source: tf.keras.losses.CategoricalCrossentropy.
     """
+
+    _match_ranks = True
 
     def __init__(self, from_logits=False, label_smoothing=0.0, reduction="sum_over_batch_size",
                  name="categorical_crossentropy"):
@@ -258,6 +290,8 @@ class BinaryCrossentropy(Loss):
     Source: tf.keras.losses.BinaryCrossentropy.
     """
 
+    _match_ranks = True
+
     def __init__(self, from_logits=False, label_smoothing=0.0, reduction="sum_over_batch_size",
                  name="binary_crossentropy"):
         super().__init__(reduction, name)
@@ -270,6 +304,8 @@ class BinaryCrossentropy(Loss):
 class MeanSquaredError(Loss):
     """Mean of squared errors over the last axis, per example. Source: tf.keras.losses.MeanSquaredError."""
 
+    _match_ranks = True
+
     def __init__(self, reduction="sum_over_batch_size", name="mean_squared_error"):
         super().__init__(reduction, name)
 
@@ -279,6 +315,8 @@ class MeanSquaredError(Loss):
 
 class MeanAbsoluteError(Loss):
     """Mean of absolute errors over the last axis, per example. Source: tf.keras.losses.MeanAbsoluteError."""
+
+    _match_ranks = True
 
     def __init__(self, reduction="sum_over_batch_size", name="mean_absolute_error"):
         super().__init__(reduction, name)

@@ -122,6 +122,14 @@ class LossScaleOptimizer(Optimizer):
         """The inner optimizer's variables, then the loss scale and the dynamic counter."""
         return self._inner.variables() + [self._loss_scale, self._counter]
 
+    def _checkpoint_variables(self):
+        """What a checkpoint matches by position (see Optimizer._checkpoint_variables)."""
+        return self._inner._checkpoint_variables() + [self._loss_scale, self._counter]
+
+    def _checkpoint_children(self):
+        """The inner optimizer's learning-rate variable (see Optimizer._checkpoint_children)."""
+        return self._inner._checkpoint_children()
+
     def _checkpoint_slots(self):
         """The inner optimizer's slots and their variables (see Optimizer._checkpoint_slots)."""
         return self._inner._checkpoint_slots()
@@ -184,7 +192,7 @@ class LossScaleOptimizer(Optimizer):
         finite = _finite_flag([g for g, _ in pairs])
         with _tp.stop_recording():
             self._inner.build([v for _, v in pairs])  # the slots exist before their values are kept
-            written = _components([v for _, v in pairs] + self._inner.variables()[1:])  # not iterations
+            written = _components([v for _, v in pairs] + self._inner._checkpoint_variables()[1:])  # slots: not iterations
             before = [c.torch() for c in written]  # held: the update then writes copies, these stay intact
             self._inner._distributed_apply(strategy, pairs)
             for c, old in zip(written, before):

@@ -258,6 +258,14 @@ class Model(Trainer, Layer):
             raise FileExistsError(f"{filepath!r} exists and overwrite=False")
         return _saving.save_model(self, filepath)
 
+    def load_weights(self, filepath):
+        """Reads variables written by `save_weights` / ModelCheckpoint into this model (returns the load status);
+        a whole model written by `save` / ModelCheckpoint("....keras") gives its weights too, as in Keras 3 (by
+        position, shapes checked, the model built first; returns None). Source: tf.keras.Model.load_weights."""
+        if _saving.is_model_archive(filepath):
+            return _saving.load_archive_weights(self, filepath)
+        return Trainer.load_weights(self, filepath)
+
     def to_json(self):
         """The architecture as JSON text (no weights); `dtape.keras.models.model_from_json` rebuilds it.
         Source: tf.keras.Model.to_json."""
@@ -407,7 +415,7 @@ class Sequential(Trainer, _layers.Sequential):
     `build(input_shape)`), so its variables are made in the strategy's scope. Source: tf.keras.Sequential.
     """
 
-    save, to_json = Model.save, Model.to_json
+    save, to_json, load_weights = Model.save, Model.to_json, Model.load_weights
 
     def add(self, layer):
         """`dtape.layers.Sequential.add`; an `InputLayer` first (Keras 2's `InputLayer(input_shape=...)`) gives

@@ -166,11 +166,25 @@ class Optimizer:
         return iterations
 
     def variables(self):
-        """The optimizer's state: iterations, then slots in creation order."""
+        """The optimizer's variables: `iterations`, the `learning_rate` variable (when the rate is a number or a
+        Variable, not a schedule or callable), then the slots in creation order (Keras 3's order).
+        Source: keras.optimizers.Optimizer.variables."""
+        out = self._checkpoint_variables()
+        return out[:1] + list(self._checkpoint_children().values()) + out[1:]
+
+    def _checkpoint_variables(self):
+        """`iterations`, then the slots in creation order: what a checkpoint matches by position (files written
+        before the learning rate was saved hold exactly these)."""
         out = [self.iterations]
         for slots in self._slots.values():
             out.extend(slots.values())
         return out
+
+    def _checkpoint_children(self):
+        """{"learning_rate": its variable} when the rate is a variable, else {}: saved under its own key
+        (`<name>.learning_rate`) so that a file without it still restores the rest by position."""
+        lr = self._learning_rate
+        return {"learning_rate": lr} if is_variable(lr) else {}
 
     def _checkpoint_slots(self):
         """{id(slot variable): (its variable, slot name)}: what a checkpoint records so that a slot's saved value

@@ -29,7 +29,7 @@ from dtape import regularizers as _regularizers
 from dtape.layers import base as _base
 
 __all__ = ["register_keras_serializable", "serialize_keras_object", "deserialize_keras_object",
-           "get_registered_object", "save_model", "load_model", "serialize_model", "deserialize_model", "serialize_layer", "deserialize_layer",
+           "get_registered_object", "save_model", "load_model", "is_model_archive", "load_archive_weights", "serialize_model", "deserialize_model", "serialize_layer", "deserialize_layer",
            "serialize_layer_config", "functional_config", "functional_from_config", "find_class", "to_json_value",
            "from_json_value", "set_model_loader"]
 
@@ -229,7 +229,7 @@ def save_model(model, filepath):
         raise ValueError(f"{model.name} is not built: call it on data or build(input_shape) before save()")
     config = serialize_model(model)
     variables = list(model.variables)
-    arrays = {f"{i:05d}": np.ascontiguousarray(v.numpy()) for i, v in enumerate(variables)}
+    arrays = {f"{i:05d}": np.array(v.numpy(), order="C") for i, v in enumerate(variables)}  # 0-d stays 0-d
     metadata = {"format": _FORMAT, "names": [v.name for v in variables]}
     weights = safetensors.numpy.save(arrays, metadata={"names": json.dumps(metadata["names"])}) if arrays else b""
     if os.path.dirname(filepath):
@@ -254,6 +254,30 @@ def load_model(filepath, loader, custom_objects=None):
     or stored variables that do not match the rebuilt model's (count or shapes).
     """
     filepath = os.fspath(filepath)
+    config, metadata, arrays = _read_archive(filepath)
+    model = deserialize_model(config, loader, custom_objects)
+    _assign(model, [arrays[k] for k in sorted(arrays)], metadata["names"], filepath)
+    return model
+
+
+def is_model_archive(filepath):
+    """True for a file written by `save_model` (a zip archive; Keras 3's `.keras` files are zips too)."""
+    return os.path.isfile(filepath) and zipfile.is_zipfile(filepath)
+
+
+def load_archive_weights(model, filepath):
+    """Assigns the variables stored in the `save_model` archive `filepath` to the built `model`'s (by position,
+    shapes checked; Keras 3's `model.load_weights("m.keras")`). Raises ValueError as `load_model`."""
+    filepath = os.fspath(filepath)
+    _, metadata, arrays = _read_archive(filepath)
+    if not model.built:
+        raise ValueError(f"{model.name} is not built: call it on data or build(input_shape) before loading the "
+                         f"weights of {filepath!r}")
+    _assign(model, [arrays[k] for k in sorted(arrays)], metadata["names"], filepath)
+
+
+def _read_archive(filepath):
+    """(config JSON text, metadata, {key: array}) of a `save_model` archive; ValueError for another file."""
     if not zipfile.is_zipfile(filepath):
         raise ValueError(f"{filepath!r} is not a model saved by Model.save (a zip archive); for weights written "
                          "by save_weights use model.load_weights(path)")
@@ -263,10 +287,7 @@ def load_model(filepath, loader, custom_objects=None):
         blob = archive.read("model.weights.safetensors")
     if metadata.get("format") != _FORMAT:
         raise ValueError(f"{filepath!r}: unknown format {metadata.get('format')!r}, expected {_FORMAT!r}")
-    model = deserialize_model(config, loader, custom_objects)
-    arrays = safetensors.numpy.load(blob) if blob else {}
-    _assign(model, [arrays[k] for k in sorted(arrays)], metadata["names"], filepath)
-    return model
+    return config, metadata, (safetensors.numpy.load(blob) if blob else {})
 
 
 def _assign(model, values, names, filepath):

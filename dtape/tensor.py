@@ -73,11 +73,12 @@ class Tensor:
 
     def numpy(self):
         """A numpy copy of the value (moved to the CPU first), writable; writing it leaves the tensor alone.
+        A 0-d value gives a numpy scalar of its dtype (`np.float32`), as TF's EagerTensor.numpy().
 
         Raises:
           TypeError: for dtypes numpy lacks (bfloat16): cast first, e.g. `dtape.cast(x, dtape.float32)`.
         """
-        return numpy_copy(self._t)
+        return numpy_value(self._t)
 
     def __array__(self, dtype=None, copy=None):
         return numpy_array(self._t, dtype, copy)
@@ -229,6 +230,14 @@ def numpy_copy(t):
     """
     arr = _host_numpy(t)
     return arr.copy() if t.device.type == "cpu" else arr  # .cpu() already copied from another device
+
+
+def numpy_value(t):
+    """`.numpy()` of a dtape value held as torch tensor `t`, as TF's EagerTensor.numpy(): a writable array copy,
+    or for a 0-d value a numpy scalar of its dtype (`np.float32(0.5)`), so `round(loss.numpy(), 4)`, `float(...)`,
+    `f"{...:.3f}"` and `==` work as on TF's (a 0-d ndarray has no `__round__`)."""
+    arr = numpy_copy(t)
+    return arr[()] if arr.ndim == 0 else arr
 
 
 def numpy_array(t, dtype=None, copy=None):

@@ -16,6 +16,7 @@ all-reduced during the backward walk (`GradientSync`). Under
 `MultiWorkerMirroredStrategy` only rank 0 prints.
 Source: tf.keras.Model (TF 2 / Keras 2 engine/training.py, compile_utils.py).
 """
+import math
 import threading
 import weakref
 
@@ -515,9 +516,9 @@ class Trainer:
         return self(x, training=False)
 
     # -- the loops -------------------------------------------------------------------
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_data=None,
-            shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-            validation_split=0.0, validation_steps=None, validation_batch_size=None, validation_freq=1):
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=1, callbacks=None, validation_split=0.0,
+            validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
+            steps_per_epoch=None, validation_steps=None, validation_batch_size=None, validation_freq=1):
         """Trains for `epochs` epochs; returns the `History` callback (`history.history[name]` per epoch).
 
         Args:
@@ -530,6 +531,13 @@ class Trainer:
           epochs, initial_epoch: train epochs `initial_epoch .. epochs - 1`.
           verbose: 1 a progress bar per epoch (tqdm), 2 one line per epoch, 0 silent.
           callbacks: `dtape.keras.callbacks.Callback`s.
+          validation_split: a float in [0, 1): the last examples of the arrays
+            x, y (and sample_weight), from index `floor(n * (1 - split))` on,
+            are held out before any shuffling (never trained on) and
+            evaluated as `validation_data` would be (Keras's rule; ignored
+            when validation_data is given). Arrays only: ValueError for a
+            dataset, for a split outside [0, 1), and when it would leave no
+            example on one side.
           validation_data: `(x_val, y_val)` or `(x_val, y_val, val_sample_weight)`
             arrays, or an iterable of batches; evaluated after each epoch,
             reported as `val_<name>`.
@@ -566,7 +574,7 @@ class Trainer:
         """
         self._check_compiled("fit")
         if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = _split_validation(x, y, sample_weight, validation_split)
+            (x, y, sample_weight), validation_data = _split_off_validation(x, y, sample_weight, validation_split)
         data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
         val = None
         if validation_data is not None:
@@ -718,6 +726,28 @@ class _Resume:
         self.epoch, self.batch, self.order_state, self.after_skip = epoch, batch, order_state, after_skip
 
 
+def _split_off_validation(x, y, sample_weight, split):
+    """((x, y, sample_weight) to train on, (x, y, sample_weight) to validate on): the arrays' examples from
+    `floor(n * (1 - split))` on are validated on, as Keras's train_validation_split takes them before fit
+    shuffles."""
+    if not (isinstance(split, (int, float)) and 0.0 <= split < 1.0):
+        raise ValueError(f"fit: validation_split must be a float in [0, 1), got {split!r}")
+    if _is_dataset(x):
+        raise ValueError("fit: validation_split is only supported for arrays and tensors (x, y), not for a dataset "
+                         "of batches or a DataLoader (their length and order are unknown up front); pass "
+                         "validation_data=... instead")
+    arrays = [None if part is None else nest.map_structure(_array, part) for part in (x, y, sample_weight)]
+    n = len(nest.flatten(arrays[0])[0])
+    at = int(math.floor(n * (1.0 - split)))
+    if at in (0, n):
+        raise ValueError(f"fit: the training data has {n} examples, too few to split by validation_split={split} "
+                         f"(it would leave {at} to train on and {n - at} to validate on); give more data or another "
+                         f"validation_split")
+    def part(rows):
+        return tuple(None if a is None else nest.map_structure(lambda t: t[rows], a) for a in arrays)
+    return part(slice(None, at)), part(slice(at, None))
+
+
 def _val_xy(validation_data):
     """(x, y, sample_weight) of `validation_data`: a 2- or 3-tuple of arrays, or a dataset of batches."""
     # A tuple is (x_val, y_val[, sample_weight]) as in Keras, also when x_val is itself a tuple of several inputs'
@@ -735,25 +765,6 @@ def _validation_epochs(freq):
     if type(freq) is not int or freq < 1:
         raise ValueError(f"validation_freq must be a positive int or a list of epochs, got {freq!r}")
     return lambda n: n % freq == 0
-
-
-def _split_validation(x, y, sample_weight, fraction):
-    """((x, y, sample_weight) to train on, (x, y, sample_weight) to validate on): the last `fraction` of the
-    examples held out, unshuffled (Keras's train_validation_split: split at floor(n * (1 - fraction)))."""
-    if not 0.0 < float(fraction) < 1.0:
-        raise ValueError(f"validation_split must be a fraction in (0, 1), got {fraction!r}")
-    if x is None or _is_dataset(x) or y is None:
-        raise ValueError("validation_split needs arrays x and y (it holds out their last examples); with a "
-                         "dataset of batches pass validation_data instead")
-    n = len(nest.flatten(x)[0])
-    at = int(np.floor(n * (1.0 - float(fraction))))
-    if at == 0 or at == n:
-        raise ValueError(f"validation_split={fraction} of {n} examples leaves no training or no validation data")
-    x, y = nest.map_structure(_array, x), nest.map_structure(_array, y)
-    sw = None if sample_weight is None else _array(sample_weight)
-    head = nest.map_structure(lambda a: a[:at], (x, y)) + (None if sw is None else sw[:at],)
-    tail = nest.map_structure(lambda a: a[at:], (x, y)) + (None if sw is None else sw[at:],)
-    return head, tail
 
 
 def _is_dataset(x):

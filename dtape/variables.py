@@ -14,7 +14,7 @@ import torch
 from dtape import tape as _tp
 from dtape._local import ThreadLocalScope
 from dtape.ops._dispatch import install_variable_operators
-from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr, storage_held_alone, numpy_copy, numpy_array
+from dtape.tensor import Tensor, next_id, to_torch, is_variable, numpy_repr, storage_held_alone, numpy_array, numpy_value
 
 
 class VariableSynchronization(enum.Enum):
@@ -378,8 +378,9 @@ class Variable(metaclass=_VariableMeta):
     _dtape_read = read_value
 
     def numpy(self):
-        """A numpy copy of the value, writable; writing it leaves the variable alone (use `assign`)."""
-        return numpy_copy(self.torch())
+        """A numpy copy of the value, writable; writing it leaves the variable alone (use `assign`); a numpy
+        scalar of its dtype for a 0-d variable, as TF's."""
+        return numpy_value(self.torch())
 
     def __array__(self, dtype=None, copy=None):
         return numpy_array(self.torch(), dtype, copy)

@@ -85,18 +85,19 @@ def _strategy(replicas):
     return mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
 
 
-def _killed_then_resumed(replicas, save_freq, kill_after, tmp_path, data=None):
-    """(uninterrupted run, resumed run): each (model, batch logs, history)."""
+def _killed_then_resumed(replicas, save_freq, kill_after, tmp_path, data=None, extra=()):
+    """(uninterrupted run, resumed run): each (model, batch logs, history); `extra`: callbacks of every run."""
+    extra = list(extra)
     _seed(0)
-    whole = _fit(_strategy(replicas), 1, [], data)
+    whole = _fit(_strategy(replicas), 1, extra, data)
     _seed(0)
     backup = keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=save_freq)
-    _, killed_rows, history = _fit(_strategy(replicas), 1, [backup, KillAfter(kill_after)], data)
+    _, killed_rows, history = _fit(_strategy(replicas), 1, [backup, KillAfter(kill_after)] + extra, data)
     assert history is None and len(killed_rows) == kill_after - 1   # the kill comes before BatchLogs
     assert os.path.exists(tmp_path / "backup" / "backup")          # a killed run keeps its backup
     _seed(99)                      # the restart's own seeds and initial weights are overwritten by the backup
     backup = keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=save_freq)
-    resumed = _fit(_strategy(replicas), 7, [backup], data)
+    resumed = _fit(_strategy(replicas), 7, [backup] + extra, data)
     assert not os.path.exists(tmp_path / "backup")                  # deleted once fit completed
     return whole, resumed
 
@@ -172,3 +173,17 @@ def test_a_backup_of_two_replicas_is_refused_by_a_fit_without_the_strategy(tmp_p
     _fit(mirrored(2), 1, [backup, KillAfter(3)])
     with pytest.raises(ValueError, match="written by a strategy of 2 replicas, this fit runs without one"):
         _fit(dtape.distribute.get_strategy(), 1, [keras.callbacks.BackupAndRestore(tmp_path / "b")])
+
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_learning_rate_lowered_by_a_callback_is_restored_with_the_backup(replicas, tmp_path):
+    # the schedule halves the *current* rate at each epoch's start: a restart that lost the rate lowered before
+    # the backup would train epoch 1 at 0.025 instead of 0.0125 and drift from the uninterrupted run
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)
+    whole, resumed = _killed_then_resumed(replicas, "epoch", 8, tmp_path, extra=[halve])
+    _assert_same_run(whole, resumed, (1, 0))
+    lr = resumed[0].optimizer.learning_rate
+    assert float(lr) == float(whole[0].optimizer.learning_rate) == 0.05 * 0.5 ** EPOCHS
+    for component in getattr(lr, "values", (lr,)):    # one value on every replica
+        assert float(component.numpy()) == 0.05 * 0.5 ** EPOCHS

@@ -121,7 +121,7 @@ def test_a_save_between_restore_and_first_step_keeps_the_waiting_values(tmp_path
     ckpt = Checkpoint(step=dtape.Variable(0, dtype=torch.int64), optimizer=opt, model=model)
     manager = CheckpointManager(ckpt, str(tmp_path / "cut"), max_to_keep=2)
     ckpt.restore(manager.latest_checkpoint).expect_partial()
-    assert len(opt.variables()) == 1 and len(model.variables) == (4 if built else 0)
+    assert len(opt.variables()) == 2 and len(model.variables) == (4 if built else 0)  # iterations, learning_rate
     manager.save()                              # before the slots (and a lazy model's weights) exist
     model, ckpt, _, status, resumed_losses = _run(str(tmp_path / "cut"), 1, built=built)
     assert resumed_losses == whole_losses[2:]
@@ -601,3 +601,79 @@ def test_a_save_before_the_first_step_keeps_the_waiting_slots_of_their_variables
         o.apply_gradients([(tape.gradient(loss, y), y)])
     np.testing.assert_array_equal(b2.numpy(), b3.numpy())
     assert not np.array_equal(b2.numpy(), np.array([3.0, -1.0], np.float32) - 0.1)   # not a first Adam step
+
+
+def _sgd_state(lr, strategy=None):
+    """(variable, momentum SGD built for it, its rate set to `lr`), made in `strategy`'s scope if given."""
+    with (strategy or ds.get_strategy()).scope():
+        var = dtape.Variable(torch.tensor([1.0, -2.0], dtype=torch.float64), name="w")
+        opt = optimizers.SGD(0.1, momentum=0.5)
+        opt.build([var])
+    opt.learning_rate = lr
+    return var, opt
+
+
+def test_the_learning_rate_is_an_optimizer_variable_saved_and_restored(tmp_path):
+    var, opt = _sgd_state(0.0125)
+    assert [v.name for v in opt.variables()] == ["SGD/iterations", "SGD/learning_rate", "SGD/w/momentum"]
+    path = Checkpoint(w=var, optimizer=opt).save(tmp_path / "ckpt")
+    assert checkpoint.read(path)["optimizer.learning_rate"].item() == 0.0125
+    var2, opt2 = _sgd_state(0.1)
+    Checkpoint(w=var2, optimizer=opt2).restore(path).assert_consumed()
+    assert float(opt2.learning_rate) == 0.0125
+    fresh = optimizers.SGD(0.1, momentum=0.5)     # before its first step: the rate is there at once
+    Checkpoint(w=var2, optimizer=fresh).restore(path).expect_partial()
+    assert float(fresh.learning_rate) == 0.0125
+    var3, opt3 = _sgd_state(0.1)
+    checkpoint.restore(path, w=var3, optimizer=opt3)
+    assert float(opt3.learning_rate) == 0.0125
+
+
+def test_a_file_without_the_learning_rate_restores_the_rest_and_keeps_the_rate(tmp_path, monkeypatch):
+    var, opt = _sgd_state(0.0125)
+    opt.apply_gradients([(dtape.constant(torch.tensor([1.0, 1.0], dtype=torch.float64)), var)])
+    with monkeypatch.context() as patch:      # what an older dtape wrote: iterations and slots only
+        patch.setattr(optimizers.SGD, "_checkpoint_children", lambda self: {})
+        old = Checkpoint(w=var, optimizer=opt).save(tmp_path / "old")
+        checkpoint.save(tmp_path / "plain", w=var, optimizer=opt)
+    assert "optimizer.learning_rate" not in checkpoint.read(old)
+    var2, opt2 = _sgd_state(0.1)
+    Checkpoint(w=var2, optimizer=opt2).restore(old).assert_existing_objects_matched()
+    assert float(opt2.learning_rate) == 0.1 and int(opt2.iterations.numpy()) == 1
+    np.testing.assert_array_equal(opt2.variables()[2].numpy(), [-0.0125, -0.0125])     # the momentum slot
+    var3, opt3 = _sgd_state(0.1)
+    checkpoint.restore(tmp_path / "plain", w=var3, optimizer=opt3)
+    assert float(opt3.learning_rate) == 0.1
+    np.testing.assert_array_equal(opt3.variables()[2].numpy(), [-0.0125, -0.0125])
+
+
+def test_a_mirrored_optimizers_learning_rate_is_restored_on_every_replica(tmp_path):
+    strategy = _strategies.mirrored(2)
+    var, opt = _sgd_state(0.0125, strategy)
+    path = Checkpoint(w=var, optimizer=opt).save(tmp_path / "ckpt")
+    var2, opt2 = _sgd_state(0.3, strategy)
+    Checkpoint(w=var2, optimizer=opt2).restore(path).assert_consumed()
+    assert [float(c.numpy()) for c in opt2.learning_rate.values] == [0.0125, 0.0125]
+
+
+def test_a_loss_scale_optimizers_learning_rate_is_saved_and_old_files_still_restore(tmp_path, monkeypatch):
+    def made(lr):
+        var = dtape.Variable(torch.tensor([1.0, -2.0]), name="w")
+        opt = dtape.mixed_precision.LossScaleOptimizer(optimizers.Adam(0.1), initial_scale=8.0)
+        opt.build([var])
+        opt.learning_rate = lr
+        return var, opt
+
+    var, opt = made(0.0125)
+    names = [v.name for v in opt.variables()]
+    assert names[:2] == ["Adam/iterations", "Adam/learning_rate"] and len(names) == 6   # + m, v, scale, counter
+    path = Checkpoint(w=var, optimizer=opt).save(tmp_path / "ckpt")
+    var2, opt2 = made(0.1)
+    Checkpoint(w=var2, optimizer=opt2).restore(path).assert_consumed()
+    assert float(opt2.learning_rate) == 0.0125 and float(opt2.loss_scale) == 8.0
+    with monkeypatch.context() as patch:      # an older dtape's file: no learning rate
+        patch.setattr(optimizers.Adam, "_checkpoint_children", lambda self: {})
+        old = Checkpoint(w=var, optimizer=opt).save(tmp_path / "old")
+    var3, opt3 = made(0.1)
+    Checkpoint(w=var3, optimizer=opt3).restore(old).assert_existing_objects_matched()
+    assert float(opt3.learning_rate) == 0.1 and float(opt3.loss_scale) == 8.0

@@ -468,3 +468,43 @@ def test_predict_gives_a_two_input_model_both_inputs(pack):
     model = keras.Model([a, b], keras.layers.Concatenate()([a, b]))
     got = model.predict(pack([X, 2 * X]), batch_size=32)
     np.testing.assert_array_equal(got, np.concatenate([X, 2 * X], -1))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_validation_split_holds_out_the_last_examples_before_shuffling(replicas):
+    # Keras: the last floor-complement of 71 * 0.2 (71 - floor(56.8) = 15 examples) is held out before fit shuffles;
+    # the same fit with validation_data=(X[56:], Y[56:]) gives the same losses, bit for bit
+    weights = np.linspace(0.5, 2.0, 71).astype(np.float32)
+    histories = []
+    for split in (True, False):
+        strategy = mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
+        with strategy.scope():
+            model = _mlp()
+            model.compile(keras.optimizers.SGD(0.3), _loss(), metrics=["accuracy"])
+        np.random.seed(5)
+        if split:
+            history = model.fit(X, Y, batch_size=16, epochs=2, verbose=0, sample_weight=weights,
+                                validation_split=0.2)
+        else:
+            history = model.fit(X[:56], Y[:56], batch_size=16, epochs=2, verbose=0, sample_weight=weights[:56],
+                                validation_data=(X[56:], Y[56:], weights[56:]))
+        histories.append(history.history)
+    assert histories[0] == histories[1]
+    assert set(histories[0]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert histories[0]["val_loss"][0] != histories[0]["loss"][0]
+
+
+def test_validation_split_of_several_inputs_and_its_errors():
+    a, b = keras.Input((5,)), keras.Input((5,))
+    model = keras.Model([a, b], keras.layers.Dense(3, seed=1)(keras.layers.Concatenate()([a, b])))
+    model.compile(keras.optimizers.SGD(0.0), loss=_loss())
+    history = model.fit([X, 2 * X], Y, epochs=1, verbose=0, validation_split=0.5)    # 35 train, 36 validate
+    np.testing.assert_allclose(history.history["val_loss"][0], model.evaluate([X[35:], 2 * X[35:]], Y[35:]),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="only supported for arrays.*validation_data"):
+        model.fit([((X[:8], X[:8]), Y[:8])], epochs=1, verbose=0, validation_split=0.2)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"validation_split must be a float in \[0, 1\)"):
+            model.fit([X, X], Y, verbose=0, validation_split=bad)
+    with pytest.raises(ValueError, match="1 examples, too few to split by validation_split=0.2"):
+        model.fit([X[:1], X[:1]], Y[:1], verbose=0, validation_split=0.2)

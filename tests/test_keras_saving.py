@@ -221,3 +221,23 @@ def test_constructor_arguments_are_not_children():
     template.build((None, 2))
     layer = Uses(template)
     assert layer.get_config()["template"] is template and len(layer.variables) == 0 and len(layer.submodules) == 0
+
+
+class Temperature(keras.layers.Layer):
+    """A layer with a 0-d weight (a learned temperature)."""
+
+    def build(self, input_shape):
+        self.t = self.add_weight("t", shape=(), initializer="ones")
+
+    def call(self, x):
+        return x / self.t
+
+
+def test_a_0d_variable_is_saved_and_loaded_as_0d(tmp_path):
+    inputs = keras.Input(shape=(5,))
+    model = keras.Model(inputs, Temperature()(inputs))
+    model.layers[-1].t.assign(2.5)
+    model.save(tmp_path / "t.keras")
+    loaded = keras.models.load_model(tmp_path / "t.keras", custom_objects={"Temperature": Temperature})
+    assert loaded.layers[-1].t.shape == () and loaded.layers[-1].t.numpy() == np.float32(2.5)
+    np.testing.assert_array_equal(loaded.predict(X, verbose=0), X / np.float32(2.5))

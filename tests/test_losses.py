@@ -108,8 +108,11 @@ def test_regression_losses_and_every_reduction():
 def test_trailing_unit_axis_is_squeezed_as_keras():
     yt = torch.tensor([[1.0], [2.0]])
     np.testing.assert_allclose(_np(losses.MeanSquaredError(reduction="none")(yt, [[1.5], [2.0]])), [0.25, 0.0])
-    # Keras squeezes y_true's trailing 1 to match y_pred [2], then averages the last axis.
-    np.testing.assert_allclose(float(losses.MeanSquaredError(reduction="none")(yt, [1.5, 2.0])), 0.125)
+    # Keras 3 (squeeze_or_expand_to_same_rank) gives the rank-1 side y_true's trailing 1: one loss per example
+    np.testing.assert_allclose(_np(losses.MeanSquaredError(reduction="none")(yt, [1.5, 2.0])), [0.25, 0.0])
+    # a trailing 1 on a rank-2 side is dropped: [2, 2, 1] with [2, 2] averages over the last axis of [2, 2]
+    np.testing.assert_allclose(_np(losses.mean_squared_error([[[1.0], [2.0]], [[0.0], [0.0]]], [[1.5, 2.0], [1.0, 3.0]])),
+                               [0.125, 5.0])
 
 
 def test_bad_reduction_raises():
@@ -210,3 +213,55 @@ def test_cross_replica_context_raises_as_tf(strategy):
             dtape.nn.compute_average_loss([1.0])
         with pytest.raises(RuntimeError, match="cross replica context"):
             dtape.nn.scale_regularization_loss(1.0)
+
+
+# -- labels [n] with one output unit [n, 1] (Keras's rank matching) ----------------
+
+Y01 = np.array([1.0, 0.0, 1.0, 0.0])
+P01 = np.array([[0.9], [0.2], [0.6], [0.7]])
+BCE01 = -(Y01 * np.log(P01[:, 0]) + (1 - Y01) * np.log(1 - P01[:, 0]))  # -log 0.9, -log 0.8, -log 0.6, -log 0.3
+
+
+@pytest.mark.parametrize("labels", [Y01, Y01.astype(np.int64), Y01.tolist()])
+def test_binary_crossentropy_of_label_vector_and_one_unit_is_per_example(labels):
+    np.testing.assert_allclose(_np(losses.BinaryCrossentropy(reduction="none")(labels, P01)), BCE01, rtol=1e-12)
+    np.testing.assert_allclose(_np(losses.binary_crossentropy(labels, P01)), BCE01, rtol=1e-12)
+    np.testing.assert_allclose(float(losses.BinaryCrossentropy()(labels, P01)), BCE01.mean(), rtol=1e-12)
+    weights = np.array([1.0, 2.0, 0.0, 0.5])
+    np.testing.assert_allclose(float(losses.BinaryCrossentropy(reduction="sum")(labels, P01, sample_weight=weights)),
+                               (BCE01 * weights).sum(), rtol=1e-12)
+    logits = np.log(P01 / (1 - P01))
+    np.testing.assert_allclose(_np(losses.BinaryCrossentropy(from_logits=True, reduction="none")(labels, logits)),
+                               BCE01, rtol=1e-9)
+    # predictions [n] with labels [n, 1]: the same per-example losses
+    np.testing.assert_allclose(_np(losses.BinaryCrossentropy(reduction="none")(Y01[:, None], P01[:, 0])), BCE01,
+                               rtol=1e-12)
+
+
+def test_regression_losses_of_target_vector_and_one_unit_are_per_example():
+    y, p = np.array([1.0, 2.0, -1.0]), np.array([[1.5], [2.0], [1.0]])
+    for fn, cls, want in [(losses.mean_squared_error, losses.MeanSquaredError, [0.25, 0.0, 4.0]),
+                          (losses.mean_absolute_error, losses.MeanAbsoluteError, [0.5, 0.0, 2.0])]:
+        np.testing.assert_allclose(_np(fn(y, p)), want)
+        np.testing.assert_allclose(_np(cls(reduction="none")(y, p)), want)
+        np.testing.assert_allclose(float(cls()(y, p)), np.mean(want))
+
+
+def test_sparse_labels_with_a_trailing_unit_axis_and_categorical_rank_mismatch():
+    logits = np.array([[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]])
+    want = -np.log(np.exp(logits[[0, 1], [0, 2]]) / np.exp(logits).sum(-1))
+    for labels in ([0, 2], [[0], [2]]):
+        np.testing.assert_allclose(
+            _np(losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")(labels, logits)), want)
+    with pytest.raises(ValueError, match="sparse_categorical_crossentropy"):
+        losses.categorical_crossentropy([0.0, 2.0, 1.0], np.ones((3, 3)) / 3)   # ids where one-hot is due
+
+
+def test_a_builtin_loss_subclass_gets_matched_ranks_in_its_call():
+    # a call written with plain ops: given y [n] and p [n, 1] unmatched it would broadcast to [n, n]
+    class Plain(losses.BinaryCrossentropy):
+        def call(self, y_true, y_pred):
+            return -dtape.reduce_mean(y_true * dtape.math.log(y_pred) + (1 - y_true) * dtape.math.log(1 - y_pred),
+                                      axis=-1)
+
+    np.testing.assert_allclose(_np(Plain(reduction="none")(Y01, P01)), BCE01, rtol=1e-12)

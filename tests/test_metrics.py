@@ -75,3 +75,16 @@ def test_metric_over_strategy_equals_one_device(strategy, cls):
         np.testing.assert_allclose(float(dist.result()), float(single.result()), rtol=1e-6)
         dist.reset_state()
         assert float(dist.result()) == 0.0
+
+
+def test_metrics_of_a_label_vector_and_one_unit_are_per_example_so_weights_weigh_examples():
+    # Keras 3 matches [n] with [n, 1] (squeeze_or_expand_to_same_rank); the old squeeze gave one value per batch
+    y, p = np.array([1.0, 0.0, 1.0, 0.0]), np.array([[0.9], [0.2], [0.4], [0.7]])
+    np.testing.assert_allclose(dtape.metrics.mean_squared_error(y, p).numpy(), [0.01, 0.04, 0.36, 0.49], rtol=1e-6)
+    np.testing.assert_array_equal(dtape.metrics.binary_accuracy(y, p).numpy(), [1.0, 1.0, 0.0, 0.0])
+    mse = dtape.metrics.MeanSquaredError()
+    mse.update_state(y, p, sample_weight=[1.0, 0.0, 0.0, 3.0])
+    np.testing.assert_allclose(float(mse.result()), (0.01 * 1 + 0.49 * 3) / 4, rtol=1e-6)
+    accuracy = dtape.metrics.BinaryAccuracy()
+    accuracy.update_state(y, p, sample_weight=[1.0, 0.0, 0.0, 3.0])
+    assert float(accuracy.result()) == 0.25

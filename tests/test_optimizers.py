@@ -98,21 +98,21 @@ def test_dropped_variable_frees_its_slots():
     keep = dtape.Variable(torch.ones(3))
     drop = dtape.Variable(torch.ones(3))
     opt.apply_gradients([(dtape.constant([1.0, 1.0, 1.0]), keep), (dtape.constant([1.0, 1.0, 1.0]), drop)])
-    assert len(opt.variables()) == 5  # iterations + 2 slots each
-    slot_refs = [weakref.ref(s) for s in opt.variables()[3:]]
+    assert len(opt.variables()) == 6  # iterations, learning_rate + 2 slots each
+    slot_refs = [weakref.ref(s) for s in opt.variables()[4:]]
     del drop
     gc.collect()
     assert all(r() is None for r in slot_refs)
-    assert len(opt.variables()) == 3
+    assert len(opt.variables()) == 4
     opt.apply_gradients([(dtape.constant([1.0, 1.0, 1.0]), keep)])  # the survivor keeps training
-    assert len(opt.variables()) == 3
+    assert len(opt.variables()) == 4
 
 
 def test_dropped_optimizer_does_not_keep_slots_alive():
     v = dtape.Variable(torch.ones(2))
     opt = dtape.optimizers.SGD(0.1, momentum=0.5)
     opt.apply_gradients([(dtape.constant([1.0, 1.0]), v)])
-    slot = weakref.ref(opt.variables()[1])
+    slot = weakref.ref(opt.variables()[2])    # after iterations and learning_rate
     del opt
     gc.collect()
     assert slot() is None
@@ -165,7 +165,7 @@ def test_apply_gradients_missing_slot_momentum_stays_identical(strategy):
         warnings.simplefilter("error")  # the variable has a gradient on replica 1: no warning
         strategy.run(step)
         strategy.run(step)
-    m0, m1 = opt.variables()[1].values
+    m0, m1 = opt.variables()[2].values    # the momentum slot, after iterations and learning_rate
     assert torch.equal(m0.torch(), m1.torch())
     # velocity: -0.5 g, then 0.9 * -0.5 g - 0.5 g; w = 1 - 0.5 g - 0.95 g
     np.testing.assert_allclose(w.values[0].numpy(), [1 - 1.45, 1 - 2.9], rtol=1e-6)

@@ -378,3 +378,20 @@ def test_dlpack_on_cuda_keeps_the_device():
     assert u.device == t.device and u.torch().data_ptr() == t.torch().data_ptr()
     assert f"{dtape.reduce_sum(t):.1f}" == "3.0"
     assert repr(dtape.cast(t, "bfloat16")).endswith("dtype=bfloat16)>")
+
+
+def test_numpy_of_a_0d_value_is_a_numpy_scalar_as_tf(strategy):
+    """TF's EagerTensor.numpy() of a 0-d value is a numpy scalar: `round(opt.lr.numpy(), 5)` and the
+    f-string / float idioms of TF code work (a 0-d ndarray has no __round__); arrays stay arrays."""
+    values = [dtape.constant(1.23456789), dtape.optimizers.SGD(0.0123456).learning_rate,
+              *_variables(strategy, 1.23456789)]
+    for v in values:
+        got = v.numpy()
+        assert type(got) is (np.float64 if v.dtype == torch.float64 else np.float32) and got.shape == ()
+        assert round(got, 5) == round(float(got), 5) and isinstance(round(got, 5), float | np.floating)
+        assert f"{got:.3f}" == f"{float(got):.3f}"
+    assert round(dtape.constant(1.23456789).numpy(), 5) == np.float32(1.23457)
+    assert round(dtape.optimizers.SGD(0.0123456).learning_rate.numpy(), 5) == 0.01235
+    assert type(dtape.constant(3).numpy()) is np.int64 and dtape.constant(True).numpy() is np.True_
+    assert type(dtape.constant([1.0]).numpy()) is np.ndarray and dtape.constant([1.0]).numpy().shape == (1,)
+    assert type(np.asarray(dtape.constant(2.0))) is np.ndarray    # the array protocol still gives an array

@@ -91,7 +91,7 @@ def _replica_model(strategy):
         w = dtape.Variable(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
         opt = dtape.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=5.0)
         opt.build([w])
-    return w, opt, [w] + opt.variables() + [opt.learning_rate]
+    return w, opt, [w] + opt.variables()       # iterations, learning_rate, momentum
 
 
 def _replica_grad(k):

@@ -15,7 +15,7 @@ from dtape import tape as _tp
 from dtape.distribute import context, cross_device_ops
 from dtape.distribute.interrupts import uninterrupted
 from dtape.distribute.reduce_util import ReduceOp
-from dtape.tensor import Tensor, convert_to_tensor, numpy_copy, numpy_array
+from dtape.tensor import Tensor, convert_to_tensor, numpy_array, numpy_value
 from dtape.variables import VariableAggregation, install_tensor_protocol
 
 
@@ -140,8 +140,8 @@ class DistributedVariable(DistributedValues):
 
     def numpy(self):
         """The value as a writable numpy copy (cross-replica: the logical value, as `read_value()`);
-        not recorded. Writing it changes no component (use `assign`)."""
-        return numpy_copy(self._host_value())
+        not recorded. Writing it changes no component (use `assign`); 0-d: a numpy scalar, as TF's."""
+        return numpy_value(self._host_value())
 
     def torch(self):
         """The value as a torch.Tensor (cross-replica: the logical value); not recorded."""

@@ -245,7 +245,7 @@ def test_optimizer_slots_are_mirrored(strategy):
     slots = opt.variables()
     assert all(isinstance(s, ds.MirroredVariable) for s in slots)
     assert int(opt.iterations.numpy()) == 1
-    m0, m1 = slots[1].values
+    m0, m1 = slots[2].values    # m, after iterations and learning_rate
     assert torch.equal(m0.torch(), m1.torch())
     np.testing.assert_allclose(m0.numpy(), [0.2, 0.2], rtol=1e-6)  # (1 - 0.9) * summed grad 2
 
@@ -327,8 +327,8 @@ def test_optimizer_build_creates_mirrored_slots_before_any_step(strategy):
         opt = dtape.optimizers.SGD(0.1, momentum=0.5)
         opt.build([v])
     slots = opt.variables()
-    assert len(slots) == 2 and int(opt.iterations.numpy()) == 0
-    assert isinstance(slots[1], ds.MirroredVariable) and slots[1].shape == (3,)
+    assert len(slots) == 3 and int(opt.iterations.numpy()) == 0     # iterations, learning_rate, momentum
+    assert isinstance(slots[2], ds.MirroredVariable) and slots[2].shape == (3,)
 
 
 def test_variable_created_inside_run_is_one_mirrored_variable_for_all_replicas(strategy):
