@@ -41,7 +41,7 @@ def test_validation_split_holds_out_the_last_examples_unshuffled():
                          validation_data=(X[16:], Y[16:])).history
     assert sorted(split) == ["loss", "mae", "val_loss", "val_mae"]
     np.testing.assert_allclose(split["val_loss"], given["val_loss"], rtol=1e-6)
-    with pytest.raises(ValueError, match="validation_split needs arrays x and y"):
+    with pytest.raises(ValueError, match="validation_split is only supported for arrays"):
         _model().fit([(X, Y)], validation_split=0.2, verbose=0)
 
 
