@@ -47,7 +47,7 @@ from dtape import random as _random
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
-from dtape.variables import Variable, trace_scope, variable_creator_scope
+from dtape.variables import trace_scope, variable_creator_scope
 
 # TF warns once a function has been traced this many times (tf.function's FREQUENT_TRACING_WARNING_THRESHOLD)
 RETRACE_WARNING_THRESHOLD = 5
