@@ -486,8 +486,8 @@ def _generator_attributes(graph, generator):
     make_fx keeps a generator as another Python object of the same torch generator: they share the seed.
     """
     seed = generator.initial_seed()
-    return [n.target for n in graph.graph.nodes if n.op == "get_attr" and
-            isinstance(getattr(graph, n.target, None), torch.Generator) and getattr(graph, n.target).initial_seed() == seed]
+    attributes = [(n.target, getattr(graph, n.target, None)) for n in graph.graph.nodes if n.op == "get_attr"]
+    return [name for name, a in attributes if isinstance(a, torch.Generator) and a.initial_seed() == seed]
 
 
 def _device_of(tensors, variables):
