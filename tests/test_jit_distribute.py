@@ -42,7 +42,7 @@ def _split(strategy, array):
 
 
 def _train(strategy, jit, task, make_optimizer, batches, dropout=0.0, backend=None):
-    """Per-step global losses, final variables (every component, replica by replica) and the step function."""
+    """Per-step global losses, final weights and optimizer state (every component) and the step function."""
     torch.manual_seed(0)
     scope = strategy.scope() if strategy is not None else dtape.distribute.get_strategy().scope()
     with scope:
@@ -64,7 +64,9 @@ def _train(strategy, jit, task, make_optimizer, batches, dropout=0.0, backend=No
         else:
             per_replica = strategy.run(f, args=(_split(strategy, x), _split(strategy, y)))
             losses.append(float(strategy.reduce(ReduceOp.SUM, per_replica, axis=None)))
-    variables = [[c.numpy() for c in getattr(v, "values", (v,))] for v in model.trainable_variables]
+    # the weights and the optimizer's state (iterations, slots), every replica's component
+    state = list(model.trainable_variables) + list(optimizer.variables())
+    variables = [[np.asarray(c.numpy(), dtype=np.float64) for c in getattr(v, "values", (v,))] for v in state]
     return np.array(losses), variables, f
 
 
