@@ -371,10 +371,11 @@ class _Concrete:
         # replica's generator, `dtape.random.get_generator`) for the call, so draws follow the caller's seed.
         stream = _random.get_generator(self.generator.device)
         compiled, generator = self._runner(stream)
-        state = None
+        recording = _tp.could_possibly_record()
+        state = None  # the generator's state for the gradient graph (None: the body draws nothing)
         if generator is not None:
             generator.set_state(stream.get_state())
-            state = generator.get_state() if _tp.could_possibly_record() else None
+            state = generator.get_state() if recording else None
         outs = compiled(*ins)
         if generator is not None:
             stream.set_state(generator.get_state())
@@ -388,7 +389,7 @@ class _Concrete:
             it = iter(outs[:n])
             flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
             result = nest.pack_sequence_as(self.template, flat)
-        if state is not None:
+        if recording:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
         return result
 
@@ -431,7 +432,8 @@ class _Concrete:
         if self._vjp is None:
             self._vjp = self._trace_vjp(leaves, ins, dys)
         graph, keep = self._vjp
-        self.generator.set_state(state)  # the forward's draws again
+        if state is not None:
+            self.generator.set_state(state)  # the forward's draws again
         grads = iter(graph(*ins, *dys))
         return [next(grads) if k else None for k in keep]
 
