@@ -194,3 +194,36 @@ def test_wrapping_optimizers_in_a_compiled_replica_step_say_to_run_eagerly(wrap)
     with pytest.raises((NotImplementedError, RuntimeError), match="eagerly"):
         strategy.run(f, args=(dtape.constant(1.0),))
     assert [c.numpy().tolist() for c in w.values] == [[1.0] * 3] * 2
+
+
+def test_tf_tutorial_replica_step_with_average_loss_and_a_metric_compiled_equals_eager():
+    """The step of TF's custom-training tutorial (tutorials/distribute/custom_training): compute_average_loss
+    over the global batch, apply_gradients, and a metric updated in the replica step, compiled."""
+    batches = _digits_batches(8)
+    runs = []
+    for jit in (False, True):
+        strategy = mirrored(2)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = digits.build_model(0)
+            optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)
+            optimizer.build(model.trainable_variables)
+            accuracy = dtape.metrics.SparseCategoricalAccuracy()
+
+        def train_step(x, y):
+            with dtape.GradientTape() as tape:
+                logits = model(x, training=True)
+                per_example = dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                loss = dtape.distribute.compute_average_loss(per_example, global_batch_size=GLOBAL)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(y, logits)
+            return loss
+        step = dtape.function(train_step, jit_compile=True, backend=None) if jit else train_step
+        losses = [float(strategy.reduce(ReduceOp.SUM, strategy.run(step, args=(_split(strategy, x),
+                                                                             _split(strategy, y))), axis=None))
+                  for x, y in batches]
+        runs.append((losses, float(accuracy.result()), [c.numpy() for c in accuracy.variables[0].values]))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    assert runs[1][1] == runs[0][1] and 0.0 < runs[1][1] <= 1.0
+    np.testing.assert_allclose(runs[1][2], runs[0][2])  # each replica's own count, as eager
