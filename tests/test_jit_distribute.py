@@ -227,3 +227,24 @@ def test_tf_tutorial_replica_step_with_average_loss_and_a_metric_compiled_equals
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
     assert runs[1][1] == runs[0][1] and 0.0 < runs[1][1] <= 1.0
     np.testing.assert_allclose(runs[1][2], runs[0][2])  # each replica's own count, as eager
+
+
+def test_replicas_tracing_different_compiled_functions_at_once_trace_one_at_a_time():
+    """make_fx is not thread-safe: two replica threads each tracing its own compiled function (none of them
+    a collective) must not trace at the same moment (torch.fx's global patcher: 'CURRENT_PATCHER is None')."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        w = dtape.Variable(torch.arange(6.0).reshape(2, 3))
+
+    def body(x):
+        h = x
+        for _ in range(30):  # a longer trace: more chances to overlap
+            h = dtape.tanh(dtape.matmul(h, w) @ dtape.transpose(w))
+        return dtape.reduce_sum(h)
+    for attempt in range(3):
+        fs = [dtape.function(body, jit_compile=True, backend=None) for _ in range(2)]
+        run = strategy.run(lambda x: fs[dtape.distribute.get_replica_context().replica_id_in_sync_group](x),
+                           args=(dtape.ones([4, 2]) * 0.1,))
+        values = [float(v) for v in strategy.experimental_local_results(run)]
+        assert values[0] == values[1] == pytest.approx(float(body(dtape.ones([4, 2]) * 0.1)), rel=1e-6)
+        assert [f.trace_count for f in fs] == [1, 1]
