@@ -430,7 +430,9 @@ class _Concrete:
     def vjp(self, leaves, ins, state, dys):
         """Gradients for the tensor arguments and the variables (in order), from the compiled VJP graph."""
         if self._vjp is None:
-            self._vjp = self._trace_vjp(leaves, ins, dys)
+            with self.owner._lock:  # traced once, one thread at a time (make_fx is not thread-safe)
+                if self._vjp is None:
+                    self._vjp = self._trace_vjp(leaves, ins, dys)
         graph, keep = self._vjp
         if state is not None:
             self.generator.set_state(state)  # the forward's draws again
