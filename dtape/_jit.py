@@ -95,6 +95,12 @@ def _shape_matches(pattern, shape):
     return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
 
 
+# One lock for every compiled function's lookups and traces in the process: make_fx is not thread-safe
+# (torch.fx keeps one global patcher: two threads tracing at once fail), and one lock, rather than one per
+# function, cannot deadlock when a body being traced calls another compiled function.
+_TRACE_LOCK = threading.RLock()
+
+
 class _NeedsEagerCall(Exception):
     """The body creates a variable from a value computed in the trace: this call runs eagerly."""
 
@@ -164,7 +170,7 @@ class JitFunction:
         self._backend = backend
         self._compile_options = _compile_options(backend, compile_options)
         self._eager_call = eager_call  # the eager Function, for a first call that must create variables
-        self._lock = threading.RLock()
+        self._lock = _TRACE_LOCK
         self._concrete = {}  # relaxed key -> list of _Concrete
         self._variables = {}  # every variable a trace took as an input, in first-seen order
         self._initialized = False  # variables may be created only until the first trace completes
