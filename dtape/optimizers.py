@@ -254,7 +254,10 @@ class Optimizer:
         per bucket, run when the graph runs), clips the sums and updates its own components with them: the
         same sums and the same formula on every replica, so the components stay identical, as with the one
         update of merge_call. The slots must exist (`build(var_list)` in the strategy's scope first)."""
-        if type(self)._distributed_apply is not Optimizer._distributed_apply:
+        # a wrapping optimizer (LossScaleOptimizer) or one running its own update (from_torch's torch.optim step,
+        # which writes the tensors in place: no graph op) needs the eager cross-replica path
+        if type(self)._distributed_apply is not Optimizer._distributed_apply or \
+                type(self)._apply is not Optimizer._apply:
             raise NotImplementedError(
                 f"{type(self).__name__}.apply_gradients cannot be traced in a replica step of a strategy with "
                 f"{ctx.num_replicas_in_sync} replicas (its update needs the cross-replica context); run this "
@@ -271,9 +274,10 @@ class Optimizer:
         clipped = self._clip_gradients([(Tensor(g), c) for g, c in zip(sums, comps)])
         with _tp.stop_recording():
             step = self._step_count() + 1
-            rid = ctx.replica_id_in_sync_group
+            # the slots' components at each component's own index: a worker of several processes holds one
+            # component (index 0) whatever its replica id
             self._update_many(comps, [convert_to_tensor(g).torch().to(c.device) for (g, _), c in zip(clipped, comps)],
-                              [self._component_slots(c, rid) for c in comps], step)
+                              [self._component_slots(c, _component_index(c)) for c in comps], step)
             iterations = self.iterations
             local = iterations._component() if isinstance(iterations, distribute.DistributedValues) else iterations
             local.assign_add(1)
@@ -693,6 +697,12 @@ def _fill_missing(grad, var, devices):
     return distribute.PerReplica(tuple(
         Tensor(torch.zeros(tuple(var.shape), dtype=var.dtype, device=normalize_device(d))) if g is None else g
         for g, d in zip(grad.values, devices)))
+
+
+def _component_index(component):
+    """The index of `component` among its container's components (0 for a plain variable)."""
+    container = distribute.value_container(component)
+    return next((i for i, x in enumerate(getattr(container, "values", ())) if x is component), 0)
 
 
 def _component_like(slot, var):
