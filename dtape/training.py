@@ -546,7 +546,11 @@ class Trainer:
             (Keras's weighting, `dtape.nn.scale_losses_by_sample_weight`); the
             metrics get it as their `sample_weight`. Arrays only (a dataset
             gives `(x, y, sample_weight)` batches).
-          steps_per_epoch: at most this many batches per epoch.
+          steps_per_epoch: each epoch takes the next this many batches of
+            the ongoing pass over the data; a new pass (a new shuffle) starts
+            when one is exhausted, and a pass running out mid-epoch ends
+            that epoch with a UserWarning, as Keras 2 and 3. Arrays without
+            `batch_size` then get batches of ceil(n / steps_per_epoch).
           validation_split: a fraction in [0, 1) of array data held out for
             validation: the LAST examples of `x`, `y` (and `sample_weight`),
             taken before any shuffling, as Keras; ignored when
@@ -560,7 +564,7 @@ class Trainer:
           RuntimeError: before `compile`.
           ValueError: arrays of different lengths (x, y, sample_weight); `y`,
             `batch_size` or `sample_weight` with a dataset; a class without a
-            `class_weight`.
+            `class_weight`; a `steps_per_epoch` that is not a positive int.
         A `BackupAndRestore` callback may make fit start at a later epoch
         and batch (the ones its backup recorded) instead of `initial_epoch`.
         Source: tf.keras.Model.fit.
@@ -607,9 +611,10 @@ class Trainer:
     def _resume_fit(self, epoch, batch, order_state, after_skip):
         """Makes the next fit (this one, when called from `on_train_begin`) start at `epoch`, batch `batch`.
 
-        `order_state`: the random states the epoch's data order was drawn
-        from (`_fit_order_state()` when it was saved); the epoch's first
-        `batch` batches are drawn again in that order and skipped, then
+        `order_state`: the random states the ongoing pass's data order was
+        drawn from and its `pass_done` batches drawn (`_fit_order_state()`
+        when it was saved); those batches are drawn again in that order and
+        skipped (the epoch's first `batch` ones without `pass_done`), then
         `after_skip()` runs (BackupAndRestore sets the random states of the
         moment of its backup there). With `batch == 0` the epoch starts as usual.
         """
