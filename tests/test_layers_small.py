@@ -85,3 +85,15 @@ def test_the_keras_names_are_dtapes_objects():
     assert keras.backend.get_value is dtape.variables.get_value and keras.backend.set_value is dtape.variables.set_value
     for name in ("Lambda", "Rescaling", "Softmax", "ZeroPadding2D"):
         assert getattr(keras.layers, name) is getattr(dtape.layers, name)
+
+
+def test_a_saved_model_with_the_layers_reloads_with_the_same_outputs(tmp_path):
+    inputs = keras.Input(shape=(3, 3, 2))
+    h = L.ZeroPadding2D(((1, 0), (0, 2)))(L.Rescaling(1.0 / 255, offset=-0.5)(inputs))
+    outputs = L.Softmax(axis=1)(L.Dense(4)(L.Flatten()(h)))
+    model = keras.Model(inputs, outputs)
+    x = np.arange(36, dtype=np.float64).reshape(2, 3, 3, 2)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(loaded(x).numpy(), model(x).numpy())
+    assert [type(layer).__name__ for layer in loaded.layers][1:4] == ["Rescaling", "ZeroPadding2D", "Flatten"]
