@@ -18,6 +18,7 @@ Source: tf.keras.Model (TF 2 / Keras 2 engine/training.py, compile_utils.py).
 """
 import math
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -553,7 +554,11 @@ class Trainer:
             (Keras's weighting, `dtape.nn.scale_losses_by_sample_weight`); the
             metrics get it as their `sample_weight`. Arrays only (a dataset
             gives `(x, y, sample_weight)` batches).
-          steps_per_epoch: at most this many batches per epoch.
+          steps_per_epoch: each epoch takes the next this many batches of
+            the ongoing pass over the data; a new pass (a new shuffle) starts
+            when one is exhausted, and a pass running out mid-epoch ends
+            that epoch with a UserWarning, as Keras 2 and 3. Arrays without
+            `batch_size` then get batches of ceil(n / steps_per_epoch).
           validation_split: a fraction in [0, 1) of array data held out for
             validation: the LAST examples of `x`, `y` (and `sample_weight`),
             taken before any shuffling, as Keras; ignored when
@@ -567,7 +572,7 @@ class Trainer:
           RuntimeError: before `compile`.
           ValueError: arrays of different lengths (x, y, sample_weight); `y`,
             `batch_size` or `sample_weight` with a dataset; a class without a
-            `class_weight`.
+            `class_weight`; a `steps_per_epoch` that is not a positive int.
         A `BackupAndRestore` callback may make fit start at a later epoch
         and batch (the ones its backup recorded) instead of `initial_epoch`.
         Source: tf.keras.Model.fit.
@@ -575,7 +580,7 @@ class Trainer:
         self._check_compiled("fit")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _split_off_validation(x, y, sample_weight, validation_split)
-        data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight)
+        data = _Data(x, y, batch_size, shuffle, sample_weight, class_weight, _positive(steps_per_epoch))
         val = None
         if validation_data is not None:
             val_x, val_y, val_sw = _val_xy(validation_data)
@@ -594,7 +599,7 @@ class Trainer:
             mid_epoch = resume is not None and epoch == resume.epoch and resume.batch > 0
             if not mid_epoch:   # resumed mid-epoch: the metrics hold the epoch's restored running state
                 self._reset_metrics()
-            data.resume = resume if mid_epoch else None
+            data.resume = resume if resume is not None and epoch == resume.epoch and resume.continues() else None
             cbs.on_epoch_begin(epoch)
             logs = self._run_epoch(data, self.train_step, cbs, "train", steps_per_epoch,
                                    self._progress(verbose, data, steps_per_epoch, f"Epoch {epoch + 1}/{epochs}",
@@ -614,9 +619,10 @@ class Trainer:
     def _resume_fit(self, epoch, batch, order_state, after_skip):
         """Makes the next fit (this one, when called from `on_train_begin`) start at `epoch`, batch `batch`.
 
-        `order_state`: the random states the epoch's data order was drawn
-        from (`_fit_order_state()` when it was saved); the epoch's first
-        `batch` batches are drawn again in that order and skipped, then
+        `order_state`: the random states the ongoing pass's data order was
+        drawn from and its `pass_done` batches drawn (`_fit_order_state()`
+        when it was saved); those batches are drawn again in that order and
+        skipped (the epoch's first `batch` ones without `pass_done`), then
         `after_skip()` runs (BackupAndRestore sets the random states of the
         moment of its backup there). With `batch == 0` the epoch starts as usual.
         """
@@ -625,7 +631,7 @@ class Trainer:
     def _fit_order_state(self):
         """The random states this epoch's data order was drawn from (numpy's, torch's, the loader's generators)."""
         data = vars(self).get("_fit_data")
-        return None if data is None else data.order_state
+        return None if data is None else data.position()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose=0, callbacks=None, sample_weight=None,
                  return_dict=False, steps=None):
@@ -725,6 +731,10 @@ class _Resume:
     def __init__(self, epoch, batch, order_state, after_skip):
         self.epoch, self.batch, self.order_state, self.after_skip = epoch, batch, order_state, after_skip
 
+    def continues(self):
+        """Whether the resumed epoch continues a pass: mid-epoch, or (with steps_per_epoch) mid-pass."""
+        return self.batch > 0 or bool(self.order_state and self.order_state.get("pass_done"))
+
 
 def _split_off_validation(x, y, sample_weight, split):
     """((x, y, sample_weight) to train on, (x, y, sample_weight) to validate on): the arrays' examples from
@@ -776,6 +786,20 @@ def _is_dataset(x):
     return hasattr(x, "__iter__")
 
 
+_END = object()
+_RAN_OUT = ("Your input ran out of data after {n} batches, before the epoch's {steps} steps (steps_per_epoch): "
+            "the epoch ends here and the next one starts a new pass over the data (as Keras). Make sure the "
+            "data gives at least steps_per_epoch * epochs batches, or lower steps_per_epoch.")
+
+
+def _positive(steps):
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps_per_epoch must be a positive int (or None for one pass per epoch), got {steps!r}")
+    return int(steps)
+
+
 def _steps(data, steps):
     n = data.num_batches()
     return n if steps is None else (steps if n is None else min(n, steps))
@@ -799,10 +823,11 @@ class _Data:
     skipped (BackupAndRestore).
     """
 
-    def __init__(self, x, y, batch_size, shuffle, sample_weight=None, class_weight=None):
+    def __init__(self, x, y, batch_size, shuffle, sample_weight=None, class_weight=None, steps=None):
         if x is None:
             raise ValueError("no data: pass x (arrays, tensors or a dataset of batches)")
         self.dataset, self.resume, self.order_state = _is_dataset(x), None, None
+        self.steps, self._pass, self.pass_done = steps, None, 0
         self.class_weight = _class_weights(class_weight)
         if self.dataset:
             if y is not None or batch_size is not None or sample_weight is not None:
@@ -819,7 +844,9 @@ class _Data:
         lengths = {len(a) for a in arrays + ([] if self.sw is None else [self.sw])}
         if len(lengths) != 1:
             raise ValueError(f"x, y and sample_weight have different numbers of examples: {sorted(lengths)}")
-        self.n, self.batch_size, self.shuffle = lengths.pop(), int(batch_size or 32), shuffle
+        self.n, self.shuffle = lengths.pop(), shuffle
+        # Keras: without a batch_size, steps_per_epoch batches cover the arrays once (else batches of 32)
+        self.batch_size = int(batch_size or (-(-self.n // steps) if steps else 32))
         self._order = np.arange(self.n)
 
     def num_batches(self):
@@ -831,14 +858,42 @@ class _Data:
             return None
 
     def _global_batches(self):
-        if self.resume is not None:
-            _set_order_state(self.x if self.dataset else None, self.resume.order_state)
+        """One epoch's global batches: a whole pass, or with `steps` the next `steps` batches of the ongoing
+        pass (Keras 2 and 3 continue the iterator across epochs and start a new pass when it is exhausted)."""
+        resume, taken = self.resume, 0
+        if resume is not None:       # the pass is drawn again from its states, its done batches skipped
+            _set_order_state(self.x if self.dataset else None, resume.order_state)
+            self._start_pass(resume.order_state.get("pass_done", resume.batch))
+            taken = resume.batch
+            resume.after_skip()
+        elif self._pass is None or self.steps is None:
+            self._start_pass(0)
+        n = self.num_batches()
+        while self.steps is None or taken < self.steps:
+            batch = _END if n is not None and self.pass_done >= n else next(self._pass, _END)
+            if batch is _END:
+                self._pass = None
+                if self.steps is not None:
+                    warnings.warn(_RAN_OUT.format(steps=self.steps, n=self.pass_done), stacklevel=4)
+                return
+            self.pass_done, taken = self.pass_done + 1, taken + 1
+            yield batch
+        if n is not None and self.pass_done >= n:
+            self._pass = None          # exhausted: the next epoch starts a new pass (a new shuffle)
+
+    def _start_pass(self, skip):
+        """A new pass over the data, its order drawn now (the states kept in `order_state`), `skip` batches
+        drawn and dropped."""
         self.order_state = _order_state(self.x if self.dataset else None)
-        skip = 0 if self.resume is None else self.resume.batch
-        batches = self._dataset_batches(skip) if self.dataset else self._array_batches(skip)
-        if self.resume is not None:
-            self.resume.after_skip()
-        yield from batches
+        self._pass = self._dataset_batches(skip) if self.dataset else self._array_batches(skip)
+        self.pass_done = skip
+
+    def position(self):
+        """The order state of the ongoing pass and how many of its batches were drawn (BackupAndRestore);
+        None between passes (the next epoch draws a new order from the random states of that moment)."""
+        if self._pass is None or self.order_state is None:
+            return None
+        return dict(self.order_state, pass_done=self.pass_done)
 
     def _dataset_batches(self, skip):
         batches = iter(self.x)

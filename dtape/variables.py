@@ -523,3 +523,28 @@ def install_tensor_protocol(cls):
 
 
 install_tensor_protocol(Variable)
+
+
+def get_value(x):
+    """The value of a variable or tensor as a numpy array (a Python number or array stays as it is).
+
+    Source: tf.keras.backend.get_value (TF's callbacks guide reads `optimizer.learning_rate` with it).
+    """
+    if is_variable(x) or isinstance(x, Tensor):
+        return x.numpy()
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return x
+
+
+def set_value(x, value):
+    """Assigns `value` (a number, array or tensor of x's shape) to the variable `x`: `x.assign(value)`.
+
+    Raises:
+      TypeError: `x` is not a variable (a number or array has nothing to assign to).
+    Source: tf.keras.backend.set_value.
+    """
+    if not is_variable(x):
+        raise TypeError(f"set_value needs a variable (e.g. optimizer.learning_rate), got {type(x).__name__}; "
+                        "a plain value cannot be assigned in place")
+    x.assign(value)

@@ -63,12 +63,13 @@ def _model(strategy, seed):
     return model
 
 
-def _fit(strategy, seed, callbacks, data=None):
+def _fit(strategy, seed, callbacks, data=None, **fit_kwargs):
     """A fresh model (initialised by `seed`) fitted with the callbacks; (model, batch logs, history or None).
 
     `data`: None (the arrays X, Y in batches of 16) or a function making a fresh dataset."""
     model, logs = _model(strategy, seed), BatchLogs()
     kwargs = dict(x=X, y=Y, batch_size=16) if data is None else dict(x=data(seed))
+    kwargs.update(fit_kwargs)
     try:
         history = model.fit(**kwargs, epochs=EPOCHS, callbacks=callbacks + [logs], verbose=0)
     except Killed:
@@ -85,19 +86,19 @@ def _strategy(replicas):
     return mirrored(replicas) if replicas > 1 else dtape.distribute.get_strategy()
 
 
-def _killed_then_resumed(replicas, save_freq, kill_after, tmp_path, data=None, extra=()):
+def _killed_then_resumed(replicas, save_freq, kill_after, tmp_path, data=None, extra=(), **fit_kwargs):
     """(uninterrupted run, resumed run): each (model, batch logs, history); `extra`: callbacks of every run."""
     extra = list(extra)
     _seed(0)
-    whole = _fit(_strategy(replicas), 1, extra, data)
+    whole = _fit(_strategy(replicas), 1, extra, data, **fit_kwargs)
     _seed(0)
     backup = keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=save_freq)
-    _, killed_rows, history = _fit(_strategy(replicas), 1, [backup, KillAfter(kill_after)] + extra, data)
+    _, killed_rows, history = _fit(_strategy(replicas), 1, [backup, KillAfter(kill_after)] + extra, data, **fit_kwargs)
     assert history is None and len(killed_rows) == kill_after - 1   # the kill comes before BatchLogs
     assert os.path.exists(tmp_path / "backup" / "backup")          # a killed run keeps its backup
     _seed(99)                      # the restart's own seeds and initial weights are overwritten by the backup
     backup = keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=save_freq)
-    resumed = _fit(_strategy(replicas), 7, [backup] + extra, data)
+    resumed = _fit(_strategy(replicas), 7, [backup] + extra, data, **fit_kwargs)
     assert not os.path.exists(tmp_path / "backup")                  # deleted once fit completed
     return whole, resumed
 
@@ -187,3 +188,21 @@ def test_a_learning_rate_lowered_by_a_callback_is_restored_with_the_backup(repli
     assert float(lr) == float(whole[0].optimizer.learning_rate) == 0.05 * 0.5 ** EPOCHS
     for component in getattr(lr, "values", (lr,)):    # one value on every replica
         assert float(component.numpy()) == 0.05 * 0.5 ** EPOCHS
+
+
+def _shuffled_loader(seed):   # batches of 18: 18 18 18 17, four per pass
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(Y))
+    return torch.utils.data.DataLoader(dataset, batch_size=18, shuffle=True,
+                                       generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("replicas, data", [(1, None), (2, None), (2, _shuffled_loader)])
+@pytest.mark.parametrize("save_freq, first", [(1, (1, 1)), ("epoch", (1, 0))])
+def test_steps_per_epoch_resumes_inside_the_ongoing_pass(replicas, data, save_freq, first, tmp_path):
+    # steps_per_epoch=2 of four batches a pass: epochs [a0 a1] [a2 a3] [b0 b1] (b a new shuffle). Killed after
+    # 3 batches: the backup after a2 (save_freq=1) resumes at epoch 1's a3, the one after epoch 0 at a2 --
+    # the pass drawn again and its done batches skipped, not epoch 1's first batches of a new pass
+    fit_kwargs = dict(steps_per_epoch=2) if data else dict(steps_per_epoch=2, batch_size=18)
+    whole, resumed = _killed_then_resumed(replicas, save_freq, 3, tmp_path, data, **fit_kwargs)
+    _assert_same_run(whole, resumed, first)
+    assert len(whole[1]) == 6 and len(resumed[1]) == 6 - 2 - first[1]

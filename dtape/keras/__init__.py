@@ -4,7 +4,7 @@
 script's `tf.keras.*` lines: `keras.layers.Dense`, `keras.Sequential`,
 `keras.optimizers.Adam`, `keras.optimizers.schedules.ExponentialDecay`,
 `keras.losses`, `keras.metrics`, `keras.mixed_precision`,
-`keras.regularizers`, `keras.initializers`, `keras.activations`, each also
+`keras.regularizers`, `keras.initializers`, `keras.activations`, `keras.backend` (get_value, set_value), each also
 importable with `from dtape.keras.<module> import <name>`.
 
 Names, not copies: every object here is the one defined elsewhere in dtape
@@ -28,9 +28,9 @@ ModelCheckpoint, BackupAndRestore, TensorBoard, custom Callbacks). `keras.Sequen
 `dtape.layers.Sequential` (`keras.layers.Sequential`).
 Source: tf.keras (TF 2) / Keras 3 module layout.
 """
-from dtape.keras import activations, callbacks, initializers, layers, losses, metrics, mixed_precision, models, \
+from dtape.keras import activations, backend, callbacks, initializers, layers, losses, metrics, mixed_precision, models, \
     optimizers, regularizers, saving
 from dtape.models import Input, Model, Sequential
 
-__all__ = ["activations", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models",
+__all__ = ["activations", "backend", "callbacks", "initializers", "layers", "losses", "metrics", "mixed_precision", "models",
            "optimizers", "regularizers", "saving", "Input", "Model", "Sequential"]

@@ -9,21 +9,21 @@ Source: tf.keras.layers.
 """
 from dtape.layers.base import (Constant, GlorotUniform, HeNormal, HeUniform, Initializer, Layer, Ones, RandomNormal,
                                RandomUniform, TruncatedNormal, Zeros, get_activation, get_initializer)
-from dtape.layers.activations import Activation, LeakyReLU, ReLU
+from dtape.layers.activations import Activation, LeakyReLU, ReLU, Softmax
 from dtape.layers.attention import MultiHeadAttention
 from dtape.layers.convolutional import Conv1D, Conv2D, Conv2DTranspose
-from dtape.layers.core import Dense, Masking
+from dtape.layers.core import Dense, Lambda, Masking, Rescaling
 from dtape.layers.embedding import Embedding
 from dtape.layers.merging import Add, Concatenate, Multiply, add, concatenate, multiply
 from dtape.layers.normalization import BatchNormalization, LayerNormalization
 from dtape.layers.pooling import (AveragePooling2D, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
                                   GlobalMaxPooling2D, MaxPooling2D)
 from dtape.layers.regularization import Dropout
-from dtape.layers.reshaping import Flatten, Permute, Reshape, UpSampling2D
+from dtape.layers.reshaping import Flatten, Permute, Reshape, UpSampling2D, ZeroPadding2D
 from dtape.layers.sequential import Sequential
 from dtape.torch_module import TorchModule
 
-__all__ = ["Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "BatchNormalization", "Dropout",
+__all__ = ["Lambda", "Rescaling", "Softmax", "ZeroPadding2D", "Layer", "Dense", "Conv2D", "Embedding", "LayerNormalization", "BatchNormalization", "Dropout",
            "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "Flatten", "Reshape",
            "Sequential", "Activation", "get_activation", "get_initializer",
            "Conv1D", "Conv2DTranspose", "ReLU", "LeakyReLU", "Add", "Multiply", "Concatenate", "Permute",

@@ -1,4 +1,4 @@
-"""Activation layers: Activation, ReLU, LeakyReLU. Source: tf.keras.layers (keras/layers/activations)."""
+"""Activation layers: Activation, ReLU, LeakyReLU, Softmax. Source: tf.keras.layers (keras/layers/activations)."""
 from dtape import nn as _nn
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
@@ -107,3 +107,30 @@ class LeakyReLU(Layer):
 
     def call(self, x):
         return _nn.leaky_relu(x, alpha=self.negative_slope)
+
+
+class Softmax(Layer):
+    """exp(x) / sum(exp(x), axis), the softmax over `axis`; no variables.
+
+    Args:
+      axis: int (default -1, the last axis).
+      name, dtype: see `Layer`.
+
+    Shapes: any floating [..] -> the same shape and dtype.
+    Gradient: softmax's (`dtape.nn.softmax`).
+    Raises:
+      ValueError: an axis outside the input's rank (at call).
+    Source: tf.keras.layers.Softmax.
+    """
+
+    def __init__(self, axis=-1, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ValueError(f"Softmax axis must be an int, got {axis!r}")
+        self.axis = axis
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def call(self, x):
+        return _nn.softmax(x, axis=self.axis)

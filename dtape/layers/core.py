@@ -1,9 +1,10 @@
-"""Core layers: Dense, Masking. Source: tf.keras.layers (keras/layers/core)."""
+"""Core layers: Dense, Masking, Lambda, Rescaling. Source: tf.keras.layers (keras/layers/core)."""
 from dtape import nn as _nn
 from dtape import regularizers as _regularizers
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.layers.base import Layer, get_activation, last_dim
+from dtape.tensor import convert_to_tensor
 
 
 class Dense(Layer):
@@ -95,3 +96,64 @@ class Masking(Layer):
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
+
+
+class Lambda(Layer):
+    """Wraps a function of tensors as a layer: `function(x, **arguments)`; no variables of its own.
+
+    Args:
+      function: a callable taking the input (a tensor or a list of them).
+      output_shape: None (found by calling `function` on symbolic inputs), a
+        tuple without the batch axis, or a callable `input_shape -> output_shape`.
+      arguments: dict of keyword arguments passed to `function`.
+      name: see `Layer`.
+
+    Shapes: whatever `function` returns; its gradient is the function's.
+    Saving: `get_config` gives the function object itself; a whole-model
+      archive can store only functions it knows (as Keras 3, which refuses to
+      load lambdas in safe mode): subclass Layer for a layer you save.
+    Raises:
+      TypeError: a `function` that is not callable.
+    Source: tf.keras.layers.Lambda.
+    """
+
+    def __init__(self, function, output_shape=None, arguments=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        if not callable(function):
+            raise TypeError(f"Lambda needs a callable function, got {function!r}")
+        self.function, self.arguments, self._output_shape = function, dict(arguments or {}), output_shape
+
+    def compute_output_shape(self, input_shape):
+        if callable(self._output_shape):
+            return tuple(self._output_shape(input_shape))
+        if self._output_shape is not None:
+            return (input_shape[0],) + tuple(self._output_shape)
+        return super().compute_output_shape(input_shape)
+
+    def call(self, x):
+        return self.function(x, **self.arguments)
+
+
+class Rescaling(Layer):
+    """`x * scale + offset`, in the layer's dtype (`Rescaling(1. / 255)` for images); no variables.
+
+    Args:
+      scale, offset: floats (or arrays broadcastable to the input, e.g. one per channel).
+      name, dtype: see `Layer` (inputs are cast to the layer's dtype, float32 by default, as Keras).
+
+    Shapes: any -> the same shape; the layer's dtype.
+    Gradient: `scale` per element.
+    Source: tf.keras.layers.Rescaling.
+    """
+
+    def __init__(self, scale, offset=0.0, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.scale, self.offset = scale, offset
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def call(self, x):
+        x = _array.cast(x, self.compute_dtype)   # uint8 images too: the layer casts only floating inputs
+        scale = convert_to_tensor(self.scale, dtype=x.dtype)
+        return x * scale + convert_to_tensor(self.offset, dtype=x.dtype)

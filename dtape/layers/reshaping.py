@@ -1,4 +1,4 @@
-"""Reshaping layers: Flatten, Reshape, Permute, UpSampling2D. Source: tf.keras.layers (keras/layers/reshaping)."""
+"""Reshaping layers: Flatten, Reshape, Permute, UpSampling2D, ZeroPadding2D. Source: tf.keras.layers (keras/layers/reshaping)."""
 import math
 
 from dtape.ops import array_ops as _array
@@ -128,3 +128,53 @@ class UpSampling2D(Layer):
         (rows, cols) = self.size
         y = _array.broadcast_to(_array.reshape(x, (b, h, 1, w, 1, c)), (b, h, rows, w, cols, c))
         return _array.reshape(y, (b, h * rows, w * cols, c))
+
+
+class ZeroPadding2D(Layer):
+    """Adds rows and columns of zeros around NHWC images.
+
+    Args:
+      padding: int (the same on all four sides), (rows, cols) (symmetric),
+        or ((top, bottom), (left, right)); non-negative ints.
+      data_format: "channels_last" only.
+      name: see `Layer`.
+
+    Shapes: [batch, h, w, c] -> [batch, h + top + bottom, w + left + right, c]; dtype kept.
+    Gradient: the input's part of the output's gradient (the padding's is dropped).
+    Raises:
+      ValueError: another padding form or a negative size, another
+        data_format, an input not of rank 4.
+    Source: tf.keras.layers.ZeroPadding2D.
+    """
+
+    def __init__(self, padding=(1, 1), data_format=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        channels_last(data_format, "ZeroPadding2D")
+        self.padding = _padding_pairs(padding)
+
+    def compute_output_shape(self, input_shape):
+        check_rank(input_shape, 4, self)
+        hw = [None if d is None else d + sum(p) for d, p in zip(input_shape[1:3], self.padding)]
+        return (input_shape[0], *hw, input_shape[3])
+
+    def call(self, x):
+        check_rank(x.shape, 4, self)
+        return _array.pad(x, [[0, 0], list(self.padding[0]), list(self.padding[1]), [0, 0]])
+
+
+def _padding_pairs(padding):
+    """((top, bottom), (left, right)) from Keras's three forms of a 2D padding."""
+    try:
+        if isinstance(padding, int):
+            pairs = ((padding, padding), (padding, padding))
+        elif all(isinstance(p, int) for p in padding):
+            (rows, cols) = padding
+            pairs = ((rows, rows), (cols, cols))
+        else:
+            pairs = tuple((int(a), int(b)) for a, b in padding)
+        if len(pairs) != 2 or min(min(p) for p in pairs) < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"ZeroPadding2D padding must be an int, (rows, cols) or ((top, bottom), (left, right)) "
+                         f"of non-negative ints, got {padding!r}") from None
+    return pairs

@@ -4,6 +4,8 @@ Each worker first fits without interruption (once; its batch logs and variables 
 fits the same model with BackupAndRestore(save_freq=2); on torchrun's first attempt rank 1 SIGKILLs itself after
 the 7th batch, torchrun restarts both workers and the second fit resumes from the backup
 ($OUT/resumed<rank>_<attempt>.json). Every fit starts from the same seeds and replica generator states.
+With a second argument "steps": batches of 18 (four a pass), steps_per_epoch=2 for 3 epochs (epoch 1 continues
+the pass epoch 0 started), a backup after every batch and rank 1 killed after the 3rd.
 """
 import json
 import os
@@ -20,7 +22,9 @@ from dtape import keras  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ["RANK"])
-KILL_AFTER = 7
+STEPS = len(sys.argv) > 2 and sys.argv[2] == "steps"
+KILL_AFTER = 3 if STEPS else 7
+FIT = dict(batch_size=18, epochs=3, steps_per_epoch=2) if STEPS else dict(batch_size=16, epochs=2)
 
 
 class KillRank1(keras.callbacks.Callback):
@@ -59,7 +63,7 @@ def fit(strategy, replica_states, callbacks):
         model.compile(keras.optimizers.Adam(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     logs = BatchLogs()
-    model.fit(x, y, batch_size=16, epochs=2, callbacks=callbacks + [logs], verbose=0)
+    model.fit(x, y, **FIT, callbacks=callbacks + [logs], verbose=0)
     return {"rows": logs.rows, "variables": [v.numpy().tolist() for v in model.variables]}
 
 
@@ -75,7 +79,7 @@ if __name__ == "__main__":
     states = strategy.get_rng_state()
     if ATTEMPT == 0:
         write(os.path.join(out, f"whole{RANK}.json"), fit(strategy, states, []))
-    backup = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)
+    backup = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=1 if STEPS else 2)
     resumed = fit(strategy, states, [backup, KillRank1()])
     folder = os.path.join(out, "backup")
     resumed["backup_left"] = sorted(os.listdir(folder)) if os.path.exists(folder) else None   # None: deleted
