@@ -109,6 +109,10 @@ class _Reduce(Metric):
             else:
                 weight = _array.cast(_tensor(sample_weight), self.dtype)
                 weight = _match_rank(weight, values)
+                if weight.ndim > values.ndim:
+                    # one value for a batch of weights (a metric function that reduced the batch itself, weighed
+                    # by an output's mask): it stands for every weighted example, so it weighs by their sum
+                    values = _array.broadcast_to(values, tuple(weight.shape))
                 values, weight = values * weight, _array.broadcast_to(weight, tuple(values.shape))
                 total, count = _math.reduce_sum(values), _math.reduce_sum(weight)
             self.total.assign_add(total)

@@ -136,3 +136,12 @@ def test_compile_metric_names():
     np.testing.assert_allclose(logs["mae"], np.abs(T - P).mean(), rtol=1e-5)
     np.testing.assert_allclose(logs["mse"], ((T - P) ** 2).mean(), rtol=1e-5)
     np.testing.assert_allclose(logs["root_mean_squared_error"], np.sqrt(((T - P) ** 2).mean()), rtol=1e-5)
+
+
+def test_a_batch_value_weighed_by_a_mask_counts_once_per_weighted_example():
+    # TF's Transformer tutorial: masked_accuracy returns one value for the batch while fit weighs metrics by
+    # the output's [batch, steps] mask; the value stands for each unmasked token (it raised on the shapes)
+    metric = dtape.metrics.Mean()
+    metric.update_state(dtape.constant(0.5), sample_weight=np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    metric.update_state(dtape.constant(1.0), sample_weight=np.array([[1.0, 0.0, 0.0]]))
+    assert float(metric.result()) == pytest.approx((0.5 * 3 + 1.0 * 1) / 4)
