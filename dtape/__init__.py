@@ -43,7 +43,8 @@ __all__ += ["distribute", "optimizers", "losses", "metrics", "regularizers", "mi
 from dtape import backprop  # noqa: F401,E402
 from dtape.custom_gradient import custom_gradient  # noqa: F401,E402
 from dtape.function import function, recompute_grad  # noqa: F401,E402
-__all__ += ["backprop", "custom_gradient", "function", "recompute_grad"]
+from dtape._jit import TensorSpec, OperatorNotAllowedInGraphError  # noqa: F401,E402
+__all__ += ["backprop", "custom_gradient", "function", "recompute_grad", "TensorSpec", "OperatorNotAllowedInGraphError"]
 from dtape import debugging
 __all__ += ["debugging"]
 from dtape import math, linalg  # noqa: E402  (tf.math / tf.linalg names of the ops above)

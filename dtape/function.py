@@ -27,6 +27,7 @@ import threading
 import torch
 
 from dtape import _call_context
+from dtape import _jit
 from dtape import nest
 from dtape import random as _random
 from dtape import tape as _tp
@@ -193,22 +194,38 @@ def _is_float(t):
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
-def function(fn=None, **options):
-    """Wraps `fn` as a `Function` (usable as `@dtape.function` or `@dtape.function()`).
+def function(fn=None, jit_compile=False, input_signature=None, reduce_retracing=False, backend="inductor",
+             compile_options=None, **options):
+    """Wraps `fn` as a `Function` (usable as `@dtape.function` or `@dtape.function(...)`).
 
     Args:
       fn: the Python function to run as one unit.
-      **options: accepted for tf.function compatibility (e.g. `jit_compile`);
-        ignored, nothing is compiled.
+      jit_compile: False (default): `fn` runs eagerly as one recorded op
+        (`Function`). True: `fn` is traced once per input signature into one
+        torch graph (forward, every `tape.gradient` inside, variable writes)
+        and compiled with `torch.compile` (`dtape._jit.JitFunction`).
+      input_signature, reduce_retracing: tf.function's, for `jit_compile=True`:
+        a list of `dtape.TensorSpec` (None dims: any size), or generalise
+        shapes after a retrace instead of tracing every shape.
+      backend, compile_options: `torch.compile`'s backend ("inductor",
+        "aot_eager", "eager", ...) and extra keyword arguments (e.g.
+        `{"mode": "reduce-overhead"}`), for `jit_compile=True`.
+      **options: other tf.function arguments (e.g. `autograph`), accepted and ignored.
 
     Returns:
-      A `Function` with `.python_function` the original `fn`.
+      A `Function` (eager) or a `JitFunction` (compiled), each with
+      `.python_function` the original `fn`.
 
     Source: tf.function.
     """
+    def wrap(f):
+        if not jit_compile:
+            return Function(f)
+        return _jit.JitFunction(f, input_signature=input_signature, reduce_retracing=reduce_retracing,
+                                backend=backend, compile_options=compile_options, eager_call=Function(f))
     if fn is None:
-        return lambda f: Function(f)
-    return Function(fn)
+        return wrap
+    return wrap(fn)
 
 
 class _Recompute(Function):

@@ -373,15 +373,15 @@ def check_saved_versions(rec, inputs, outputs):
     now = 0
     try:
         for x in inputs:  # two plain loops (no tuple, no call): this runs once per record of every walk
-            if type(x) is torch.Tensor:
+            if isinstance(x, torch.Tensor):
                 now += x._version
         for x in outputs:
-            if type(x) is torch.Tensor:
+            if isinstance(x, torch.Tensor):
                 now += x._version
     except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
         now = _version_sum(inputs + outputs)
     if now != rec.ver:
-        shapes = [tuple(x.shape) for x in inputs + outputs if type(x) is torch.Tensor]
+        shapes = [tuple(x.shape) for x in inputs + outputs if isinstance(x, torch.Tensor)]
         raise RuntimeError(
             f"a tensor saved for the gradient of op {rec.op.name!r} (saved tensors of shapes {shapes}) was "
             f"modified by an in-place operation after the op ran (version counters sum {now}, "
@@ -396,7 +396,7 @@ def _version_sum(tensors):
     outside that mode it cannot be written in place (torch refuses), so
     there is nothing to check for it.
     """
-    return sum(x._version for x in tensors if type(x) is torch.Tensor and not x.is_inference())
+    return sum(x._version for x in tensors if isinstance(x, torch.Tensor) and not x.is_inference())
 
 
 def is_meta(x):
@@ -406,7 +406,7 @@ def is_meta(x):
 
 def rebuild(x, tid):
     """A saved torch tensor as the dtape.Tensor it was recorded from (same id: outer tapes know it)."""
-    if type(x) is not torch.Tensor or tid is None:
+    if not isinstance(x, torch.Tensor) or tid is None:
         return x
     t = Tensor.__new__(Tensor)
     t._t, t._id = x, tid
@@ -616,7 +616,7 @@ class Tape:
         seen = {}
         for rec in self._live():
             for x in rec.saved + _attr_tensors(rec.attrs):
-                if type(x) is torch.Tensor:
+                if isinstance(x, torch.Tensor):
                     st = x.untyped_storage()
                     seen[(x.device, st.data_ptr())] = st.nbytes()
         return sum(seen.values())
@@ -628,7 +628,7 @@ def _attr_tensors(attrs):
         return ()
     out = ()
     for v in attrs.values():
-        out += (v,) if type(v) is torch.Tensor else tuple(v) if type(v) is tuple else ()
+        out += (v,) if isinstance(v, torch.Tensor) else tuple(v) if type(v) is tuple else ()
     return out
 
 
@@ -911,7 +911,7 @@ def record(op, in_ids, inputs, outputs, attrs):
             ver = 0  # inline (no call): every recorded op runs this
             try:
                 for x in saved:
-                    if type(x) is torch.Tensor:
+                    if isinstance(x, torch.Tensor):
                         ver += x._version
             except RuntimeError:  # an inference tensor has no version counter
                 ver = _version_sum(saved)

@@ -79,6 +79,29 @@ def current_read_hook():
     return _read_hook.fn
 
 
+class _TraceState(threading.local):
+    """Per-thread tracer of a compiled function (None: none); see `trace_scope`."""
+
+    tracer = None
+
+
+_trace = _TraceState()
+
+
+class trace_scope(ThreadLocalScope):
+    """Thread-local: every read and write of any variable on this thread goes to `tracer` inside the block.
+
+    For compiled `dtape.function`s: while the body is traced, `tracer.value(variable)`
+    gives the variable's value in the graph (an input placeholder, or what the body
+    wrote) and `tracer.write(variable, tensor)` takes a write, which the compiled
+    function applies after each call; the variable itself is left alone.
+    """
+
+    __slots__ = ()
+    _state = _trace
+    _attr = "tracer"
+
+
 class _CreatorState(threading.local):
     """Per-thread variable-creator stack (innermost last)."""
 
@@ -229,6 +252,13 @@ def update_together(variables, inplace):
             taken.append(v)
         for v in ordered:
             v._writing = True  # before the checks: see Variable._writing
+        tracer = _trace.tracer
+        if tracer is not None:  # traced: the kernel runs on copies of the graph's values, which become the writes
+            tensors = [tracer.value(v).clone() for v in variables]
+            inplace(tensors)
+            for v, t in zip(variables, tensors):
+                tracer.write(v, t)
+            return tensors
         tensors = [v._t if v._shared or _sole_owner(v._t) else v._t.clone() for v in variables]
         inplace(tensors)
         for v, t in zip(variables, tensors):
@@ -333,6 +363,8 @@ class Variable(metaclass=_VariableMeta):
         t = self._t
         if self._writing:
             t = self._after_write()
+        if _trace.tracer is not None:
+            t = _trace.tracer.value(self)
         if _read_hook.fn is not None:  # recompute_grad's snapshot/replay (thread-local, rare)
             t = _read_hook.fn(self, t)
         out = Tensor(t)
@@ -354,6 +386,8 @@ class Variable(metaclass=_VariableMeta):
 
     def torch(self):
         """The current torch.Tensor (no copy, not recorded)."""
+        if _trace.tracer is not None:
+            return _trace.tracer.value(self)
         t = self._t
         if self._writing:
             t = self._after_write()
@@ -408,6 +442,9 @@ class Variable(metaclass=_VariableMeta):
         Raises:
           ValueError: if `fn`'s result has another shape.
         """
+        tracer = _trace.tracer
+        if tracer is not None:
+            return self._traced_update(tracer, fn, what)
         with self._lock:
             if inplace is not None and self._update_in_place(inplace):
                 return self._t
@@ -420,6 +457,16 @@ class Variable(metaclass=_VariableMeta):
             else:
                 self._t = new.to(device=self._t.device, dtype=self._t.dtype)
             return self._t
+
+    def _traced_update(self, tracer, fn, what):
+        """`_update_value` while a compiled function traces its body: the write goes to `tracer`."""
+        new = fn(tracer.value(self))
+        if tuple(new.shape) != tuple(self._t.shape):
+            raise ValueError(f"{what} of variable {self._name!r} produced shape {tuple(new.shape)}, "
+                             f"expected the variable's shape {tuple(self._t.shape)}")
+        new = new.to(device=self._t.device, dtype=self._t.dtype)
+        tracer.write(self, new)
+        return new
 
     def _update_in_place(self, inplace):
         """Runs `inplace(tensor)` if nothing but this variable holds its tensor (caller holds the lock)."""

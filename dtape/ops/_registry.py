@@ -253,7 +253,7 @@ def _make_unary(opdef):
         if args:
             attrs = _attrs(opdef, args, attrs)
         out = fwd(x._t, **attrs) if attrs else fwd(x._t)
-        if type(out) is torch.Tensor:
+        if isinstance(out, torch.Tensor):
             out = Tensor(out)
             if _tp.active_tapes and opdef.grad_fn is not None:
                 _tp.record(opdef, (x._id,), (x,), (out,), attrs or None)
@@ -279,7 +279,7 @@ def _make_binary(opdef):
         a = x._t if type(x) is Tensor else x
         b = y._t if type(y) is Tensor else y
         out = fwd(a, b, **attrs) if attrs else fwd(a, b)
-        if type(out) is torch.Tensor:
+        if isinstance(out, torch.Tensor):
             out = Tensor(out)
             if _tp.active_tapes and opdef.grad_fn is not None:
                 _tp.record(opdef if type(y) is Tensor else opdef.with_number,

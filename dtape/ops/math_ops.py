@@ -344,7 +344,7 @@ def tanh(x):
 
 @tanh.grad
 def _(dy, ans, x):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.tanh_backward(dy, ans)
     # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
     return kernel_value(dy * conj(1 - ans * ans), torch.ops.aten.tanh_backward(dy.torch(), ans.torch()))
@@ -364,7 +364,7 @@ def sigmoid(x):
 
 @sigmoid.grad
 def _(dy, ans, x):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel (conjugates complex values itself)
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel (conjugates complex values itself)
         return torch.ops.aten.sigmoid_backward(dy, ans)
     return kernel_value(dy * conj(ans * (1 - ans)), torch.ops.aten.sigmoid_backward(dy.torch(), ans.torch()))
 
@@ -477,7 +477,7 @@ def mixed_dtype_message(da, db):
 def _(dy, ans, a, b, transpose_a=False, transpose_b=False, needs=(True, True)):
     t = _t
     ga = gb = None
-    if type(dy) is torch.Tensor:  # raw walk: autocast may have mixed the operands' dtypes
+    if isinstance(dy, torch.Tensor):  # raw walk: autocast may have mixed the operands' dtypes
         a, b = as_dy_dtype(dy, a, needs[1]), as_dy_dtype(dy, b, needs[0])
     if dy.dtype.is_complex:  # dy times the conjugate derivative: products with conj(a), conj(b)
         a, b = conj(a), conj(b)
@@ -578,7 +578,7 @@ def at_b(a, b):
     n = b.shape[-1]
     if 1 < n < 24 and n % 8 and b.shape[0] >= 64 and b.device.type == "cpu":
         # the same product on a recorded walk (dtape.Tensors), so both walks give the same bits
-        return torch.matmul(_t(b), a).T.contiguous() if type(b) is torch.Tensor else _t(torch.matmul(_t(b), a))
+        return torch.matmul(_t(b), a).T.contiguous() if isinstance(b, torch.Tensor) else _t(torch.matmul(_t(b), a))
     return torch.matmul(_t(a), b)
 
 

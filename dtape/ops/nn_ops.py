@@ -38,7 +38,7 @@ def relu(features):
 
 @relu.grad
 def _(dy, ans, features):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel
         return torch.ops.aten.threshold_backward(dy, ans, 0)
     return torch.where(ans > 0, dy, 0.0)
 
@@ -107,7 +107,7 @@ def gelu(features, approximate=False):
 def _(dy, ans, features, approximate=False):
     x = features
     how = "tanh" if approximate else "none"
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel
         return torch.ops.aten.gelu_backward(dy, x, approximate=how)
     # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
     value = torch.ops.aten.gelu_backward(dy.torch(), x.torch(), approximate=how)
@@ -156,7 +156,7 @@ def softmax(logits, axis=-1):
 @softmax.grad
 def _(dy, ans, logits, axis=-1):
     axis = canonical_axis(axis, ans.ndim, "softmax")
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel
         return torch._softmax_backward_data(dy, ans, axis, ans.dtype)
     return kernel_value(ans * (dy - torch.sum(dy * ans, dim=axis, keepdim=True)),
                         torch._softmax_backward_data(dy.torch(), ans.torch(), axis, ans.dtype))
@@ -177,7 +177,7 @@ def log_softmax(logits, axis=-1):
 @log_softmax.grad
 def _(dy, ans, logits, axis=-1):
     axis = canonical_axis(axis, ans.ndim, "log_softmax")
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel
         return torch._log_softmax_backward_data(dy, ans, axis, ans.dtype)
     return kernel_value(dy - torch.exp(ans) * torch.sum(dy, dim=axis, keepdim=True),
                         torch._log_softmax_backward_data(dy.torch(), ans.torch(), axis, ans.dtype))
@@ -220,7 +220,7 @@ def sparse_softmax_cross_entropy_with_logits(labels, logits):
 
 @sparse_softmax_cross_entropy_with_logits.grad
 def _(dy, ans, labels, logits):
-    if type(dy) is torch.Tensor:  # raw walk: softmax, minus 1 at the label (p - 1, as p - one_hot), times dy
+    if isinstance(dy, torch.Tensor):  # raw walk: softmax, minus 1 at the label (p - 1, as p - one_hot), times dy
         g = torch.softmax(logits, dim=-1)
         index = torch.unsqueeze(labels.long(), -1)
         g.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=g.dtype, device=g.device))
@@ -417,7 +417,7 @@ def _(dy, ans, input, filters, strides, padding, data_format="NHWC", dilations=N
     the walk, they have the same kernel's bits and the derivatives of
     composite ops (a transposed convolution, a convolution over the batch).
     """
-    if type(dy) is torch.Tensor:
+    if isinstance(dy, torch.Tensor):
         return _conv_grads_raw(dy, input, filters, strides, padding, data_format, dilations, needs)
     # recorded walk: the raw walk's bits (a walk's result must not depend on whether a tape records it)
     kx, kw = _conv_grads_raw(dy.torch(), input.torch(), filters.torch(), strides, padding, data_format, dilations,
@@ -617,7 +617,7 @@ def _autocast_on(device):
 
 @xw_plus_b.grad
 def _(dy, ans, x, weights, biases, needs=(True, True, True)):
-    if type(dy) is torch.Tensor:  # raw walk: autocast may have mixed the operands' dtypes
+    if isinstance(dy, torch.Tensor):  # raw walk: autocast may have mixed the operands' dtypes
         x, weights = as_dy_dtype(dy, x, needs[1]), as_dy_dtype(dy, weights, needs[0])
     gx = torch.matmul(dy, torch.transpose(weights, 0, 1)) if needs[0] else None
     if dy.ndim != 2:  # [..., out]: the weights' and biases' gradients sum over every leading row
@@ -736,7 +736,7 @@ def layer_norm(x, gamma, beta, epsilon=1e-3):
 
 @layer_norm.grad
 def _(dy, ans, x, gamma, beta, epsilon=1e-3, needs=(True, True, True), stash=None):
-    if type(dy) is torch.Tensor:  # raw walk: torch's fused kernel, with the forward's mean and 1/std
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel, with the forward's mean and 1/std
         return _layer_norm_kernel(dy, x, gamma, beta, epsilon, needs, stash)
     # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
     values = _layer_norm_kernel(dy.torch(), x.torch(), gamma.torch(), beta.torch(), epsilon, needs, stash)

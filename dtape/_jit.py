@@ -1,0 +1,550 @@
+"""Compiled `dtape.function(fn, jit_compile=True)`: the body traced into one torch graph and compiled.
+
+Source: tf.function's tracing model (a concrete function per input signature,
+TF's retracing rules, `input_signature`, `reduce_retracing`, variables created
+only on the first trace, the retracing warning), on torch's tracer: with no
+tape recording, dtape's ops and its backward walk are plain torch calls, so
+`torch.fx.experimental.proxy_tensor.make_fx` records the forward, every
+`tape.gradient` inside the body (the rules become graph ops, as TF's graph
+gradients) and the variable writes into one aten graph, which `torch.compile`
+compiles.
+
+Variables are graph inputs, never constants: while the body is traced, every
+read and write of a variable on this thread goes to a tracer
+(`dtape.variables.trace_scope`), which gives the variable's placeholder (or
+the value the body last wrote) and collects the writes as graph outputs; the
+call applies them to the variables afterwards. A variable first met during a
+trace (one read through a closure, one built lazily) is read there as a
+constant, which the trace then turns into a new graph input.
+
+Tensors have no values while the body is traced (fake tensors), so a host
+read (`float(t)`, `bool(t)` in an `if`, `.numpy()`) cannot bake a value in:
+it raises `OperatorNotAllowedInGraphError` naming the user's file and line.
+
+Called while a tape records, the call is one op on that tape, whose
+gradients (for the tensor arguments and the trainable variables the body
+reads) come from a second compiled graph: the body's forward and the
+gradient of its outputs, traced once per signature on first use and run with
+the values (and the random-generator state) of the forward call.
+"""
+import os
+import sysconfig
+import threading
+import time
+import traceback
+import warnings
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, unset_fake_temporarily)
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode, ShapeEnv,
+                                                   StatelessSymbolicContext)
+
+from dtape import nest
+from dtape import random as _random
+from dtape import tape as _tp
+from dtape.backprop import imperative_grad
+from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
+from dtape.variables import Variable, trace_scope, variable_creator_scope
+
+# TF warns once a function has been traced this many times (tf.function's FREQUENT_TRACING_WARNING_THRESHOLD)
+RETRACE_WARNING_THRESHOLD = 5
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, nest)) + (
+    sysconfig.get_paths()["stdlib"] + os.sep,)
+_DTAPE_DIR = os.path.dirname(nest.__file__) + os.sep
+_TENSOR_FILES = ("tensor.py", "variables.py")  # the conversion itself: the note names its caller
+
+
+class OperatorNotAllowedInGraphError(TypeError):
+    """A compiled function's body needs a tensor's value on the host while it is traced.
+
+    Source: tf.errors.OperatorNotAllowedInGraphError (a TypeError in TF too).
+    """
+
+
+class TensorSpec:
+    """The shape and dtype of a Tensor argument, for `dtape.function(..., input_signature=[...])`.
+
+    Args:
+      shape: a list of ints and None (None: any size there; the compiled graph
+        takes every size without retracing).
+      dtype: a torch dtype or name (default float32).
+      name: optional, for messages.
+
+    Source: tf.TensorSpec.
+    """
+
+    __slots__ = ("shape", "dtype", "name")
+
+    def __init__(self, shape, dtype=torch.float32, name=None):
+        self.shape = tuple(None if d is None else int(d) for d in shape)
+        self.dtype = as_dtype(dtype)
+        self.name = name
+
+    def is_compatible_with(self, t):
+        """True if torch/dtape tensor `t` has this spec's dtype and a shape it allows."""
+        return t.dtype == self.dtype and _shape_matches(self.shape, tuple(t.shape))
+
+    def __repr__(self):
+        return f"TensorSpec(shape={list(self.shape)}, dtype={self.dtype}, name={self.name!r})"
+
+
+def _shape_matches(pattern, shape):
+    return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
+
+
+class _NeedsEagerCall(Exception):
+    """The body creates a variable from a value computed in the trace: this call runs eagerly."""
+
+
+class _Tracer:
+    """The variables' values while a body is traced (see `dtape.variables.trace_scope`)."""
+
+    def __init__(self, placeholders):
+        self.values = dict(placeholders)  # variable -> its placeholder, then what the body wrote
+        self.written = {}  # variable -> None, in first-write order
+        self.unknown = {}  # variables met that are not inputs of this trace
+        self.created = []
+
+    def value(self, variable):
+        t = self.values.get(variable)
+        if t is None:
+            self.unknown[variable] = None
+            return variable._t  # a constant, which becomes an input once the trace ends (`_lift_constants`)
+        return t
+
+    def write(self, variable, t):
+        if variable not in self.values:
+            self.unknown[variable] = None
+        self.values[variable] = t
+        self.written[variable] = None
+
+
+class JitFunction:
+    """`dtape.function(fn, jit_compile=True, ...)`: `fn` traced per input signature and compiled.
+
+    Args:
+      python_function: as for `dtape.function`.
+      input_signature: None, or a list of `TensorSpec`, one per positional
+        argument (all Tensors): one trace for every call matching it
+        (None dims take any size); a call that does not match raises.
+      reduce_retracing: when a call's tensor shapes differ from a traced
+        signature's, trace once with the differing dims generalised (any size).
+      backend: `torch.compile`'s backend ("inductor", "aot_eager", "eager", ...);
+        None runs the traced aten graph as it is (no `torch.compile`: no
+        compile time, for debugging and tests).
+      compile_options: extra keyword arguments of `torch.compile` (e.g. `mode`).
+
+    Calls return what the body returns (Tensors as new Tensors of the graph's
+    outputs, Python values as the trace returned them). The body runs as
+    Python only while traced: once per input signature (shapes, dtypes and
+    devices of Tensor arguments, the values of Python arguments, the identity
+    of Variable arguments), as tf.function. Variables may be created only
+    during the first trace (TF's rule); optimizer slots and metric
+    variables made from values computed in the body make that first call run
+    eagerly, and the next call traces.
+
+    Raises:
+      OperatorNotAllowedInGraphError (a TypeError): at trace time, the body
+        reads a tensor's value on the host; the message names the file and line.
+      ValueError: a call does not match `input_signature`, or a trace after
+        the first creates a variable.
+      RuntimeError: a second-order gradient through the call.
+
+    Source: tf.function(jit_compile=True) semantics; torch.compile.
+    """
+
+    def __init__(self, python_function, input_signature=None, reduce_retracing=False, backend="inductor",
+                 compile_options=None, eager_call=None):
+        self.python_function = python_function
+        self._input_signature = None if input_signature is None else list(input_signature)
+        self._reduce_retracing = bool(reduce_retracing)
+        self._backend = backend
+        self._compile_options = _compile_options(backend, compile_options)
+        self._eager_call = eager_call  # the eager Function, for a first call that must create variables
+        self._lock = threading.RLock()
+        self._concrete = {}  # relaxed key -> list of _Concrete
+        self._variables = {}  # every variable a trace took as an input, in first-seen order
+        self._initialized = False  # variables may be created only until the first trace completes
+        self.trace_count = 0
+        # per signature: the seconds spent tracing; the compile happens in the first call of each graph
+        self.trace_seconds = []
+
+    def _name(self):
+        return getattr(self.python_function, "__qualname__", None) or getattr(self.python_function, "__name__",
+                                                                               "function")
+
+    def __call__(self, *args, **kwargs):
+        flat = not kwargs and not any(nest.is_nested(a) for a in args)  # the common case, without the nest walk
+        leaves = list(args) if flat else nest.flatten((args, kwargs))
+        kinds, tensors, shapes = _classify(leaves)
+        if self._input_signature is not None:
+            shapes = self._signature_shapes(args, kwargs, tensors)
+        relaxed = (len(args) if flat else repr(nest.map_structure(lambda _: 0, (args, kwargs))), kinds)
+        with self._lock:
+            concrete = self._lookup(relaxed, tensors, shapes)
+            if concrete is None:
+                try:
+                    concrete = self._trace(relaxed, args, kwargs, leaves, tensors, shapes)
+                except _NeedsEagerCall:
+                    return self._eager_call(*args, **kwargs)
+        return concrete.call(leaves, tensors)
+
+    def _signature_shapes(self, args, kwargs, tensors):
+        spec = self._input_signature
+        if kwargs or len(args) != len(spec) or len(tensors) != len(spec) or not all(
+                isinstance(a, (Tensor, torch.Tensor)) and s.is_compatible_with(a) for a, s in zip(args, spec)):
+            got = [f"{type(a).__name__}{list(a.shape)} {a.dtype}" if hasattr(a, "shape") else repr(a) for a in args]
+            raise ValueError(f"{self._name()}: the arguments {got}{' and keywords ' + str(sorted(kwargs)) if kwargs else ''}"
+                             f" do not match input_signature {spec}; pass one positional Tensor per TensorSpec, "
+                             "of its dtype and of a shape it allows")
+        return [s.shape for s in spec]
+
+    def _lookup(self, relaxed, tensors, shapes):
+        for c in self._concrete.get(relaxed, ()):
+            if all(_shape_matches(p, tuple(t.shape)) for p, t in zip(c.shapes, tensors)):
+                return c
+        return None
+
+    def _trace(self, relaxed, args, kwargs, leaves, tensors, shapes):
+        previous = self._concrete.get(relaxed, [])
+        if self._reduce_retracing and previous and self._input_signature is None:
+            shapes = [tuple(None if a != b else a for a, b in zip(p, s)) for p, s in zip(previous[-1].shapes, shapes)]
+        cause = _retrace_cause(previous, shapes, bool(self._concrete))
+        for x in leaves:
+            if is_variable(x) and isinstance(x, Variable):
+                self._variables.setdefault(x, None)
+        started = time.perf_counter()
+        concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
+        self.trace_seconds.append(time.perf_counter() - started)
+        self._initialized = True
+        self.trace_count += 1
+        self._concrete.setdefault(relaxed, []).append(concrete)
+        if self.trace_count >= RETRACE_WARNING_THRESHOLD:
+            warnings.warn(
+                f"{self.trace_count} calls to dtape.function {self._name()!r} triggered retracing ({cause}). "
+                "Tracing is expensive and the excessive number of tracings could be due to (1) creating the "
+                "dtape.function repeatedly in a loop, (2) passing tensors with different shapes, (3) passing "
+                "Python objects (numbers, lists) that change instead of tensors. For (1), define the function "
+                "outside of the loop. For (2), use reduce_retracing=True or an input_signature with None dims. "
+                "For (3), pass tensors (the same tf.function retracing rules apply).", stacklevel=3)
+        return concrete
+
+    def trace_variable(self, variable):
+        """Registers a variable met during a trace (an input of this trace's graph and of later traces)."""
+        self._variables.setdefault(variable, None)
+
+
+def _compile_options(backend, options):
+    """`torch.compile` keyword arguments: inductor draws random numbers with torch's own kernels from the
+    graph's generator (`fallback_random`), so dropout follows the caller's seed and equals eager's draws."""
+    options = dict(options or {})
+    if backend == "inductor" and "mode" not in options:
+        options["options"] = {"fallback_random": True, **options.get("options", {})}
+    return options
+
+
+def _classify(leaves):
+    """The hashable key of each leaf (TF's retracing rules), the tensor leaves and their shapes."""
+    kinds, tensors, shapes = [], [], []
+    for x in leaves:
+        if isinstance(x, (Tensor, torch.Tensor)):
+            kinds.append(("T", tuple(x.shape).__len__(), x.dtype, x.device))
+            tensors.append(x)
+            shapes.append(tuple(x.shape))
+        elif isinstance(x, np.ndarray):
+            raise TypeError("a compiled dtape.function takes Tensors, not numpy arrays: wrap them in "
+                            "dtape.constant(...) outside the function (a Python value would be a retracing key)")
+        elif is_variable(x):
+            kinds.append(("V", id(x)))
+        else:
+            try:
+                hash(x)
+                kinds.append(("P", type(x), x))
+            except TypeError:
+                kinds.append(("P", type(x), id(x)))
+    return tuple(kinds), tensors, shapes
+
+
+def _retrace_cause(previous, shapes, traced_before):
+    if previous:
+        return f"tensor shapes {[list(s) for s in shapes]} differ from the traced {[list(s) for s in previous[-1].shapes]}"
+    if traced_before:
+        return "the Python arguments, the arguments' structure, or tensor dtypes/devices changed"
+    return "first call"
+
+
+class _Concrete:
+    """One traced and compiled graph of a `JitFunction` for one input signature."""
+
+    def __init__(self, owner, args, kwargs, leaves, tensors, shapes, variables):
+        self.owner = owner
+        self.shapes = shapes
+        self.variables = variables
+        self.structure = (args, kwargs)
+        self.generator = torch.Generator(device=_device_of(tensors, variables))
+        self._vjp = None
+        self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
+        self.compiled = _compile(owner, self.graph, self.dynamic)
+
+    @property
+    def dynamic(self):
+        return any(d is None for s in self.shapes for d in s)
+
+    def _fakes(self, tensors, extra=()):
+        """Fake inputs for the trace: the tensor arguments (None dims symbolic), the variables' values, `extra`."""
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        fakes = []
+        for t, s in zip(tensors, self.shapes):
+            t = t.torch() if isinstance(t, Tensor) else t
+            dims = [DimDynamic.DYNAMIC if d is None else DimDynamic.STATIC for d in s]
+            fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+                         if None in s else mode.from_tensor(t, static_shapes=True))
+        fakes += [mode.from_tensor(v._t, static_shapes=True) for v in self.variables]
+        return fakes + [mode.from_tensor(t, static_shapes=True) for t in extra]
+
+    def _rebuild_args(self, leaves, placeholders):
+        it = iter(placeholders)
+        flat = [(Tensor(next(it)) if isinstance(x, Tensor) else next(it)) if isinstance(x, (Tensor, torch.Tensor))
+                else x for x in leaves]
+        return nest.pack_sequence_as(self.structure, flat)
+
+    def _run_body(self, leaves, flat, tracer):
+        """Runs the body on placeholders `flat` under `tracer`; returns its result."""
+        n = len(flat) - len(self.variables)
+        args, kwargs = self._rebuild_args(leaves, flat[:n])
+        creator = _creator(self.owner, tracer)
+        # the caller's tapes are paused on this thread (tapes opened in the body record as usual)
+        with _tp.pause_accumulators(), _tp.record_only(None), trace_scope(tracer), variable_creator_scope(creator), \
+                _random.generator_scope(self.generator):
+            return self.owner.python_function(*args, **kwargs)
+
+    def _trace_forward(self, leaves, tensors):
+        box = {}
+
+        def body(*flat):
+            tracer = _Tracer(zip(self.variables, flat[len(flat) - len(self.variables):]))
+            result = self._run_body(leaves, flat, tracer)
+            box["tracer"] = tracer
+            box["template"] = nest.map_structure(lambda y: _TENSOR if isinstance(y, Tensor) else y, result)
+            box["written"] = list(tracer.written)
+            outs = [y.torch() for y in nest.flatten(result) if isinstance(y, Tensor)]
+            return outs + [tracer.values[v] for v in tracer.written]
+        graph = _make_fx(self.owner, body, self._fakes(tensors), self.dynamic)
+        met = list(box["tracer"].unknown)
+        if met:
+            _lift_constants(graph, [v._t for v in met])
+            self.variables = self.variables + met
+            for v in met:
+                self.owner.trace_variable(v)
+        return graph, box["template"], box["written"]
+
+    def call(self, leaves, tensors):
+        """Runs the compiled graph, applies the writes, records one op on recording tapes; returns the result."""
+        ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors] + [v.torch() for v in self.variables]
+        # The graph draws from this function's generator: it takes over the caller's stream (the thread's or
+        # replica's generator, `dtape.random.get_generator`) for the call, so draws follow the caller's seed.
+        stream = _random.get_generator(self.generator.device)
+        self.generator.set_state(stream.get_state())
+        state = self.generator.get_state() if _tp.could_possibly_record() else None
+        outs = self.compiled(*ins)
+        stream.set_state(self.generator.get_state())
+        n = len(outs) - len(self.written)
+        for v, new in zip(self.written, outs[n:]):
+            v._update_value(lambda old, new=new: new, "dtape.function write")
+        if self.template is _TENSOR:
+            result = Tensor(outs[0])
+            flat = [result]
+        else:
+            it = iter(outs[:n])
+            flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
+            result = nest.pack_sequence_as(self.template, flat)
+        if state is not None:
+            self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
+        return result
+
+    def _record(self, leaves, tensors, ins, state, outputs):
+        dtape_tensors = [t for t in tensors if isinstance(t, Tensor)]
+        trainable = [v for v in self.variables if v.trainable]
+        for v in trainable:
+            _tp.variable_accessed(v)
+        inputs = dtape_tensors + trainable
+        if not outputs or not _tp.should_record(inputs):
+            return
+        op = _JitOp(self, leaves, ins, state)
+        _tp.record_reading(op, tuple(x._id for x in inputs), tuple(inputs), tuple(outputs), None)
+
+    def vjp(self, leaves, ins, state, dys):
+        """Gradients for the tensor arguments and the variables (in order), from the compiled VJP graph."""
+        if self._vjp is None:
+            self._vjp = self._trace_vjp(leaves, ins, dys)
+        graph, keep = self._vjp
+        self.generator.set_state(state)  # the forward's draws again
+        grads = iter(graph(*ins, *dys))
+        return [next(grads) if k else None for k in keep]
+
+    def _trace_vjp(self, leaves, ins, dys):
+        box = {}
+        n_in = len(ins)
+
+        def body(*flat):
+            values, upstream = flat[:n_in], flat[n_in:]
+            tracer = _Tracer(zip(self.variables, values[n_in - len(self.variables):]))
+            inner = _tp.push_new_tape(persistent=True, watch_accessed_variables=True)
+            try:
+                with _tp.record_only(inner):
+                    n = n_in - len(self.variables)
+                    args, kwargs = self._rebuild_args(leaves, values[:n])
+                    sources = [x for x in nest.flatten((args, kwargs)) if isinstance(x, Tensor)]
+                    for s in sources:
+                        _tp.watch(inner, s)
+                    with trace_scope(tracer), variable_creator_scope(_creator(self.owner, tracer)), \
+                            _random.generator_scope(self.generator):
+                        result = self.owner.python_function(*args, **kwargs)
+                targets = [y for y in nest.flatten(result) if isinstance(y, Tensor)]
+                pairs = [(t, Tensor(d)) for t, d in zip(targets, upstream) if t.dtype.is_floating_point]
+                trainable = [v for v in self.variables if v.trainable]
+                with trace_scope(tracer):
+                    grads = imperative_grad(inner, [t for t, _ in pairs], sources + trainable, [d for _, d in pairs])
+            finally:
+                _tp.pop_tape(inner)
+            box["keep"] = [g is not None for g in grads]
+            return [g.torch() for g in grads if g is not None]
+        graph = _make_fx(self.owner, body, self._fakes(ins[:n_in - len(self.variables)], dys), self.dynamic)
+        return _compile(self.owner, graph, self.dynamic), box["keep"]
+
+
+def _compile(owner, graph, dynamic):
+    """`graph` compiled with the owner's backend (None: the traced graph itself, run op by op)."""
+    if owner._backend is None:
+        return graph
+    return torch.compile(graph, backend=owner._backend, dynamic=dynamic, **owner._compile_options)
+
+
+class _TensorSlot:
+    """Marks where the body's result had a Tensor (filled with the graph's outputs at each call)."""
+
+
+_TENSOR = _TensorSlot()
+
+
+def _device_of(tensors, variables):
+    for x in list(tensors) + list(variables):
+        return x.device
+    return torch.device("cpu")
+
+
+def _lift_constants(graph, values):
+    """Turns the graph's constants that are `values` (torch tensors, by identity) into new last inputs.
+
+    The variables a trace met without taking them as inputs were read as
+    constants (their tensors, `get_attr` nodes of the graph); made inputs,
+    they need no second trace.
+    """
+    uses = {id(v): [] for v in values}
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" and id(getattr(graph, node.target, None)) in uses:
+            uses[id(getattr(graph, node.target))].append(node)
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    for k, v in enumerate(values):
+        with (graph.graph.inserting_after(last) if last is not None
+              else graph.graph.inserting_before(next(iter(graph.graph.nodes)))):
+            last = graph.graph.placeholder(f"variable_{k}")
+        for node in uses[id(v)]:
+            last.meta.setdefault("val", node.meta.get("val"))
+            node.replace_all_uses_with(last)
+            graph.graph.erase_node(node)
+    for target in {node.target for nodes in uses.values() for node in nodes}:
+        delattr(graph, target)
+    graph.recompile()
+
+
+def _creator(owner, tracer):
+    """A variable creator for the trace: variables are made for real (outside the trace), first trace only."""
+
+    def create(next_creator, **kwargs):
+        if owner._initialized:
+            raise ValueError(
+                f"dtape.function {owner._name()!r} creates a variable on a trace after the first; a compiled "
+                "function may create variables only on its first call (TF's rule): create it outside the "
+                "function, or once (e.g. `if self.v is None: self.v = dtape.Variable(...)`)")
+        init = kwargs["initial_value"]
+        if isinstance(init, Tensor):
+            init = init.torch()
+        if isinstance(init, FakeTensor):
+            raise _NeedsEagerCall()
+        with disable_proxy_modes_tracing(), unset_fake_temporarily(), trace_scope(None):
+            v = next_creator(**kwargs)
+        tracer.created.append(v)
+        return v
+    return create
+
+
+def _make_fx(owner, body, fakes, dynamic):
+    try:
+        return make_fx(body, tracing_mode="symbolic" if dynamic else "fake", _allow_non_fake_inputs=True)(*fakes)
+    except _NeedsEagerCall:
+        raise
+    except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise _host_read_error(owner, e, "the value of a tensor (float(t), int(t), bool(t) as in `if t:` "
+                                         "or `while t:`, a comparison used as a Python bool)") from None
+    except RuntimeError as e:
+        if "tensor subclasses" in str(e) or "FakeTensor" in str(e):
+            raise _host_read_error(owner, e, "a tensor's data on the host (.numpy(), .tolist(), a numpy "
+                                             "conversion)") from None
+        raise
+
+
+def _user_frame(exc):
+    """(file, line, source) of the innermost frame of `exc`'s traceback outside dtape, torch and the stdlib,
+    and a note naming the innermost dtape frame below it (where a library function made the read)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    note = ""
+    for frame in reversed(frames):
+        if frame.filename.startswith(_DTAPE_DIR) and not note and not frame.filename.endswith(_TENSOR_FILES):
+            note = f" (in {os.path.relpath(frame.filename, os.path.dirname(_DTAPE_DIR.rstrip(os.sep)))}:{frame.lineno}: " \
+                   f"`{(frame.line or '').strip()}`)"
+        if not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            return frame.filename, frame.lineno, (frame.line or "").strip(), note
+    return "<unknown>", 0, "", note
+
+
+def _host_read_error(owner, exc, what):
+    path, line, source, note = _user_frame(exc)
+    return OperatorNotAllowedInGraphError(
+        f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}{note}; "
+        "while the function is traced its tensors have no values. Use dtape ops on tensors instead "
+        "(dtape.where(cond, a, b) for a choice, a mask for a conditional update), move the read out of the "
+        "function (return the tensor and read it after the call), or use jit_compile=False")
+
+
+class _JitOp(_tp.RecordOp):
+    """Record op of one compiled call: its backward runs the compiled VJP graph."""
+
+    __slots__ = ("name", "concrete", "leaves", "ins", "state")
+    # Declared as read, so that a walk recorded by a tape watching an input (second order) is not raw:
+    # `backward` then sees it and refuses.
+    saves_inputs = True
+    saves_outputs = False
+    raw_saved = True
+
+    def __init__(self, concrete, leaves, ins, state):
+        self.name = concrete.owner._name()
+        self.concrete, self.leaves, self.ins, self.state = concrete, leaves, ins, state
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        if not raw and _tp.should_record(list(dys) + list(inputs)):
+            raise RuntimeError(
+                f"a second-order gradient through compiled dtape.function {self.name!r}: its gradient is a "
+                "compiled graph, which the tapes cannot differentiate again; use jit_compile=False for this "
+                "function (the eager function supports higher order)")
+        dys = [d.torch() if isinstance(d, Tensor) else d for d in dys]
+        dys = [torch.zeros(o.shape, dtype=o.dtype, device=o.device) if d is None else d for d, o in zip(dys, outputs)]
+        out = self.concrete.vjp(self.leaves, self.ins, self.state, dys)
+        return out if raw else [None if g is None else Tensor(g) for g in out]
+
+
+__all__ = ["JitFunction", "TensorSpec", "OperatorNotAllowedInGraphError", "RETRACE_WARNING_THRESHOLD"]
