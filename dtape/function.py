@@ -18,7 +18,9 @@ on the inputs.
 
 `dtape.recompute_grad` keeps no intermediates: its backward re-runs the body
 with the variable values it read and the generator state of the forward.
-No compilation: correctness never depends on `torch.compile`.
+No compilation here: correctness never depends on `torch.compile`.
+`function(fn, jit_compile=True)` is the compiled path instead (`dtape._jit`:
+the body traced into one torch graph per input signature, then compiled).
 """
 import contextlib
 import functools

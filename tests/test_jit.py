@@ -325,3 +325,37 @@ def test_inductor_step_equals_eager_with_a_fraction_of_the_python_calls():
         counts.append(_python_calls(f, x, y))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     assert counts[1] < 0.35 * counts[0], counts
+
+
+def _digits_optimizer_run(jit, make_optimizer, steps):
+    data = digits.load_data(0)
+    torch.manual_seed(0)
+    model = digits.build_model(0, dropout=0.2)
+    optimizer = make_optimizer()
+
+    def step(x, y):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_mean(digits.per_example_loss(model, x, y))
+        variables = model.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    f = dtape.function(step, jit_compile=True, backend=None) if jit else step
+    losses = [float(f(dtape.constant(data["x_train"][16 * i:16 * (i + 1)]),
+                      dtape.constant(data["y_train"][16 * i:16 * (i + 1)]))) for i in range(steps)]
+    return np.array(losses), [v.numpy() for v in model.trainable_variables], int(optimizer.iterations.numpy())
+
+
+@pytest.mark.skipif(not hasattr(dtape.optimizers.Optimizer, "_step_count"),
+                    reason="the optimizers read their step count on the host (int(iterations.numpy())) "
+                           "until the traceable optimizers are merged")
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: dtape.optimizers.SGD(0.1, momentum=0.9),
+    lambda: dtape.optimizers.Adam(dtape.optimizers.schedules.ExponentialDecay(1e-2, 5, 0.5), clipnorm=1.0),
+], ids=["sgd_momentum", "adam_schedule_clipnorm"])
+def test_digits_step_with_an_optimizer_equals_eager(make_optimizer):
+    eager = _digits_optimizer_run(False, make_optimizer, 20)
+    compiled = _digits_optimizer_run(True, make_optimizer, 20)
+    np.testing.assert_allclose(compiled[0], eager[0], rtol=1e-5)
+    for a, b in zip(compiled[1], eager[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert compiled[2] == eager[2] == 20
