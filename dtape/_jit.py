@@ -47,7 +47,7 @@ from dtape import random as _random
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
-from dtape.variables import Variable, trace_scope, variable_creator_scope
+from dtape.variables import trace_scope, variable_creator_scope
 
 # TF warns once a function has been traced this many times (tf.function's FREQUENT_TRACING_WARNING_THRESHOLD)
 RETRACE_WARNING_THRESHOLD = 5
@@ -183,13 +183,17 @@ class JitFunction:
         if self._input_signature is not None:
             shapes = self._signature_shapes(args, kwargs, tensors)
         relaxed = (len(args) if flat else repr(nest.map_structure(lambda _: 0, (args, kwargs))), kinds)
+        # Replica threads of a strategy calling this function trace one at a time (the first traces, the
+        # others then find its graph); nothing in a trace waits for another replica, so this cannot deadlock.
         with self._lock:
             concrete = self._lookup(relaxed, tensors, shapes)
             if concrete is None:
                 try:
                     concrete = self._trace(relaxed, args, kwargs, leaves, tensors, shapes)
                 except _NeedsEagerCall:
-                    return self._eager_call(*args, **kwargs)
+                    concrete = None
+        if concrete is None:  # outside the lock: the eager call may wait for other replicas (merge_call)
+            return self._eager_call(*args, **kwargs)
         return concrete.call(leaves, tensors)
 
     def _signature_shapes(self, args, kwargs, tensors):
@@ -214,8 +218,8 @@ class JitFunction:
             shapes = [tuple(None if a != b else a for a, b in zip(p, s)) for p, s in zip(previous[-1].shapes, shapes)]
         cause = _retrace_cause(previous, shapes, bool(self._concrete))
         for x in leaves:
-            if is_variable(x) and isinstance(x, Variable):
-                self._variables.setdefault(x, None)
+            if is_variable(x):
+                self._variables.setdefault(_shared(x), None)
         started = time.perf_counter()
         concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
         self.trace_seconds.append(time.perf_counter() - started)
@@ -234,7 +238,22 @@ class JitFunction:
 
     def trace_variable(self, variable):
         """Registers a variable met during a trace (an input of this trace's graph and of later traces)."""
-        self._variables.setdefault(variable, None)
+        self._variables.setdefault(_shared(variable), None)
+
+
+# Distributed variables (seed 2: the container decides, this module knows no strategy). A trace meets the
+# component that a read reaches on the tracing thread (a replica's); the graph keeps the variable shared by
+# every replica (the component's container) and each call resolves it again, so replicas calling one graph
+# pass, and write, their own components.
+def _shared(variable):
+    """The variable every replica's trace means: a component's container, else `variable` itself."""
+    container = getattr(variable, "_distributed_container", None)
+    return variable if container is None else container
+
+
+def _local(variable):
+    """The plain variable a read of `variable` reaches on this thread now (a container's `_handle()`)."""
+    return _shared(variable)._handle()
 
 
 def _compile_options(backend, options):
@@ -284,10 +303,14 @@ class _Concrete:
         self.shapes = shapes
         self.variables = variables
         self.structure = (args, kwargs)
-        self.generator = torch.Generator(device=_device_of(tensors, variables))
+        # a seed of its own: the graph holds another Python object for this generator, found by its seed
+        self.generator = torch.Generator(device=_device_of(tensors, variables)).manual_seed(
+            int.from_bytes(os.urandom(7), "little"))
         self._vjp = None
         self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
         self.compiled = _compile(owner, self.graph, self.dynamic)
+        self._draws = _generator_attributes(self.graph, self.generator)
+        self._runners = {}  # a caller's generator -> (compiled graph, its generator), for graphs that draw
 
     @property
     def dynamic(self):
@@ -302,7 +325,7 @@ class _Concrete:
             dims = [DimDynamic.DYNAMIC if d is None else DimDynamic.STATIC for d in s]
             fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
                          if None in s else mode.from_tensor(t, static_shapes=True))
-        fakes += [mode.from_tensor(v._t, static_shapes=True) for v in self.variables]
+        fakes += [mode.from_tensor(_local(v)._t, static_shapes=True) for v in self.variables]
         return fakes + [mode.from_tensor(t, static_shapes=True) for t in extra]
 
     def _rebuild_args(self, leaves, placeholders):
@@ -325,35 +348,39 @@ class _Concrete:
         box = {}
 
         def body(*flat):
-            tracer = _Tracer(zip(self.variables, flat[len(flat) - len(self.variables):]))
+            tracer = _Tracer(zip([_local(v) for v in self.variables], flat[len(flat) - len(self.variables):]))
             result = self._run_body(leaves, flat, tracer)
             box["tracer"] = tracer
             box["template"] = nest.map_structure(lambda y: _TENSOR if isinstance(y, Tensor) else y, result)
-            box["written"] = list(tracer.written)
+            box["written"] = [_shared(v) for v in tracer.written]
             outs = [y.torch() for y in nest.flatten(result) if isinstance(y, Tensor)]
             return outs + [tracer.values[v] for v in tracer.written]
         graph = _make_fx(self.owner, body, self._fakes(tensors), self.dynamic)
         met = list(box["tracer"].unknown)
         if met:
             _lift_constants(graph, [v._t for v in met])
-            self.variables = self.variables + met
+            self.variables = self.variables + [_shared(v) for v in met]
             for v in met:
                 self.owner.trace_variable(v)
         return graph, box["template"], box["written"]
 
     def call(self, leaves, tensors):
         """Runs the compiled graph, applies the writes, records one op on recording tapes; returns the result."""
-        ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors] + [v.torch() for v in self.variables]
+        ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors] + [_local(v).torch() for v in self.variables]
         # The graph draws from this function's generator: it takes over the caller's stream (the thread's or
         # replica's generator, `dtape.random.get_generator`) for the call, so draws follow the caller's seed.
         stream = _random.get_generator(self.generator.device)
-        self.generator.set_state(stream.get_state())
-        state = self.generator.get_state() if _tp.could_possibly_record() else None
-        outs = self.compiled(*ins)
-        stream.set_state(self.generator.get_state())
+        compiled, generator = self._runner(stream)
+        state = None
+        if generator is not None:
+            generator.set_state(stream.get_state())
+            state = generator.get_state() if _tp.could_possibly_record() else None
+        outs = compiled(*ins)
+        if generator is not None:
+            stream.set_state(generator.get_state())
         n = len(outs) - len(self.written)
         for v, new in zip(self.written, outs[n:]):
-            v._update_value(lambda old, new=new: new, "dtape.function write")
+            _local(v)._update_value(lambda old, new=new: new, "dtape.function write")
         if self.template is _TENSOR:
             result = Tensor(outs[0])
             flat = [result]
@@ -365,9 +392,32 @@ class _Concrete:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
         return result
 
+    def _runner(self, stream):
+        """(compiled graph, the generator it draws from, or None if it draws nothing) for a caller drawing from
+        `stream`. Callers with different streams (the replica threads of a strategy) may run at once, so each
+        gets a copy of the graph drawing from a generator of its own (one trace; a compile per copy); a graph
+        that draws nothing is one compiled graph for all."""
+        if not self._draws:
+            return self.compiled, None
+        runner = self._runners.get(stream)
+        if runner is None:
+            with self.owner._lock:
+                runner = self._runners.get(stream)
+                if runner is None:
+                    runner = (self.compiled, self.generator) if not self._runners else self._copy_drawing_from(
+                        torch.Generator(device=self.generator.device))
+                    self._runners[stream] = runner
+        return runner
+
+    def _copy_drawing_from(self, generator):
+        graph = torch.fx.GraphModule(self.graph, self.graph.graph)
+        for name in self._draws:
+            setattr(graph, name, generator)
+        return _compile(self.owner, graph, self.dynamic), generator
+
     def _record(self, leaves, tensors, ins, state, outputs):
         dtape_tensors = [t for t in tensors if isinstance(t, Tensor)]
-        trainable = [v for v in self.variables if v.trainable]
+        trainable = [_local(v) for v in self.variables if v.trainable]
         for v in trainable:
             _tp.variable_accessed(v)
         inputs = dtape_tensors + trainable
@@ -391,7 +441,7 @@ class _Concrete:
 
         def body(*flat):
             values, upstream = flat[:n_in], flat[n_in:]
-            tracer = _Tracer(zip(self.variables, values[n_in - len(self.variables):]))
+            tracer = _Tracer(zip([_local(v) for v in self.variables], values[n_in - len(self.variables):]))
             inner = _tp.push_new_tape(persistent=True, watch_accessed_variables=True)
             try:
                 with _tp.record_only(inner):
@@ -405,7 +455,7 @@ class _Concrete:
                         result = self.owner.python_function(*args, **kwargs)
                 targets = [y for y in nest.flatten(result) if isinstance(y, Tensor)]
                 pairs = [(t, Tensor(d)) for t, d in zip(targets, upstream) if t.dtype.is_floating_point]
-                trainable = [v for v in self.variables if v.trainable]
+                trainable = [_local(v) for v in self.variables if v.trainable]
                 with trace_scope(tracer):
                     grads = imperative_grad(inner, [t for t, _ in pairs], sources + trainable, [d for _, d in pairs])
             finally:
@@ -428,6 +478,16 @@ class _TensorSlot:
 
 
 _TENSOR = _TensorSlot()
+
+
+def _generator_attributes(graph, generator):
+    """The names of `graph`'s attributes that are `generator` (what its random ops draw from).
+
+    make_fx keeps a generator as another Python object of the same torch generator: they share the seed.
+    """
+    seed = generator.initial_seed()
+    return [n.target for n in graph.graph.nodes if n.op == "get_attr" and
+            isinstance(getattr(graph, n.target, None), torch.Generator) and getattr(graph, n.target).initial_seed() == seed]
 
 
 def _device_of(tensors, variables):

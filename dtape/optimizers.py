@@ -240,7 +240,10 @@ class Optimizer:
         per bucket, run when the graph runs), clips the sums and updates its own components with them: the
         same sums and the same formula on every replica, so the components stay identical, as with the one
         update of merge_call. The slots must exist (`build(var_list)` in the strategy's scope first)."""
-        if type(self)._distributed_apply is not Optimizer._distributed_apply:
+        # a wrapping optimizer (LossScaleOptimizer) or one running its own update (from_torch's torch.optim step,
+        # which writes the tensors in place: no graph op) needs the eager cross-replica path
+        if type(self)._distributed_apply is not Optimizer._distributed_apply or \
+                type(self)._apply is not Optimizer._apply:
             raise NotImplementedError(
                 f"{type(self).__name__}.apply_gradients cannot be traced in a replica step of a strategy with "
                 f"{ctx.num_replicas_in_sync} replicas (its update needs the cross-replica context); run this "

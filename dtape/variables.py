@@ -102,6 +102,11 @@ class trace_scope(ThreadLocalScope):
     _attr = "tracer"
 
 
+def tracing_body():
+    """True while a compiled `dtape.function` traces its body on this thread (its tensors have no values)."""
+    return _trace.tracer is not None
+
+
 class _CreatorState(threading.local):
     """Per-thread variable-creator stack (innermost last)."""
 

@@ -17,6 +17,7 @@ Source: tensorflow/python/distribute/distribution_strategy_context.py.
 import threading
 
 from dtape._local import ThreadLocalScope
+from dtape.variables import tracing_body
 
 
 class Mode:
@@ -107,3 +108,21 @@ class set_stack(ThreadLocalScope):
     __slots__ = ()
     _state = _state
     _attr = "stack"
+
+
+def refuse_in_traced_body(what, instead):
+    """Raises RuntimeError if a compiled `dtape.function` is tracing its body on this thread: `what` (a
+    rendezvous of replica threads, or a step of several replicas) cannot be a graph op; `instead` says what to do."""
+    if tracing_body():
+        raise RuntimeError(f"{what} inside a compiled dtape.function (jit_compile=True) being traced: a graph "
+                           f"cannot hold a rendezvous of the replicas; {instead}")
+
+
+def refuse_merge_call_in_traced_body(merge_fn):
+    """`refuse_in_traced_body` for a merge_call of several replicas, saying what a compiled step can do instead."""
+    refuse_in_traced_body(
+        f"merge_call({getattr(merge_fn, '__name__', 'merge_fn')})",
+        "what needs the cross-replica context in a replica step (a MirroredVariable assign from a replica, "
+        "ReplicaContext.all_reduce/all_gather, a LossScaleOptimizer's update) must run eagerly: call this step "
+        "with jit_compile=False. A compiled step may sum across replicas with torch.ops.dtape.all_reduce_sum, "
+        "and a plain dtape optimizer's apply_gradients reduces with it by itself")

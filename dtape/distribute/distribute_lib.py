@@ -64,6 +64,8 @@ class ReplicaContext:
         TimeoutError after the configured timeout, instead of hanging.
         """
         kwargs = kwargs or {}
+        if self._coordinator is not None:
+            context.refuse_merge_call_in_traced_body(merge_fn)
         if self._coordinator is None:  # one replica, inline: its part of the result, as with threads
             with context.enter_mode(self._strategy, None), _tp.stop_recording():
                 return select_replica(self._replica_id, merge_fn(self._strategy, *args, **kwargs))

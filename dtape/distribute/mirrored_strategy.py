@@ -273,6 +273,10 @@ class MirroredStrategy(Strategy):
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run was called inside a replica context; call it from the "
                                "cross-replica context (outside strategy.run)")
+        context.refuse_in_traced_body(
+            "MirroredStrategy.run", "compile the replica step and call it in strategy.run from eager code: "
+            "strategy.run(dtape.function(replica_step, jit_compile=True), args=...), the function around "
+            "strategy.run left eager (jit_compile=False)")
         pool = self._replica_threads()
         with self.scope():
             results = mirrored_run.run_on_replicas(self, pool, fn, args, kwargs or {}, self._timeout)

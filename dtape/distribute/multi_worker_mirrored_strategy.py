@@ -498,6 +498,8 @@ class _WorkerReplicaContext(ReplicaContext):
         are collectives, so every worker must make the same merge_call.
         Returns this worker's part of the result.
         """
+        if self._strategy.num_replicas_in_sync > 1:
+            context.refuse_merge_call_in_traced_body(merge_fn)
         args, kwargs = _as_worker_values(args), _as_worker_values(kwargs or {})
         with context.enter_mode(self._strategy, None), _tp.stop_recording():
             return select_replica(0, merge_fn(self._strategy, *args, **kwargs))
