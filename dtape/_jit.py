@@ -95,6 +95,12 @@ def _shape_matches(pattern, shape):
     return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
 
 
+# One lock for every compiled function's lookups and traces in the process: make_fx is not thread-safe
+# (torch.fx keeps one global patcher: two threads tracing at once fail), and one lock, rather than one per
+# function, cannot deadlock when a body being traced calls another compiled function.
+_TRACE_LOCK = threading.RLock()
+
+
 class _NeedsEagerCall(Exception):
     """The body creates a variable from a value computed in the trace: this call runs eagerly."""
 
@@ -164,7 +170,7 @@ class JitFunction:
         self._backend = backend
         self._compile_options = _compile_options(backend, compile_options)
         self._eager_call = eager_call  # the eager Function, for a first call that must create variables
-        self._lock = threading.RLock()
+        self._lock = _TRACE_LOCK
         self._concrete = {}  # relaxed key -> list of _Concrete
         self._variables = {}  # every variable a trace took as an input, in first-seen order
         self._initialized = False  # variables may be created only until the first trace completes
@@ -371,10 +377,11 @@ class _Concrete:
         # replica's generator, `dtape.random.get_generator`) for the call, so draws follow the caller's seed.
         stream = _random.get_generator(self.generator.device)
         compiled, generator = self._runner(stream)
-        state = None
+        recording = _tp.could_possibly_record()
+        state = None  # the generator's state for the gradient graph (None: the body draws nothing)
         if generator is not None:
             generator.set_state(stream.get_state())
-            state = generator.get_state() if _tp.could_possibly_record() else None
+            state = generator.get_state() if recording else None
         outs = compiled(*ins)
         if generator is not None:
             stream.set_state(generator.get_state())
@@ -388,7 +395,7 @@ class _Concrete:
             it = iter(outs[:n])
             flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
             result = nest.pack_sequence_as(self.template, flat)
-        if state is not None:
+        if recording:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
         return result
 
@@ -429,9 +436,12 @@ class _Concrete:
     def vjp(self, leaves, ins, state, dys):
         """Gradients for the tensor arguments and the variables (in order), from the compiled VJP graph."""
         if self._vjp is None:
-            self._vjp = self._trace_vjp(leaves, ins, dys)
+            with self.owner._lock:  # traced once, one thread at a time (make_fx is not thread-safe)
+                if self._vjp is None:
+                    self._vjp = self._trace_vjp(leaves, ins, dys)
         graph, keep = self._vjp
-        self.generator.set_state(state)  # the forward's draws again
+        if state is not None:
+            self.generator.set_state(state)  # the forward's draws again
         grads = iter(graph(*ins, *dys))
         return [next(grads) if k else None for k in keep]
 
@@ -486,8 +496,8 @@ def _generator_attributes(graph, generator):
     make_fx keeps a generator as another Python object of the same torch generator: they share the seed.
     """
     seed = generator.initial_seed()
-    return [n.target for n in graph.graph.nodes if n.op == "get_attr" and
-            isinstance(getattr(graph, n.target, None), torch.Generator) and getattr(graph, n.target).initial_seed() == seed]
+    attributes = [(n.target, getattr(graph, n.target, None)) for n in graph.graph.nodes if n.op == "get_attr"]
+    return [name for name, a in attributes if isinstance(a, torch.Generator) and a.initial_seed() == seed]
 
 
 def _device_of(tensors, variables):

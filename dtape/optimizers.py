@@ -260,9 +260,10 @@ class Optimizer:
         clipped = self._clip_gradients([(Tensor(g), c) for g, c in zip(sums, comps)])
         with _tp.stop_recording():
             step = self._step_count() + 1
-            rid = ctx.replica_id_in_sync_group
+            # the slots' components at each component's own index: a worker of several processes holds one
+            # component (index 0) whatever its replica id
             self._update_many(comps, [convert_to_tensor(g).torch().to(c.device) for (g, _), c in zip(clipped, comps)],
-                              [self._component_slots(c, rid) for c in comps], step)
+                              [self._component_slots(c, _component_index(c)) for c in comps], step)
             iterations = self.iterations
             local = iterations._component() if isinstance(iterations, distribute.DistributedValues) else iterations
             local.assign_add(1)
@@ -682,6 +683,12 @@ def _fill_missing(grad, var, devices):
     return distribute.PerReplica(tuple(
         Tensor(torch.zeros(tuple(var.shape), dtype=var.dtype, device=normalize_device(d))) if g is None else g
         for g, d in zip(grad.values, devices)))
+
+
+def _component_index(component):
+    """The index of `component` among its container's components (0 for a plain variable)."""
+    container = distribute.value_container(component)
+    return next((i for i, x in enumerate(getattr(container, "values", ())) if x is component), 0)
 
 
 def _component_like(slot, var):

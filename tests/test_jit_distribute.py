@@ -42,7 +42,7 @@ def _split(strategy, array):
 
 
 def _train(strategy, jit, task, make_optimizer, batches, dropout=0.0, backend=None):
-    """Per-step global losses, final variables (every component, replica by replica) and the step function."""
+    """Per-step global losses, final weights and optimizer state (every component) and the step function."""
     torch.manual_seed(0)
     scope = strategy.scope() if strategy is not None else dtape.distribute.get_strategy().scope()
     with scope:
@@ -64,7 +64,9 @@ def _train(strategy, jit, task, make_optimizer, batches, dropout=0.0, backend=No
         else:
             per_replica = strategy.run(f, args=(_split(strategy, x), _split(strategy, y)))
             losses.append(float(strategy.reduce(ReduceOp.SUM, per_replica, axis=None)))
-    variables = [[c.numpy() for c in getattr(v, "values", (v,))] for v in model.trainable_variables]
+    # the weights and the optimizer's state (iterations, slots), every replica's component
+    state = list(model.trainable_variables) + list(optimizer.variables())
+    variables = [[np.asarray(c.numpy(), dtype=np.float64) for c in getattr(v, "values", (v,))] for v in state]
     return np.array(losses), variables, f
 
 
@@ -192,3 +194,57 @@ def test_wrapping_optimizers_in_a_compiled_replica_step_say_to_run_eagerly(wrap)
     with pytest.raises((NotImplementedError, RuntimeError), match="eagerly"):
         strategy.run(f, args=(dtape.constant(1.0),))
     assert [c.numpy().tolist() for c in w.values] == [[1.0] * 3] * 2
+
+
+def test_tf_tutorial_replica_step_with_average_loss_and_a_metric_compiled_equals_eager():
+    """The step of TF's custom-training tutorial (tutorials/distribute/custom_training): compute_average_loss
+    over the global batch, apply_gradients, and a metric updated in the replica step, compiled."""
+    batches = _digits_batches(8)
+    runs = []
+    for jit in (False, True):
+        strategy = mirrored(2)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = digits.build_model(0)
+            optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)
+            optimizer.build(model.trainable_variables)
+            accuracy = dtape.metrics.SparseCategoricalAccuracy()
+
+        def train_step(x, y):
+            with dtape.GradientTape() as tape:
+                logits = model(x, training=True)
+                per_example = dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                loss = dtape.distribute.compute_average_loss(per_example, global_batch_size=GLOBAL)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(y, logits)
+            return loss
+        step = dtape.function(train_step, jit_compile=True, backend=None) if jit else train_step
+        losses = [float(strategy.reduce(ReduceOp.SUM, strategy.run(step, args=(_split(strategy, x),
+                                                                             _split(strategy, y))), axis=None))
+                  for x, y in batches]
+        runs.append((losses, float(accuracy.result()), [c.numpy() for c in accuracy.variables[0].values]))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    assert runs[1][1] == runs[0][1] and 0.0 < runs[1][1] <= 1.0
+    np.testing.assert_allclose(runs[1][2], runs[0][2])  # each replica's own count, as eager
+
+
+def test_replicas_tracing_different_compiled_functions_at_once_trace_one_at_a_time():
+    """make_fx is not thread-safe: two replica threads each tracing its own compiled function (none of them
+    a collective) must not trace at the same moment (torch.fx's global patcher: 'CURRENT_PATCHER is None')."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        w = dtape.Variable(torch.arange(6.0).reshape(2, 3))
+
+    def body(x):
+        h = x
+        for _ in range(30):  # a longer trace: more chances to overlap
+            h = dtape.tanh(dtape.matmul(h, w) @ dtape.transpose(w))
+        return dtape.reduce_sum(h)
+    for attempt in range(3):
+        fs = [dtape.function(body, jit_compile=True, backend=None) for _ in range(2)]
+        run = strategy.run(lambda x: fs[dtape.distribute.get_replica_context().replica_id_in_sync_group](x),
+                           args=(dtape.ones([4, 2]) * 0.1,))
+        values = [float(v) for v in strategy.experimental_local_results(run)]
+        assert values[0] == values[1] == pytest.approx(float(body(dtape.ones([4, 2]) * 0.1)), rel=1e-6)
+        assert [f.trace_count for f in fs] == [1, 1]
