@@ -21,8 +21,12 @@ MirroredStrategy with 2 CPU replicas in one process against the same DDP run, al
 (j) that GPT step in one process (one intra-op thread) against plain torch with the same AdamW.
 (k) the cost of checking every collective's signature across the 2 workers (check on / off:
 one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
+(l) `--jit-only`: compiled steps, dtape.function(jit_compile=True, inductor), against eager dtape, torch
+autograd and (charlm) torch.compile of the same torch.nn.Module with opt.step compiled too; first-call
+(trace + compile) seconds apart from the interleaved medians.
 
-  python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--gpt-only] [--json PATH]
+  python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--gpt-only] [--jit-only]
+                          [--json PATH]
 """
 import argparse
 import copy
@@ -428,6 +432,144 @@ class _TorchCharLM(torch.nn.Module):
         return F.layer_norm(h, (c.WIDTH,), g, bb, eps=1e-3) @ wh + bh
 
 
+# -- (l) compiled steps: dtape.function(jit_compile=True) vs eager dtape, torch autograd and torch.compile --------
+def interleave_many(run, fns, reps, warmup):
+    """Medians of `fns` (a dict name -> fn) timed in turn, the order rotated every repetition."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(run(fns[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _first_call(run, fn):
+    """Seconds of the first call (a compiled function traces and compiles in it)."""
+    return run(fn)
+
+
+def jit_charlm_fns(device, batch=32, seed=0):
+    """charlm's step (forward, gradient, Adam) four ways, from the same start; and the first-call seconds."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tasks import charlm
+    data = charlm.load_data(seed)
+    x_np, y_np = data["x_train"][:batch], data["y_train"][:batch]
+    tx, ty = torch.as_tensor(x_np, device=device), torch.as_tensor(y_np, device=device)
+    dx, dy = dtape.constant(tx), dtape.constant(ty)
+
+    def dtape_step():
+        with dtape.device(str(device)):
+            model = charlm.build_model(seed)
+        opt = dtape.optimizers.Adam(1e-3)
+        opt.build(model.trainable_variables)  # slots before the trace: the first compiled call compiles
+
+        def step(x, y):
+            with dtape.GradientTape() as tape:
+                loss = dtape.reduce_mean(charlm.per_example_loss(model, x, y))
+            variables = model.trainable_variables
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+        return step, model
+    eager, model = dtape_step()
+    compiled = dtape.function(dtape_step()[0], jit_compile=True)
+    values = [v.torch().clone() for v in model.trainable_variables]
+
+    def torch_step(net, opt_step, forward):
+        def step():
+            net.zero_grad(set_to_none=True)
+            logits = forward(tx)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ty.reshape(-1))
+            loss.backward()
+            opt_step()
+            return loss
+        return step
+    net = _TorchCharLM([v.clone() for v in values], charlm).to(device)
+    fused = torch.optim.Adam(net.parameters(), lr=1e-3, eps=1e-7, fused=True)
+    # torch's "compiling the optimizer" recipe: the module compiled, opt.step in a compiled function of its own
+    cnet = _TorchCharLM([v.clone() for v in values], charlm).to(device)
+    copt = torch.optim.Adam(cnet.parameters(), lr=1e-3, eps=1e-7)
+    fns = {"dtape compiled": lambda: compiled(dx, dy), "dtape eager": lambda: eager(dx, dy),
+           "torch autograd + fused Adam": torch_step(net, fused.step, net),
+           "torch.compile module + opt.step": torch_step(cnet, torch.compile(copt.step), torch.compile(cnet))}
+    return fns
+
+
+def jit_chain_fns(n=1_000):
+    """The 1,000-op chain's gradient (case (a)) compiled, eager and in torch autograd."""
+    run_eager, run_torch, _ = chain_case(n, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x0, w0, b0 = (dtape.constant(torch.randn(4, 4, generator=g)) for _ in range(3))
+
+    def chain(x, w, b):
+        with dtape.GradientTape() as tape:
+            tape.watch([x, w, b])
+            y = x
+            for i in range(n):
+                k = i % 3
+                y = y * w if k == 0 else (y + b if k == 1 else dtape.tanh(y))
+            loss = dtape.reduce_sum(y)
+        return tape.gradient(loss, [x, w, b])
+    compiled = dtape.function(chain, jit_compile=True)
+
+    def run_compiled():
+        grads = compiled(x0, w0, b0)
+        if not checked:  # the first call (trace + compile) also checks the gradients
+            checked.append(max((a.torch() - b).abs().max().item() for a, b in zip(grads, run_torch())))
+            print(f"chain N={n:,} compiled: max |grad diff| vs torch {checked[0]:.1e}")
+        return grads
+    checked = []
+    return {"dtape compiled": run_compiled, "dtape eager": run_eager, "torch autograd": run_torch}
+
+
+def jit_mlp_fns(sizes=(64, 128, 10), batch=64, lr=0.1):
+    """The digits-sized MLP step (64-128-10, SGD) compiled, eager and in torch autograd."""
+    init, data, labels = _mlp_setup(sizes, batch)
+    run_torch = mlp_case(torch.device("cpu"), sizes, batch, lr)[1]
+
+    def dtape_step():
+        dvars = [dtape.Variable(p.clone()) for p in init]
+        opt = dtape.optimizers.SGD(lr)
+
+        def step(x, y):
+            with dtape.GradientTape() as tape:
+                loss = dtape.reduce_mean(dtape.nn.sparse_softmax_cross_entropy_with_logits(y, _dtape_logits(x, dvars)))
+            opt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
+            return loss
+        return step
+    dx, dy = dtape.constant(data), dtape.constant(labels)
+    eager, compiled = dtape_step(), dtape.function(dtape_step(), jit_compile=True)
+    return {"dtape compiled": lambda: compiled(dx, dy), "dtape eager": lambda: eager(dx, dy),
+            "torch autograd": run_torch}
+
+
+def jit_only(run, args, load):
+    """`--jit-only`: case (l), compiled dtape steps against eager dtape, torch autograd and torch.compile."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    q = args.quick
+    result = {}
+    for case, make, reps in (("charlm step (Adam), batch 32", lambda: jit_charlm_fns(torch.device(args.device)),
+                              7 if q else 21),
+                             ("digits-sized MLP step 64-128-10 (SGD), batch 64", jit_mlp_fns, 11 if q else 41),
+                             ("chain N=1,000, gradient", jit_chain_fns, 7 if q else 31)):
+        fns = make()
+        first = {name: _first_call(run, fn) for name, fn in fns.items()}
+        medians = interleave_many(run, fns, reps, 2)
+        result[case] = {"first_call_s": first, "median_s": medians, "reps": reps}
+        compiled = medians["dtape compiled"]
+        print(f"(l) {case} ({reps} reps, medians after the first call):")
+        for name, t in medians.items():
+            print(f"    {name:34s} {t * 1e3:9.3f} ms   compiled / this {compiled / t:5.2f}   "
+                  f"first call {first[name]:7.2f} s")
+    load_end = os.getloadavg()
+    print(f"load average at start {load}, at end {load_end}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load_start": load, "load_end": load_end, "jit": result}, f, indent=2)
+
+
 # -- (j) the GPT-shaped torch.nn.Module through TorchModule + from_torch(AdamW) vs plain torch ----------
 def gpt_case(device):
     """One training step of scripts/tasks/torch_gpt.py's GPT (bench_multiworker.GPT_SHAPE, 32 sequences):
@@ -618,6 +760,9 @@ def main():
     ap.add_argument("--no-multiworker", action="store_true", help="skip case (i), the torchrun launches")
     ap.add_argument("--gpt-only", action="store_true",
                     help="only the GPT cases: (j), and (i)'s GPT launch (2 workers vs DDP, MirroredStrategy vs DDP)")
+    ap.add_argument("--jit-only", action="store_true",
+                    help="only case (l): compiled dtape steps (charlm, MLP, 1,000-op chain) vs eager dtape, torch "
+                         "autograd and torch.compile, with first-call (trace + compile) times")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -641,6 +786,8 @@ def main():
     cpu = device.type == "cpu"
     if args.gpt_only:
         return gpt_only(run, args, load)
+    if args.jit_only:
+        return jit_only(run, args, load)
 
     chains = ((1_000, 7 if q else 31, 2 if q else 5), (10_000, 3 if q else 11, 1 if q else 2),
               (100_000, 1 if q else 5, 1))

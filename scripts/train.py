@@ -53,6 +53,14 @@ Outputs: --out DIR gets metrics.json (per-step loss, per-epoch train/test
 accuracy, examples/second, total run time over all resumed sessions) and
 loss.png (loss per step; accuracy per epoch); --logdir DIR gets TensorBoard
 scalars (loss, learning rate, accuracy, examples per second).
+
+Compiled steps: --jit-compile wraps the replica step (forward, tape.gradient,
+apply_gradients) in dtape.function(jit_compile=True), which traces it once
+into one graph and compiles it with torch.compile (--jit-backend, default
+inductor; "none" runs the traced graph uncompiled). The first step pays the
+trace and the compile; the final line and metrics.json report that time
+(compile_seconds) apart from the steady-state time per step (step_seconds,
+the median of the later steps). Losses equal the eager run's.
 Only the public dtape API is used.
 """
 import argparse
@@ -73,6 +81,7 @@ import tasks  # noqa: E402  (light: torch is imported only after the argument ch
 CHECKPOINT_NAME = "last.pt"
 PROG = "train.py"
 MAX_SEED = 2**32 - 1  # scikit-learn's random_state range
+JIT_BACKENDS = ("inductor", "aot_eager", "eager", "none")
 # Test hook: during step K (after its update, before its loss is recorded) print a line and wait for a signal.
 # "K": every process; "R:K,...": the worker of rank R only (multi_worker). "evaluation": in the final evaluation
 # (between the train and test accuracies); "outputs": between writing metrics.json and loss.png.
@@ -149,6 +158,10 @@ def build_parser():
     p.add_argument("--logdir", default=None, help="folder for TensorBoard scalars (needs the tensorboard package)")
     p.add_argument("--seed", type=int, default=0, help=f"seeds data split, shuffling, init, dropout; 0..{MAX_SEED}")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--jit-compile", action="store_true",
+                   help="trace the train step once and compile it (dtape.function(jit_compile=True))")
+    p.add_argument("--jit-backend", choices=JIT_BACKENDS, default="inductor",
+                   help="torch.compile backend for --jit-compile (none: the traced graph, not compiled)")
     return p
 
 
@@ -192,6 +205,8 @@ def check_flags(args):
                         ("--save-every", args.save_every is not None)):
         if given and not args.checkpoint_dir:
             fail(f"{flag} needs --checkpoint-dir DIR (the folder of last.pt)")
+    if args.jit_backend != "inductor" and not args.jit_compile:
+        fail(f"--jit-backend {args.jit_backend} needs --jit-compile (the eager step is not compiled)")
     if args.logdir and importlib.util.find_spec("tensorboard") is None:
         fail("--logdir needs the tensorboard package: pip install tensorboard "
              "(or pip install -e '.[examples]')")
@@ -567,13 +582,16 @@ class Trainer:
                         "epochs": [], "sessions": [], "run_seconds": 0.0}
         self.writer = None
         self._started = time.perf_counter()  # reset by run()
+        self.step_seconds = []  # wall time of each step of this session (the first one compiles, under --jit-compile)
+        self.jit_function = None
         self._train_step = self._make_train_step()
 
     def _make_train_step(self):
         model, optimizer, task, global_batch = self.model, self.optimizer, self.task, self.args.batch_size
         wait_at = self.wait_at
-        # the gradient all-reduce starts during the backward walk (DDP's overlap); nothing with one replica
-        sync = dtape.distribute.GradientSync()
+        # Eager: the gradient all-reduce starts during the backward walk (DDP's overlap); nothing with one
+        # replica. Compiled: apply_gradients traced in the replica step sums the gradients inside the graph.
+        sync = None if self.args.jit_compile else dtape.distribute.GradientSync()
 
         def replica_step(batch):
             x, y = batch
@@ -584,7 +602,16 @@ class Trainer:
             optimizer.apply_gradients(zip(grads, variables))
             return loss
 
+        if self.args.jit_compile:
+            replica_step = self._compiled(replica_step)
+
         def step(batch):
+            started = time.perf_counter()
+            loss = reduced_step(batch)
+            self.step_seconds.append(time.perf_counter() - started)
+            return loss
+
+        def reduced_step(batch):
             per_replica = self.strategy.run(replica_step, args=(batch,))
             if str(self.step + 1) == wait_at:
                 self._wait_for_signal(f"step {self.step + 1}")
@@ -598,6 +625,27 @@ class Trainer:
             self.agree_on_stop(sums[1:])
             return float(sums[0])
         return step
+
+    def _compiled(self, replica_step):
+        """`replica_step` as a dtape.function(jit_compile=True); the optimizer's slots are made first, so that
+        the first step traces and compiles (a trace may not create variables after the first one)."""
+        self.optimizer.build(self.model.trainable_variables)
+        backend = None if self.args.jit_backend == "none" else self.args.jit_backend
+        self.jit_function = dtape.function(replica_step, jit_compile=True, backend=backend)
+        return self.jit_function
+
+    def step_times(self):
+        """This session's step times: {"compile_seconds" (the first step: trace + compile + its run, for
+        --jit-compile), "first_step_seconds", "step_seconds" (median of the later steps), "trace_seconds"}."""
+        times = self.step_seconds
+        record = {"jit_compile": self.args.jit_compile,
+                  "first_step_seconds": times[0] if times else None,
+                  "step_seconds": float(np.median(times[1:])) if len(times) > 1 else None}
+        if self.args.jit_compile:
+            record.update(jit_backend=self.args.jit_backend, compile_seconds=record["first_step_seconds"],
+                          trace_seconds=float(sum(self.jit_function.trace_seconds)),
+                          traces=self.jit_function.trace_count)
+        return record
 
     def _wait_for_signal(self, where, timeout=60.0):
         """Test hook (TEST_WAIT_ENV): a signal arriving in the middle of a step (or `where`), deterministically."""
@@ -793,7 +841,8 @@ class Trainer:
         m = self.metrics
         m["final_step"] = self.step
         m["sessions"].append({"first_step": self.first_step, "last_step": self.step,
-                              "seconds": time.perf_counter() - self._started, "stopped_by": stopped_by})
+                              "seconds": time.perf_counter() - self._started, "stopped_by": stopped_by,
+                              **self.step_times()})
         m["run_seconds"] = self.elapsed()
         speeds = [e["examples_per_second"] for e in m["epochs"] if e["examples_per_second"]]
         m["examples_per_second"] = float(np.mean(speeds)) if speeds else None
@@ -821,6 +870,7 @@ class Trainer:
             between = (lambda: self._wait_for_signal("writing the outputs")) if self.wait_at == "outputs" else None
             write_outputs(self.metrics, self.args.out, between)
         if is_chief():
+            print(timing_line(self.metrics["sessions"][-1]), flush=True)
             print(f"final test accuracy {self.metrics['final_test_accuracy']:.4f} after {self.metrics['final_step']} "
                   f"steps ({self.metrics['run_seconds']:.1f} s)", flush=True)
         if self.stop.signum is not None:  # came after the evaluation: the run is complete, and saved
@@ -867,6 +917,18 @@ class Trainer:
         for tag, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(tag, value, self.step)
+
+
+def timing_line(session):
+    """The step times of a session record: under --jit-compile the first step (trace + compile) apart."""
+    steady = (f"then {session['step_seconds'] * 1e3:.2f} ms per step (median of the later steps)"
+              if session["step_seconds"] is not None else "no later step timed")
+    if session["first_step_seconds"] is None:
+        return "no step run in this session"
+    if session["jit_compile"]:
+        return (f"compiled step ({session['jit_backend']}): first step {session['compile_seconds']:.2f} s "
+                f"(trace {session['trace_seconds']:.2f} s + compile + run), {steady}")
+    return f"eager step: first step {session['first_step_seconds']:.3f} s, {steady}"
 
 
 def is_chief():

@@ -413,3 +413,18 @@ def test_train_resume_of_replica_states_that_do_not_fit_warns_and_continues(trai
     err = capsys.readouterr().err.splitlines()
     assert [ln for ln in err if "random state not restored for replica generators" in ln] and \
         len(metrics["loss"]) == 4, err
+
+
+@pytest.mark.parametrize("task, strategy", [("digits", "one_device"), ("digits", "mirrored"), ("charlm", "one_device")])
+def test_train_jit_compile_gives_the_eager_losses_and_reports_the_compile_time(train, task, strategy, capsys):
+    """--jit-compile traces the step (backend none: the traced graph, not compiled, to keep the test fast)."""
+    args = ["--task", task, "--strategy", strategy, "--steps", 4, "--batch-size", 16, "--optimizer", "adam"]
+    eager = _run(train, *args)
+    capsys.readouterr()
+    compiled = _run(train, *args, "--jit-compile", "--jit-backend", "none")
+    np.testing.assert_allclose(compiled["loss"], eager["loss"], rtol=1e-5)
+    session = compiled["sessions"][-1]
+    assert session["jit_compile"] and session["traces"] == 1 and session["jit_backend"] == "none"
+    assert 0 < session["trace_seconds"] <= session["compile_seconds"] and session["step_seconds"] > 0
+    assert "compiled step (none): first step " in capsys.readouterr().out
+    assert not eager["sessions"][-1]["jit_compile"] and "compile_seconds" not in eager["sessions"][-1]

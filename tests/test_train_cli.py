@@ -72,6 +72,8 @@ MISTAKES = [
     (["--epochs", "x"], "argument --epochs: invalid int value: 'x' (see train.py -h)"),
     (["--task", "mnist"], "argument --task: invalid choice: 'mnist'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--jit-backend", "aot_eager"], "--jit-backend aot_eager needs --jit-compile (the eager step is not compiled)"),
+    (["--jit-compile", "--jit-backend", "cudagraphs"], "argument --jit-backend: invalid choice: 'cudagraphs'"),
     (["--out", "{tmp}/file"], "--out {tmp}/file is a file, not a folder; give a folder (it is created if missing)"),
     (["--checkpoint-dir", "{tmp}/file"], "--checkpoint-dir {tmp}/file is a file, not a folder"),
     (["--logdir", "{tmp}/file"], "--logdir {tmp}/file is a file, not a folder"),

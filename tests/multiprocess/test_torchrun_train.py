@@ -60,6 +60,20 @@ def test_standalone_two_workers_losses_equal_one_device(train, args, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_two_workers_with_a_compiled_step_equal_one_device(train, tmp_path):
+    """--jit-compile under torchrun: the traced apply_gradients reduces inside the graph (backend none: fast)."""
+    args = [*DIGITS, "--optimizer", "adam", "--jit-compile", "--jit-backend", "none"]
+    cmd = _launch.torchrun_args(tmp_path / "logs") + _train_cmd(tmp_path, args)
+    rc, output, _ = _launch.run(cmd, _launch.worker_env(timeout=30))
+    logs = _launch.rank_logs(tmp_path / "logs")
+    assert rc == 0, output[-3000:] + str(logs)
+    _assert_same_losses(_losses(tmp_path), _one_device_losses(train, DIGITS + ["--optimizer", "adam"]))
+    assert "compiled step (none): first step" in logs[0]
+    with open(tmp_path / "metrics.json") as f:
+        assert json.load(f)["sessions"][-1]["traces"] == 1  # really traced, not run eagerly
+
+
+@pytest.mark.multiprocess
 def test_two_nodes_on_c10d_rendezvous_losses_equal_one_device(train, tmp_path):
     port = _launch.free_port()
     procs = []
