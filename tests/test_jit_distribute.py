@@ -175,6 +175,23 @@ def test_merge_call_in_a_compiled_replica_step_says_to_run_it_eagerly():
     assert [float(c.numpy()) for c in total.values] == [0.0, 0.0]
 
 
+def test_gradient_sync_in_a_compiled_replica_step_is_refused_not_a_hang():
+    # the overlapped all-reduce starts reductions on other threads during the walk: traced, the replicas
+    # waited on each other until killed
+    strategy = mirrored(2)
+    with strategy.scope():
+        w = dtape.Variable(torch.ones(3))
+    sync = dtape.distribute.GradientSync()
+
+    def step(x):
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = dtape.reduce_sum(w * x)
+        return tape.gradient(loss, w)
+    f = dtape.function(step, jit_compile=True, backend=None)
+    with pytest.raises(RuntimeError, match=r"gradient_sync=.*compiled dtape.function.*Drop gradient_sync"):
+        strategy.run(f, args=(dtape.constant(1.0),))
+
+
 @pytest.mark.parametrize("wrap", ["loss_scale", "from_torch"])
 def test_wrapping_optimizers_in_a_compiled_replica_step_say_to_run_eagerly(wrap):
     strategy = mirrored(2)

@@ -61,6 +61,7 @@ from dtape.distribute.cross_device_ops import accumulation_dtype
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.nn import compute_average_loss  # noqa: F401  (one function, public under both names)
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.variables import tracing_body
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -125,6 +126,13 @@ class GradientSync:
         rctx = context.get_replica_context()
         if rctx is None or rctx.num_replicas_in_sync == 1:
             return None
+        if tracing_body():
+            # its reductions start on other threads while the walk runs: a traced walk has no values to send,
+            # and the replicas would wait on each other with nothing arriving
+            raise RuntimeError(
+                "GradientTape(gradient_sync=...) inside a compiled dtape.function (jit_compile=True): the "
+                "overlapped all-reduce cannot run in a traced step. Drop gradient_sync= in the compiled step; "
+                "apply_gradients traced in a replica all-reduces inside the graph")
         sources = list(sources)
         key = (id(rctx.strategy), tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
         order, learn = None, None
