@@ -43,27 +43,10 @@ def _tensor(x):
     return x if is_variable(x) else convert_to_tensor(x)
 
 
-def _squeeze_or_expand(y_true, y_pred):
-    """Keras 3's squeeze_or_expand_to_same_rank: when the ranks differ by one and the higher-rank side ends in
-    a size-1 axis, a rank-1 other side gains that axis ([n] with [n, 1] -> [n, 1] and [n, 1], so the mean over
-    the last axis leaves one loss per example), else that axis is dropped ([n, t, 1] with [n, t] -> [n, t])."""
-    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        if y_pred.ndim == 1:
-            y_pred = _array.expand_dims(y_pred, -1)
-        else:
-            y_true = _array.squeeze(y_true, -1)
-    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        if y_true.ndim == 1:
-            y_true = _array.expand_dims(y_true, -1)
-        else:
-            y_pred = _array.squeeze(y_pred, -1)
-    return y_true, y_pred
-
-
 def _float_pair(y_true, y_pred):
     y_pred = _tensor(y_pred)
     y_true = _array.cast(_tensor(y_true), y_pred.dtype)
-    return _squeeze_or_expand(y_true, y_pred)
+    return _nn.squeeze_or_expand_to_same_rank(y_true, y_pred)
 
 
 def _log_probs(y_pred, from_logits, axis):
@@ -133,7 +116,7 @@ def binary_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, 
     stable `sigmoid_cross_entropy_with_logits` is used; otherwise p is
     clipped to [1e-7, 1 - 1e-7].
     Shapes: y_true, y_pred [batch, ..., d] -> [batch, ...]. Ranks that differ
-    by a trailing size-1 axis are matched first (`_squeeze_or_expand`): labels
+    by a trailing size-1 axis are matched first (`dtape.nn.squeeze_or_expand_to_same_rank`): labels
     [n] with one sigmoid unit [n, 1] give [n], one loss per example. (Keras
     3's function raises for different ranks and tf.keras 2's broadcast them
     to [n, n] and averaged the wrong pairs; dtape matches them as Keras's
@@ -212,7 +195,7 @@ class Loss:
         """
         self._check_distributed_reduction()
         if self._match_ranks:
-            y_true, y_pred = _squeeze_or_expand(_tensor(y_true), _tensor(y_pred))
+            y_true, y_pred = _nn.squeeze_or_expand_to_same_rank(_tensor(y_true), _tensor(y_pred))
         losses = _tensor(self.call(y_true, y_pred))
         losses = _nn.scale_losses_by_sample_weight(losses, sample_weight)
         if self.reduction == "none":

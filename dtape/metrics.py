@@ -14,6 +14,7 @@ Source: tf.keras.metrics.
 """
 import torch
 
+from dtape import nn as _nn
 from dtape import tape as _tp
 from dtape.module import Module
 from dtape.ops import array_ops as _array
@@ -229,17 +230,7 @@ def _float_pair(y_true, y_pred, dtype=torch.float32):
     [n, 1] twice (one value per example after the mean over the last axis, so sample weights weigh examples),
     [n, t, 1] with [n, t] drops the trailing axis (the same rule as dtape.losses)."""
     y_true, y_pred = _array.cast(_tensor(y_true), dtype), _array.cast(_tensor(y_pred), dtype)
-    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        if y_pred.ndim == 1:
-            y_pred = _array.expand_dims(y_pred, -1)
-        else:
-            y_true = _array.squeeze(y_true, -1)
-    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        if y_true.ndim == 1:
-            y_true = _array.expand_dims(y_true, -1)
-        else:
-            y_pred = _array.squeeze(y_pred, -1)
-    return y_true, y_pred
+    return _nn.squeeze_or_expand_to_same_rank(y_true, y_pred)
 
 
 def mean_squared_error(y_true, y_pred):

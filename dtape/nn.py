@@ -74,6 +74,25 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     return total / float(_check_batch_size(global_batch_size))
 
 
+def squeeze_or_expand_to_same_rank(y_true, y_pred):
+    """`(y_true, y_pred)` with ranks matched as Keras 3's `squeeze_or_expand_to_same_rank` (Tensors in, Tensors
+    out; dtypes and devices kept): when the ranks differ by one and the higher-rank side ends in a size-1
+    axis, a rank-1 other side gains that axis ([n] with [n, 1] -> [n, 1] and [n, 1], so a mean over the last
+    axis leaves one value per example), else that axis is dropped ([n, t, 1] with [n, t] -> [n, t]); any
+    other pair is returned as it is. Used by dtape.losses and dtape.metrics. Source: keras/src/losses/loss.py."""
+    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
+        if y_pred.ndim == 1:
+            y_pred = _array.expand_dims(y_pred, -1)
+        else:
+            y_true = _array.squeeze(y_true, -1)
+    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
+        if y_true.ndim == 1:
+            y_true = _array.expand_dims(y_true, -1)
+        else:
+            y_pred = _array.squeeze(y_pred, -1)
+    return y_true, y_pred
+
+
 def scale_losses_by_sample_weight(losses, sample_weight):
     """`losses * sample_weight`, the weight's rank matched to the losses' first as Keras does.
 
