@@ -1,5 +1,6 @@
 """Starting torchrun from tests: free ports, the worktree's dtape, small timeouts, per-rank logs."""
 import glob
+import json
 import os
 import signal
 import socket
@@ -50,6 +51,21 @@ def run(args, env, timeout=90):
     start = time.monotonic()
     rc, output = finish(start_command(args, env), timeout)
     return rc, output, time.monotonic() - start
+
+
+def run_ranks(tmp_path, script, *script_args, timeout=300, nproc=2):
+    """Runs `script` (in this folder) on `nproc` torchrun workers with `tmp_path` as its first argument and
+    returns each rank's `tmp_path/rank<r>.json`, in rank order; a failed run fails the test with the output
+    and the ranks' logs (collectives time out after 60 s, the run after `timeout` s)."""
+    args = torchrun_args(tmp_path / "logs", nproc) + [os.path.join(HERE, script), str(tmp_path),
+                                                     *map(str, script_args)]
+    rc, output, _ = run(args, worker_env(timeout=60), timeout=timeout)
+    assert rc == 0, f"torchrun failed ({rc}):\n{output[-3000:]}\n{rank_logs(tmp_path / 'logs')}"
+    ranks = []
+    for r in range(nproc):
+        with open(tmp_path / f"rank{r}.json") as f:
+            ranks.append(json.load(f))
+    return ranks
 
 
 def rank_logs(log_dir, attempt=0):

@@ -2,8 +2,6 @@
 `dtape.function(step, jit_compile=True)` inside `strategy.run` (tests/multiprocess/worker_jit.py); the graph
 all-reduces the gradients with `torch.ops.dtape.all_reduce_sum` across the processes, and the per-step losses
 and weights equal the eager step's. Every wait has a timeout (collectives 60 s, the run 420 s)."""
-import json
-import os
 
 import numpy as np
 import pytest
@@ -15,14 +13,7 @@ STEPS = 20
 
 @pytest.mark.multiprocess
 def test_compiled_replica_step_on_two_workers_equals_eager(tmp_path):
-    args = _launch.torchrun_args(tmp_path / "logs") + [os.path.join(_launch.HERE, "worker_jit.py"), str(tmp_path),
-                                                      str(STEPS)]
-    rc, output, _ = _launch.run(args, _launch.worker_env(timeout=60), timeout=420)
-    assert rc == 0, f"torchrun failed ({rc}):\n{output[-3000:]}\n{_launch.rank_logs(tmp_path / 'logs')}"
-    ranks = []
-    for r in range(2):
-        with open(tmp_path / f"rank{r}.json") as f:
-            ranks.append(json.load(f))
+    ranks = _launch.run_ranks(tmp_path, "worker_jit.py", STEPS, timeout=420)
     for seen in ranks:
         for name in ("sgd", "adam"):
             run = seen[name]
