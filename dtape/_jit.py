@@ -44,10 +44,11 @@ from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDepend
 
 from dtape import nest
 from dtape import random as _random
+from dtape._local import ThreadLocalScope
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
-from dtape.variables import trace_scope, variable_creator_scope
+from dtape.variables import trace_scope, tracing_body, variable_creator_scope
 
 # TF warns once a function has been traced this many times (tf.function's FREQUENT_TRACING_WARNING_THRESHOLD)
 RETRACE_WARNING_THRESHOLD = 5
@@ -103,6 +104,57 @@ _TRACE_LOCK = threading.RLock()
 
 class _NeedsEagerCall(Exception):
     """The body creates a variable from a value computed in the trace: this call runs eagerly."""
+
+
+class _NeedsEagerBody(Exception):
+    """The body reached a call no graph can hold (`strategy.run`): the function runs its body eagerly from now on."""
+
+    def __init__(self, what):
+        super().__init__(what)
+        self.what = what
+
+
+# The hook a strategy consults (seed 2: this module knows no strategy). A graph cannot hold the rendezvous of
+# a strategy's replicas (threads meeting in merge_call, processes in host collectives, the reduce after
+# them), so a compiled function whose trace reaches `strategy.run` (or a distributed dataset's iteration)
+# runs its body eagerly instead, once and for all, and compiles the functions that body gives to
+# `strategy.run` with its own options: TF's compiled outer step becomes an eager outer step around
+# compiled replica steps, which is where the time goes.
+class _EagerBodyState(threading.local):
+    owner = None  # the JitFunction whose body runs eagerly on this thread now
+
+
+_eager_body = _EagerBodyState()
+
+
+class _eager_body_scope(ThreadLocalScope):
+    __slots__ = ()
+    _state = _eager_body
+    _attr = "owner"
+
+
+def leave_graph(what):
+    """Called where the body does what no graph can hold (`what`, e.g. "MirroredStrategy.run"): while a
+    compiled function traces its body on this thread, the trace stops and that function runs its body
+    eagerly, this call included and every later one (the caller sees nothing but the eager call)."""
+    if tracing_body():
+        raise _NeedsEagerBody(what)
+
+
+def replica_function(fn, what):
+    """What `strategy.run` (`what`) runs on the replicas for `fn`.
+
+    While a compiled function traces its body on this thread: the trace
+    stops (`leave_graph`). In the eager body of such a function: `fn`
+    compiled with that function's backend, compile_options and
+    reduce_retracing (one `JitFunction` per `fn`, kept, so later steps reuse
+    its trace; `fn` itself if it is a `JitFunction`). Elsewhere: `fn`.
+    """
+    leave_graph(what)
+    owner = _eager_body.owner
+    if owner is None or isinstance(fn, JitFunction):
+        return fn
+    return owner.replica_function(fn)
 
 
 class _Tracer:
@@ -177,12 +229,28 @@ class JitFunction:
         self.trace_count = 0
         # per signature: the seconds spent tracing; the compile happens in the first call of each graph
         self.trace_seconds = []
+        # None while the body is compiled; else why it runs eagerly (its trace reached strategy.run)
+        self.eager_body_reason = None
+        self.replica_functions = {}  # replica fn -> its JitFunction, compiled for strategy.run in the eager body
+        self._first_cause = "first call"
 
     def _name(self):
         return getattr(self.python_function, "__qualname__", None) or getattr(self.python_function, "__name__",
                                                                                "function")
 
+    def __repr__(self):
+        state = (f"body eager: {self.eager_body_reason}; compiled replica functions "
+                 f"{[f._name() for f in self.replica_functions.values()]}" if self.eager_body_reason is not None
+                 else f"{self.trace_count} trace(s)")
+        return f"<dtape.function {self._name()!r} jit_compile=True, {state}>"
+
+    def experimental_get_tracing_count(self):
+        """The number of graphs traced for this function (tf.function's; 0 while its body runs eagerly)."""
+        return self.trace_count
+
     def __call__(self, *args, **kwargs):
+        if self.eager_body_reason is not None:
+            return self._call_body_eagerly(args, kwargs)
         flat = not kwargs and not any(nest.is_nested(a) for a in args)  # the common case, without the nest walk
         leaves = list(args) if flat else nest.flatten((args, kwargs))
         kinds, tensors, shapes = _classify(leaves)
@@ -198,9 +266,41 @@ class JitFunction:
                     concrete = self._trace(relaxed, args, kwargs, leaves, tensors, shapes)
                 except _NeedsEagerCall:
                     concrete = None
-        if concrete is None:  # outside the lock: the eager call may wait for other replicas (merge_call)
+                except _NeedsEagerBody as e:
+                    self.eager_body_reason = (f"its trace reached {e.what}, which a graph cannot hold; the "
+                                              "functions given to strategy.run are compiled instead")
+                    concrete = None
+        # outside the lock: the eager call may wait for other replicas (merge_call, a strategy's replica threads)
+        if self.eager_body_reason is not None:
+            return self._call_body_eagerly(args, kwargs)
+        if concrete is None:
             return self._eager_call(*args, **kwargs)
         return concrete.call(leaves, tensors)
+
+    def _call_body_eagerly(self, args, kwargs):
+        """The body run eagerly (as `jit_compile=False`), compiling what it gives to strategy.run (`replica_function`)."""
+        with _eager_body_scope(self):
+            return self._eager_call(*args, **kwargs)
+
+    def replica_function(self, fn):
+        """`fn` compiled with this function's options for `strategy.run` in its eager body, kept per `fn`.
+
+        A new function object of the code of a kept one (a replica function
+        defined inside the body: a fresh closure per call) replaces it and
+        continues its trace count, so the retracing warning names it.
+        """
+        with self._lock:
+            compiled = self.replica_functions.get(fn)
+            if compiled is None:
+                compiled = JitFunction(fn, reduce_retracing=self._reduce_retracing, backend=self._backend,
+                                       compile_options=self._compile_options, eager_call=type(self._eager_call)(fn))
+                code = _code_of(fn)
+                for old in [f for f in self.replica_functions if code is not None and _code_of(f) is code]:
+                    compiled.trace_count += self.replica_functions.pop(old).trace_count
+                    compiled._first_cause = ("a new function object of the same code was given to strategy.run "
+                                             "(defined inside the compiled function? define it outside)")
+                self.replica_functions[fn] = compiled
+            return compiled
 
     def _signature_shapes(self, args, kwargs, tensors):
         spec = self._input_signature
@@ -222,7 +322,7 @@ class JitFunction:
         previous = self._concrete.get(relaxed, [])
         if self._reduce_retracing and previous and self._input_signature is None:
             shapes = [tuple(None if a != b else a for a, b in zip(p, s)) for p, s in zip(previous[-1].shapes, shapes)]
-        cause = _retrace_cause(previous, shapes, bool(self._concrete))
+        cause = _retrace_cause(previous, shapes, bool(self._concrete), self._first_cause)
         for x in leaves:
             if is_variable(x):
                 self._variables.setdefault(_shared(x), None)
@@ -293,12 +393,17 @@ def _classify(leaves):
     return tuple(kinds), tensors, shapes
 
 
-def _retrace_cause(previous, shapes, traced_before):
+def _retrace_cause(previous, shapes, traced_before, first_cause):
     if previous:
         return f"tensor shapes {[list(s) for s in shapes]} differ from the traced {[list(s) for s in previous[-1].shapes]}"
     if traced_before:
         return "the Python arguments, the arguments' structure, or tensor dtypes/devices changed"
-    return "first call"
+    return first_cause
+
+
+def _code_of(fn):
+    """The code object of a function or bound method (None for other callables)."""
+    return getattr(getattr(fn, "__func__", fn), "__code__", None)
 
 
 class _Concrete:
@@ -617,4 +722,5 @@ class _JitOp(_tp.RecordOp):
         return out if raw else [None if g is None else Tensor(g) for g in out]
 
 
-__all__ = ["JitFunction", "TensorSpec", "OperatorNotAllowedInGraphError", "RETRACE_WARNING_THRESHOLD"]
+__all__ = ["JitFunction", "TensorSpec", "OperatorNotAllowedInGraphError", "RETRACE_WARNING_THRESHOLD", "leave_graph",
+           "replica_function"]

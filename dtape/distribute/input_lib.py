@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from dtape import nest
+from dtape import _jit, nest
 from dtape.distribute.values import PerReplica
 from dtape.tensor import Tensor, convert_to_tensor, normalize_device
 
@@ -57,6 +57,28 @@ def _check_iterable(dataset):
                         f"got {type(dataset).__name__}")
 
 
+class _Batches:
+    """An iterator over a distributed dataset's batches (the generator `batches`).
+
+    In a compiled `dtape.function` being traced, each `next` first stops the
+    trace, before a batch is drawn (the function then runs its body eagerly,
+    its `strategy.run` steps compiled: `dtape._jit.leave_graph`), so an
+    iterator passed to the function loses no batch to the trace.
+    """
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches):
+        self._batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        _jit.leave_graph("the iteration of a distributed dataset")
+        return next(self._batches)
+
+
 class DistributedDataset:
     """Iterable of per-replica batches: each global batch of `dataset` split along dim 0.
 
@@ -83,6 +105,9 @@ class DistributedDataset:
                             "torch DataLoader)") from None
 
     def __iter__(self):
+        return _Batches(self._batches())
+
+    def _batches(self):
         devices = self._strategy.extended.worker_devices
         for batch in self._dataset:
             yield split_batch(batch, devices)
@@ -214,6 +239,9 @@ class WorkerDataset:
         self._comm = comm
 
     def __iter__(self):
+        return _Batches(self._batches())
+
+    def _batches(self):
         first = True
         for batch in self._dataset:
             if first and self._comm is not None:
@@ -269,6 +297,9 @@ class DatasetsFromFunction:
         self._datasets = [dataset_fn(InputContext(n, i, n)) for i in range(n)]
 
     def __iter__(self):
+        return _Batches(self._batches())
+
+    def _batches(self):
         for batches in zip(*self._datasets):
             leaves = [nest.flatten(b) for b in batches]
             per = [PerReplica(tuple(convert_to_tensor(_leaf_to_torch(x).to(normalize_device(d)))

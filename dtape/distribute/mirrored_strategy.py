@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from dtape import _config
+from dtape import _config, _jit
 from dtape import tape as _tp
 from dtape.distribute import context, mirrored_run, replica_scope
 from dtape.distribute.distribute_lib import Strategy, StrategyExtended
@@ -273,10 +273,8 @@ class MirroredStrategy(Strategy):
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run was called inside a replica context; call it from the "
                                "cross-replica context (outside strategy.run)")
-        context.refuse_in_traced_body(
-            "MirroredStrategy.run", "compile the replica step and call it in strategy.run from eager code: "
-            "strategy.run(dtape.function(replica_step, jit_compile=True), args=...), the function around "
-            "strategy.run left eager (jit_compile=False)")
+        # in a compiled function: its trace stops and its body runs eagerly, running `fn` compiled
+        fn = _jit.replica_function(fn, "MirroredStrategy.run")
         pool = self._replica_threads()
         with self.scope():
             results = mirrored_run.run_on_replicas(self, pool, fn, args, kwargs or {}, self._timeout)

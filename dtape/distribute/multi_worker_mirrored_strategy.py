@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtape import _config
+from dtape import _config, _jit
 from dtape._notes import add_note
 from dtape import tape as _tp
 from dtape.distribute import collective_ops, context, cross_device_ops, input_lib, replica_scope
@@ -366,6 +366,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run was called inside a replica context; call it from the "
                                "cross-replica context (outside strategy.run)")
+        # in a compiled function: its trace stops and its body runs eagerly, running `fn` compiled
+        fn = _jit.replica_function(fn, "MultiWorkerMirroredStrategy.run")
         rctx = _WorkerReplicaContext(self, self._resolver.rank)
         args, kwargs = select_replica(0, args), select_replica(0, kwargs or {})
         with self.scope(), self._replica_scope(), context.enter_mode(self, rctx):
