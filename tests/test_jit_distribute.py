@@ -12,6 +12,7 @@ the strategy's timeout (tests/_strategies.py: 60 s); threads switch often
 (`closes_strategies`).
 """
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -157,12 +158,134 @@ def _model_in(strategy):
     return w
 
 
-def test_strategy_run_inside_a_compiled_function_says_to_compile_the_replica_step():
+def _tutorial(strategy, form, batches, steps_run=None, backend=None):
+    """TF's custom-training tutorial (tutorials/distribute/custom_training) on the digits MLP: a replica
+    `train_step` (compute_average_loss over the global batch, apply_gradients, an accuracy metric) and
+    `distributed_train_step` = strategy.reduce(SUM, strategy.run(train_step, ...)), over
+    `experimental_distribute_dataset`. form: "eager" (nothing compiled), "compiled" (the tutorial's
+    `@tf.function` on distributed_train_step), "epoch" (the loop over the dataset inside the compiled
+    function), "iterator" (next(iterator) inside it). Returns (losses, variables, accuracy, the compiled
+    function or None); `steps_run` counts the Python runs of train_step's body."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = digits.build_model(0)
+        optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+        accuracy = dtape.metrics.SparseCategoricalAccuracy()
+
+    def train_step(inputs):
+        if steps_run is not None:
+            steps_run.append(1)
+        images, labels = inputs
+        with dtape.GradientTape() as tape:
+            logits = model(images, training=True)
+            per_example = dtape.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+            loss = dtape.distribute.compute_average_loss(per_example, global_batch_size=GLOBAL)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        accuracy.update_state(labels, logits)
+        return loss
+
+    def distributed_train_step(dataset_inputs):
+        per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+        return strategy.reduce(ReduceOp.SUM, per_replica_losses, axis=None)
+
+    def distributed_train_epoch(dataset):
+        losses = []
+        for x in dataset:
+            losses.append(distributed_train_step(x))
+        return dtape.stack(losses)
+    dataset = strategy.experimental_distribute_dataset(batches)
+    jit = dtape.function(jit_compile=True, backend=backend)
+    if form == "eager":
+        f, losses = None, [float(distributed_train_step(x)) for x in dataset]
+    elif form == "compiled":
+        f = jit(distributed_train_step)
+        losses = [float(f(x)) for x in dataset]
+    elif form == "epoch":
+        f = jit(distributed_train_epoch)
+        losses = f(dataset).numpy().tolist()
+    else:
+        iterator = iter(dataset)
+        f = jit(lambda it: distributed_train_step(next(it)))
+        losses = [float(f(iterator)) for _ in batches]
+    variables = [[np.asarray(c.numpy(), dtype=np.float64) for c in getattr(v, "values", (v,))]
+                 for v in list(model.trainable_variables) + list(optimizer.variables())]
+    return np.array(losses), variables, float(accuracy.result()), f
+
+
+def test_tf_tutorial_form_compiled_around_strategy_run_equals_eager_and_one_device():
+    """`dtape.function(distributed_train_step, jit_compile=True)` with strategy.run and strategy.reduce
+    inside: the trace stops at strategy.run, once, and the body runs eagerly from then on around train_step
+    compiled (traced once for all 10 steps and both replicas)."""
+    batches = _digits_batches(10)
+    eager = _tutorial(mirrored(2), "eager", batches)
+    one_device = _tutorial(dtape.distribute.get_strategy(), "eager", batches)
+    steps_run = []
+    compiled = _tutorial(mirrored(2), "compiled", batches, steps_run)
+    _assert_same(compiled[:2], eager[:2])
+    _assert_same(compiled[:2], one_device[:2])
+    assert compiled[2] == eager[2] and 0.0 < compiled[2] <= 1.0
+    f = compiled[3]
+    assert "reached MirroredStrategy.run" in f.eager_body_reason and "body eager" in repr(f)
+    assert f.experimental_get_tracing_count() == 0  # the outer trace stopped; no graph of it
+    (replica,) = f.replica_functions.values()
+    assert replica.python_function.__name__ == "train_step" and replica.trace_count == 1
+    assert replica._backend is f._backend and replica._compile_options == f._compile_options
+    # train_step's Python ran once (its trace), not 10 steps x 2 replicas
+    assert len(steps_run) == 1
+    (concrete,) = _concretes(replica)
+    graph_ops = [n.target for n in concrete.graph.graph.nodes if n.op == "call_function"]
+    assert graph_ops.count(torch.ops.dtape.all_reduce_sum.default) == 1
+
+
+def test_the_switch_to_an_eager_body_happens_once():
     strategy = mirrored(2)
     w = _model_in(strategy)
-    outer = dtape.function(lambda x: strategy.run(lambda: w * x), jit_compile=True, backend=None)
-    with pytest.raises(RuntimeError, match=r"MirroredStrategy.run inside a compiled.*strategy.run\(dtape.function"):
-        outer(dtape.constant(2.0))
+    bodies = []
+
+    def outer(x):
+        bodies.append(1)
+        return strategy.reduce(ReduceOp.SUM, strategy.run(lambda: w * x), axis=None)
+    f = dtape.function(outer, jit_compile=True, backend=None)
+    assert f.eager_body_reason is None
+    values = [f(dtape.constant(float(i))).numpy().tolist() for i in range(1, 4)]
+    assert values == [[2.0 * i] * 3 for i in range(1, 4)]
+    assert len(bodies) == 4  # the stopped trace, then one eager run per call (no second trace)
+    assert f.eager_body_reason is not None and f.trace_count == 0
+
+
+def test_tf_tutorial_loops_over_the_distributed_dataset_inside_the_compiled_function():
+    """TF's "iterating inside a tf.function" forms: the loop over the dataset inside, and next(iterator)
+    inside; the trace stops before a batch is drawn, so none is lost and the numbers equal eager."""
+    batches = _digits_batches(6)
+    eager = _tutorial(mirrored(2), "eager", batches)
+    for form in ("iterator", "epoch"):
+        steps_run = []
+        compiled = _tutorial(mirrored(2), form, batches, steps_run)
+        _assert_same(compiled[:2], eager[:2])
+        assert "iteration of a distributed dataset" in compiled[3].eager_body_reason
+        assert len(steps_run) == 1
+
+
+def test_a_replica_function_made_inside_the_compiled_function_retraces_with_tf_s_warning():
+    """A fresh closure per call is a new function to compile: its traces add up, and the fifth warns."""
+    strategy = mirrored(2)
+    w = _model_in(strategy)
+
+    def outer(x):
+        def replica_fn():
+            return w * x
+        return strategy.reduce(ReduceOp.SUM, strategy.run(replica_fn), axis=None)
+    f = dtape.function(outer, jit_compile=True, backend=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(4):
+            assert f(dtape.constant(1.0)).numpy().tolist() == [2.0] * 3
+    with pytest.warns(UserWarning, match=r"5 calls to dtape.function '\S*outer.<locals>.replica_fn' triggered "
+                                         r"retracing \(a new function object of the same code"):
+        f(dtape.constant(1.0))
+    assert len(f.replica_functions) == 1  # the latest closure only: the cache does not grow per call
 
 
 def test_merge_call_in_a_compiled_replica_step_says_to_run_it_eagerly():
