@@ -204,6 +204,16 @@ class JitFunction:
     variables made from values computed in the body make that first call run
     eagerly, and the next call traces.
 
+    A trace that reaches `strategy.run` (or the iteration of a distributed
+    dataset) stops: a graph cannot hold the replicas' rendezvous. From then
+    on the function runs its body eagerly (`eager_body_reason` says why;
+    remembered, so the trace is tried once), and `strategy.run` in that body
+    runs the function it is given compiled with this function's backend,
+    compile_options and reduce_retracing (`replica_functions`: replica fn ->
+    its `JitFunction`, kept, so later steps reuse its trace). TF's tutorial
+    form, `strategy.reduce(SUM, strategy.run(train_step, ...))` in a compiled
+    function, thus compiles `train_step`.
+
     Raises:
       OperatorNotAllowedInGraphError (a TypeError): at trace time, the body
         reads a tensor's value on the host; the message names the file and line.

@@ -205,7 +205,9 @@ def function(fn=None, jit_compile=False, input_signature=None, reduce_retracing=
       jit_compile: False (default): `fn` runs eagerly as one recorded op
         (`Function`). True: `fn` is traced once per input signature into one
         torch graph (forward, every `tape.gradient` inside, variable writes)
-        and compiled with `torch.compile` (`dtape._jit.JitFunction`).
+        and compiled with `torch.compile` (`dtape._jit.JitFunction`); a
+        body calling `strategy.run` runs eagerly around the replica function
+        compiled (see `JitFunction`).
       input_signature, reduce_retracing: tf.function's, for `jit_compile=True`:
         a list of `dtape.TensorSpec` (None dims: any size), or generalise
         shapes after a retrace instead of tracing every shape.
