@@ -58,6 +58,63 @@ def train(name, jit):
     return losses, weights, f
 
 
+def tutorial(form, steps):
+    """TF's custom-training tutorial (tutorials/distribute/custom_training): train_step (compute_average_loss
+    over the global batch, apply_gradients) run by distributed_train_step = strategy.reduce(SUM,
+    strategy.run(train_step, ...)) over experimental_distribute_dataset of the global batches. form: "eager",
+    "compiled" (the tutorial's @tf.function on distributed_train_step), "epoch" (the loop over the dataset
+    inside the compiled function), "one_device" (no strategy, the whole global batches)."""
+    torch.manual_seed(0)
+    scope = dtape.distribute.get_strategy().scope() if form == "one_device" else strategy.scope()
+    with scope:
+        model = digits.build_model(0)
+        optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+    runs = []
+
+    def train_step(inputs):
+        runs.append(1)
+        images, labels = inputs
+        with dtape.GradientTape() as tape:
+            per_example = digits.per_example_loss(model, images, labels)
+            loss = dtape.distribute.compute_average_loss(per_example, global_batch_size=GLOBAL)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def distributed_train_step(dataset_inputs):
+        return strategy.reduce(dd.ReduceOp.SUM, strategy.run(train_step, args=(dataset_inputs,)), axis=None)
+
+    def distributed_train_epoch(dataset):
+        return dtape.stack([distributed_train_step(x) for x in dataset])
+    batches = [(data["x_train"][GLOBAL * i:GLOBAL * (i + 1)], data["y_train"][GLOBAL * i:GLOBAL * (i + 1)])
+               for i in range(steps)]
+    jit = dtape.function(jit_compile=True, backend="aot_eager")
+    f = None
+    if form == "one_device":
+        losses = [float(train_step((dtape.constant(x), dtape.constant(y)))) for x, y in batches]
+    elif form == "eager":
+        losses = [float(distributed_train_step(x)) for x in strategy.experimental_distribute_dataset(batches)]
+    elif form == "compiled":
+        f = jit(distributed_train_step)
+        losses = [float(f(x)) for x in strategy.experimental_distribute_dataset(batches)]
+    else:
+        f = jit(distributed_train_epoch)
+        losses = f(strategy.experimental_distribute_dataset(batches)).numpy().tolist()
+    seen = {"losses": losses, "weights": [np.float64(v.numpy()).ravel().tolist() for v in model.trainable_variables],
+            "train_step_runs": len(runs)}
+    if f is not None:
+        seen.update(reason=f.eager_body_reason, outer_traces=f.trace_count,
+                    replica_traces=[g.trace_count for g in f.replica_functions.values()],
+                    backends=[g._backend for g in f.replica_functions.values()])
+    return seen
+
+
+if len(sys.argv) > 3 and sys.argv[3] == "tutorial":
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump({form: tutorial(form, steps) for form in ("one_device", "eager", "compiled", "epoch")}, fh)
+    sys.exit(0)
+
 generator = strategy.run(dtape.random.get_generator)  # this worker's replica generator (dropout draws from it)
 result = {}
 for name in ("sgd", "adam"):
