@@ -298,6 +298,23 @@ def test_merge_call_in_a_compiled_replica_step_says_to_run_it_eagerly():
     assert [float(c.numpy()) for c in total.values] == [0.0, 0.0]
 
 
+def test_merge_call_in_a_replica_step_compiled_for_the_tutorial_form_says_which_function_to_run_eagerly():
+    strategy = mirrored(2)
+    with strategy.scope():
+        total = dtape.Variable(0.0, aggregation=dtape.distribute.VariableAggregation.SUM)
+
+    def replica_fn(x):
+        return total.assign_add(x * 1.0)  # a value of each replica, summed by the merge_call
+    f = dtape.function(lambda x: strategy.run(replica_fn, args=(x,)), jit_compile=True, backend=None)
+    with pytest.raises(RuntimeError, match=r"merge_call.*inside a compiled function is compiled with it: make "
+                                           r"that function jit_compile=False"):
+        f(dtape.constant(1.0))
+    assert [float(c.numpy()) for c in total.values] == [0.0, 0.0]
+    eager = dtape.function(lambda x: strategy.run(replica_fn, args=(x,)))
+    eager(dtape.constant(1.0))
+    assert [float(c.numpy()) for c in total.values] == [2.0, 2.0]  # jit_compile=False runs it, as the message says
+
+
 def test_gradient_sync_in_a_compiled_replica_step_is_refused_not_a_hang():
     # the overlapped all-reduce starts reductions on other threads during the walk: traced, the replicas
     # waited on each other until killed
