@@ -141,6 +141,15 @@ def leave_graph(what):
         raise _NeedsEagerBody(what)
 
 
+def call_eagerly_instead():
+    """Called where a body being traced needs what only an eager call does (an optimizer making its slots,
+    which under a strategy is a rendezvous of the replicas): while a compiled function traces its body on
+    this thread, that call runs eagerly instead and the next call traces again (the rule for variables made
+    from values computed in the body). Elsewhere: nothing."""
+    if tracing_body():
+        raise _NeedsEagerCall()
+
+
 def replica_function(fn, what):
     """What `strategy.run` (`what`) runs on the replicas for `fn`.
 
@@ -733,4 +742,4 @@ class _JitOp(_tp.RecordOp):
 
 
 __all__ = ["JitFunction", "TensorSpec", "OperatorNotAllowedInGraphError", "RETRACE_WARNING_THRESHOLD", "leave_graph",
-           "replica_function"]
+           "call_eagerly_instead", "replica_function"]

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from dtape import _restore_hooks
+from dtape import _jit, _restore_hooks
 from dtape import distribute
 from dtape import optimizers_schedules as schedules
 from dtape import ops as _ops
@@ -266,6 +266,9 @@ class Optimizer:
         containers = [distribute.value_container(v) for _, v in kept]
         unbuilt = [v.name for v in containers if self._slot_names and _slot_key(v) not in self._slots]
         if unbuilt:
+            # a compiled function's first call then runs eagerly, making the slots in merge_call (TF makes them
+            # on the first trace); the next call traces
+            _jit.call_eagerly_instead()
             raise RuntimeError(f"{self.name}: the slots of {unbuilt[:4]} do not exist while this replica step is "
                                "traced; call optimizer.build(variables) inside strategy.scope() before the first "
                                "compiled step (slots are made in the cross-replica context)")

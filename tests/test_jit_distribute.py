@@ -158,7 +158,7 @@ def _model_in(strategy):
     return w
 
 
-def _tutorial(strategy, form, batches, steps_run=None, backend=None):
+def _tutorial(strategy, form, batches, steps_run=None, backend=None, make_optimizer=_sgd, build=True):
     """TF's custom-training tutorial (tutorials/distribute/custom_training) on the digits MLP: a replica
     `train_step` (compute_average_loss over the global batch, apply_gradients, an accuracy metric) and
     `distributed_train_step` = strategy.reduce(SUM, strategy.run(train_step, ...)), over
@@ -169,8 +169,9 @@ def _tutorial(strategy, form, batches, steps_run=None, backend=None):
     torch.manual_seed(0)
     with strategy.scope():
         model = digits.build_model(0)
-        optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)
-        optimizer.build(model.trainable_variables)
+        optimizer = make_optimizer()
+        if build:
+            optimizer.build(model.trainable_variables)
         accuracy = dtape.metrics.SparseCategoricalAccuracy()
 
     def train_step(inputs):
@@ -237,6 +238,19 @@ def test_tf_tutorial_form_compiled_around_strategy_run_equals_eager_and_one_devi
     (concrete,) = _concretes(replica)
     graph_ops = [n.target for n in concrete.graph.graph.nodes if n.op == "call_function"]
     assert graph_ops.count(torch.ops.dtape.all_reduce_sum.default) == 1
+
+
+def test_tf_tutorial_form_with_an_optimizer_not_built_makes_its_slots_in_an_eager_first_call():
+    """TF's tutorial builds no optimizer: the replica step's first call runs eagerly (its slots are made in
+    merge_call, as TF makes them on the first trace), the next traces, once."""
+    batches = _digits_batches(6)
+    eager = _tutorial(mirrored(2), "eager", batches, make_optimizer=_adam, build=False)
+    steps_run = []
+    compiled = _tutorial(mirrored(2), "compiled", batches, steps_run, make_optimizer=_adam, build=False)
+    _assert_same(compiled[:2], eager[:2], atol=5e-6)
+    (replica,) = compiled[3].replica_functions.values()
+    assert replica.trace_count == 1
+    assert len(steps_run) == 2 + 2 + 1  # first call: each replica's stopped trace and eager run; then one trace
 
 
 def test_the_switch_to_an_eager_body_happens_once():

@@ -68,8 +68,7 @@ def tutorial(form, steps):
     scope = dtape.distribute.get_strategy().scope() if form == "one_device" else strategy.scope()
     with scope:
         model = digits.build_model(0)
-        optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)
-        optimizer.build(model.trainable_variables)
+        optimizer = dtape.optimizers.SGD(0.1, momentum=0.9)  # not built, as in TF's tutorial
     runs = []
 
     def train_step(inputs):
