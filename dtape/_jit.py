@@ -289,7 +289,7 @@ class JitFunction:
                     self.eager_body_reason = (f"its trace reached {e.what}, which a graph cannot hold; the "
                                               "functions given to strategy.run are compiled instead")
                     concrete = None
-        # outside the lock: the eager call may wait for other replicas (merge_call, a strategy's replica threads)
+        # outside the lock: the eager call may wait for other replicas (merge_call, a strategy's threads)
         if self.eager_body_reason is not None:
             return self._call_body_eagerly(args, kwargs)
         if concrete is None:
@@ -297,7 +297,8 @@ class JitFunction:
         return concrete.call(leaves, tensors)
 
     def _call_body_eagerly(self, args, kwargs):
-        """The body run eagerly (as `jit_compile=False`), compiling what it gives to strategy.run (`replica_function`)."""
+        """The body run eagerly (as `jit_compile=False`), compiling what it gives to strategy.run
+        (`replica_function`)."""
         with _eager_body_scope(self):
             return self._eager_call(*args, **kwargs)
 

@@ -125,5 +125,5 @@ def refuse_merge_call_in_traced_body(merge_fn):
         "what needs the cross-replica context in a replica step (a MirroredVariable assign from a replica, "
         "ReplicaContext.all_reduce/all_gather, a LossScaleOptimizer's update) must run eagerly: call this step "
         "with jit_compile=False (a step given to strategy.run inside a compiled function is compiled with it: "
-        "make that function jit_compile=False). A compiled step may sum across replicas with torch.ops.dtape.all_reduce_sum, "
-        "and a plain dtape optimizer's apply_gradients reduces with it by itself")
+        "make that function jit_compile=False). A compiled step may sum across replicas with "
+        "torch.ops.dtape.all_reduce_sum, and a plain dtape optimizer's apply_gradients reduces with it by itself")
