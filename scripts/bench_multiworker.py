@@ -479,7 +479,7 @@ def _worker(model, steps):
         out[name].update(first_call_s=calls[name][1], first_call_compiles=calls[name][2])
         function = getattr(cases[name][0], "function", None)
         if function is not None:  # a compiled dtape step: traced once, its graph reused by every later step
-            out[name]["traces"] = function.trace_count
+            out[name].update(traces=function.trace_count, trace_s=sum(function.trace_seconds))
     # compiles during the timed steps (0: every step reused the graphs compiled by the first calls)
     out["compiles_after_first_calls"] = {k: v - compiled[k] for k, v in _compile_counters().items()}
     out["dtape_file"] = dtape.__file__
@@ -625,7 +625,8 @@ def _report_compiles(res, later):
         if c.get("dynamo_graphs") or c.get("fxgraph_hit") or c.get("fxgraph_miss"):
             print(f"{key:20s} first call compiled {c['dynamo_graphs']} dynamo graph(s); inductor FX-graph cache "
                   f"{c['fxgraph_hit']} hit(s) / {c['fxgraph_miss']} miss(es), AOTAutograd cache {c['aot_hit']} / "
-                  f"{c['aot_miss']}" + (f"; dtape traces {r['traces']}" if "traces" in r else ""))
+                  f"{c['aot_miss']}" + (f"; dtape traces {r['traces']} ({r['trace_s']:.1f} s of the first call)"
+                                        if "traces" in r else ""))
     for launch, c in later.items():
         if any(c.values()):
             print(f"{launch}: compiled again during the timed steps: {c}")
