@@ -18,8 +18,8 @@ first-step losses are checked equal.
 
 `--jit-only` runs only the compiled-step launch instead (see "compiled steps" below): the charlm replica
 step as dtape.function(jit_compile=True) (inductor) under MultiWorkerMirroredStrategy on 2 workers, and
-under MirroredStrategy with 2 CPU replicas in rank 0's process, against torch.compile(DDP(module)) with
-opt.step compiled too, dtape's eager step and eager DDP, taking turns as below; each case's first call
+under MirroredStrategy with 2 CPU replicas in rank 0's process, against torch.compile(DDP(module)) and
+DDP(torch.compile(module)) with opt.step compiled too, dtape's eager step and eager DDP, taking turns as below; each case's first call
 (trace + compile, in seconds, with inductor's on-disk cache hits) is reported apart from the step times.
 
 (`scripts/bench.py` runs it too, as its case (i).)
@@ -324,6 +324,9 @@ def _charlm_dtape(strategy, rank, world, lr, sync):
 #                 (two replica threads, one graph), while the other ranks wait.
 #   ddp_compiled: torch.compile(DDP(module)) (torch's documented order: DDP wrapped first, so that dynamo's
 #                 DDPOptimizer can split the graph at DDP's buckets) with opt.step in a torch.compile of its own.
+#   ddp_over_compiled: DDP(torch.compile(module)), the other order, with the same compiled opt.step: DDP's
+#                 hooks see the gradients only when the whole compiled backward has run (charlm's gradients fill
+#                 one 25 MB bucket anyway, so neither order overlaps the all-reduce with the backward here).
 JIT_BACKEND = "inductor"
 
 
@@ -383,8 +386,9 @@ def _charlm_jit_mirrored(replicas, lr, backend):
     return step, _Phases()
 
 
-def _charlm_ddp_compiled(rank, world, lr):
-    """DDP over torch.compile: torch.compile(DDP(module)), and torch.optim.Adam's step compiled on its own."""
+def _charlm_ddp_compiled(rank, world, lr, compile_inside=False):
+    """DDP over torch.compile: torch.compile(DDP(module)) (compile_inside: DDP(torch.compile(module))), and
+    torch.optim.Adam's step compiled on its own."""
     import types
     import torch
     import torch.nn.functional as F
@@ -392,8 +396,9 @@ def _charlm_ddp_compiled(rank, world, lr):
     from bench import _TorchCharLM
     charlm, data, labels = _charlm(torch)
     values = [v.torch().clone() for v in charlm.build_model(0).trainable_variables]
-    ddp = torch.nn.parallel.DistributedDataParallel(_TorchCharLM(values, charlm))
-    model = torch.compile(ddp)
+    module = _TorchCharLM(values, charlm)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(module) if compile_inside else module)
+    model = ddp if compile_inside else torch.compile(ddp)
     opt = torch.optim.Adam(ddp.parameters(), lr=lr, eps=1e-7)
     part = _slice(rank, world, CHARLM_BATCH)
 
@@ -411,7 +416,8 @@ def _jit_cases(strategy, rank, world, lr, backend=JIT_BACKEND):
              "dtape": _charlm_dtape(strategy, rank, world, lr, False),
              "dtape_sync": _charlm_dtape(strategy, rank, world, lr, True),
              "ddp": _charlm_ddp(rank, world, lr),
-             "ddp_compiled": _charlm_ddp_compiled(rank, world, lr)}
+             "ddp_compiled": _charlm_ddp_compiled(rank, world, lr),
+             "ddp_over_compiled": _charlm_ddp_compiled(rank, world, lr, compile_inside=True)}
     cases["mirrored_jit"] = _charlm_jit_mirrored(world, lr, backend) if rank == 0 else (lambda k: float("nan"),
                                                                                          _Phases())
     return cases
@@ -573,6 +579,7 @@ def _jit_ratios(runs):
                  "charlm jit/dtape eager+sync": step["jit"] / step["dtape_sync"],
                  "charlm jit/ddp eager": step["jit"] / step["ddp"],
                  "charlm mirrored jit/ddp compiled": step["mirrored_jit"] / step["ddp_compiled"],
+                 "charlm jit/DDP(compiled module)": step["jit"] / step["ddp_over_compiled"],
                  "charlm ddp compiled/ddp eager": step["ddp_compiled"] / step["ddp"],
                  "charlm cpu time jit/ddp compiled": cpu["jit"] / cpu["ddp_compiled"]}
 
