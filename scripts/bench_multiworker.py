@@ -19,8 +19,9 @@ first-step losses are checked equal.
 `--jit-only` runs only the compiled-step launch instead (see "compiled steps" below): the charlm replica
 step as dtape.function(jit_compile=True) (inductor) under MultiWorkerMirroredStrategy on 2 workers, and
 under MirroredStrategy with 2 CPU replicas in rank 0's process, against torch.compile(DDP(module)) and
-DDP(torch.compile(module)) with opt.step compiled too, dtape's eager step and eager DDP, taking turns as below; each case's first call
-(trace + compile, in seconds, with inductor's on-disk cache hits) is reported apart from the step times.
+DDP(torch.compile(module)) with opt.step compiled too, dtape's eager step and eager DDP, taking turns as
+below; each case's first call (trace + compile, in seconds, with inductor's on-disk cache hits) is
+reported apart from the step times.
 
 (`scripts/bench.py` runs it too, as its case (i).)
 
