@@ -23,10 +23,13 @@ MirroredStrategy with 2 CPU replicas in one process against the same DDP run, al
 one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
 (l) `--jit-only`: compiled steps, dtape.function(jit_compile=True, inductor), against eager dtape, torch
 autograd and (charlm) torch.compile of the same torch.nn.Module with opt.step compiled too; first-call
-(trace + compile) seconds apart from the interleaved medians.
+(trace + compile) seconds apart from the interleaved medians; then (unless --no-multiworker) the compiled
+step under strategies (`--jit-strategies` runs only that): the charlm replica step compiled in 2 torchrun
+workers (MultiWorkerMirroredStrategy) and in 2 MirroredStrategy CPU replicas, against DDP over a compiled
+module (scripts/bench_multiworker.py --jit-only).
 
   python scripts/bench.py [--device cpu|cuda] [--quick] [--counts] [--no-multiworker] [--gpt-only] [--jit-only]
-                          [--json PATH]
+                          [--jit-strategies] [--json PATH]
 """
 import argparse
 import copy
@@ -563,11 +566,35 @@ def jit_only(run, args, load):
         for name, t in medians.items():
             print(f"    {name:34s} {t * 1e3:9.3f} ms   compiled / this {compiled / t:5.2f}   "
                   f"first call {first[name]:7.2f} s")
+    strategies = None if args.no_multiworker or args.device != "cpu" else jit_strategies_case(args.quick)
     load_end = os.getloadavg()
     print(f"load average at start {load}, at end {load_end}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load_start": load, "load_end": load_end, "jit": result}, f, indent=2)
+            json.dump({"load_start": load, "load_end": load_end, "jit": result, "jit_strategies": strategies}, f,
+                      indent=2)
+
+
+def jit_strategies_case(quick):
+    """(l) under strategies: scripts/bench_multiworker.py's compiled-step launch (2 sets of 30 steps; --quick:
+    1 of 12): the charlm replica step compiled under MultiWorkerMirroredStrategy (2 torchrun workers, gloo)
+    and MirroredStrategy (2 CPU replicas in rank 0), against DDP over torch.compile and the eager steps."""
+    repeat, steps = (1, 12) if quick else (2, 30)
+    print(f"(l) compiled charlm replica step under strategies vs DDP over torch.compile: {repeat} set(s) of "
+          f"{steps} steps (first calls: trace + compile, apart)")
+    out = bench_multiworker.measure(steps, repeat, launches=bench_multiworker.JIT_LAUNCHES)
+    bench_multiworker.print_summary(out["ratios"], repeat)
+    return out
+
+
+def jit_strategies_only(args, load):
+    """`--jit-strategies`: only the compiled steps under strategies, with the machine's load before and after."""
+    out = jit_strategies_case(args.quick)
+    load_end = os.getloadavg()
+    print(f"load average at start {load}, at end {load_end}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load_start": load, "load_end": load_end, "jit_strategies": out}, f, indent=2)
 
 
 # -- (j) the GPT-shaped torch.nn.Module through TorchModule + from_torch(AdamW) vs plain torch ----------
@@ -763,6 +790,9 @@ def main():
     ap.add_argument("--jit-only", action="store_true",
                     help="only case (l): compiled dtape steps (charlm, MLP, 1,000-op chain) vs eager dtape, torch "
                          "autograd and torch.compile, with first-call (trace + compile) times")
+    ap.add_argument("--jit-strategies", action="store_true",
+                    help="only (l)'s compiled charlm replica step in 2 torchrun workers and 2 MirroredStrategy "
+                         "replicas vs DDP over torch.compile (also run by --jit-only unless --no-multiworker)")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -788,6 +818,8 @@ def main():
         return gpt_only(run, args, load)
     if args.jit_only:
         return jit_only(run, args, load)
+    if args.jit_strategies:
+        return jit_strategies_only(args, load)
 
     chains = ((1_000, 7 if q else 31, 2 if q else 5), (10_000, 3 if q else 11, 1 if q else 2),
               (100_000, 1 if q else 5, 1))

@@ -14,7 +14,14 @@ loss divided by the global batch size (TF semantics), DDP averages the
 gradients of per-worker mean losses; both give the one-device update. The
 first-step losses are checked equal.
 
-  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--gpt-only] [--json PATH]
+  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--gpt-only] [--jit-only] [--json PATH]
+
+`--jit-only` runs only the compiled-step launch instead (see "compiled steps" below): the charlm replica
+step as dtape.function(jit_compile=True) (inductor) under MultiWorkerMirroredStrategy on 2 workers, and
+under MirroredStrategy with 2 CPU replicas in rank 0's process, against torch.compile(DDP(module)) and
+DDP(torch.compile(module)) with opt.step compiled too, dtape's eager step and eager DDP, taking turns as
+below; each case's first call (trace + compile, in seconds, with inductor's on-disk cache hits) is
+reported apart from the step times.
 
 (`scripts/bench.py` runs it too, as its case (i).)
 
@@ -308,6 +315,137 @@ def _charlm_dtape(strategy, rank, world, lr, sync):
     return _dtape_case(strategy, variables, opt, loss_fn, batch, sync)
 
 
+# -- compiled steps: dtape.function(jit_compile=True) against DDP over a compiled module ---------------------
+# The charlm step compiled three ways in one launch (the "charlm_jit" launch), each taking its turns with
+# dtape's eager step under the same strategy and with DDP (eager, and over torch.compile):
+#   jit:          the replica step (forward, tape.gradient, Adam) as dtape.function(jit_compile=True) inside
+#                 MultiWorkerMirroredStrategy.run; apply_gradients traced in the replica all-reduces the
+#                 gradients with torch.ops.dtape.all_reduce_sum when the graph runs (after the walk: no overlap).
+#   mirrored_jit: the same compiled step under MirroredStrategy(["cpu:0", "cpu:1"]) in rank 0's process
+#                 (two replica threads, one graph), while the other ranks wait.
+#   ddp_compiled: torch.compile(DDP(module)) (torch's documented order: DDP wrapped first, so that dynamo's
+#                 DDPOptimizer can split the graph at DDP's buckets) with opt.step in a torch.compile of its own.
+#   ddp_over_compiled: DDP(torch.compile(module)), the other order, with the same compiled opt.step: DDP's
+#                 hooks see the gradients only when the whole compiled backward has run (charlm's gradients fill
+#                 one 25 MB bucket anyway, so neither order overlaps the all-reduce with the backward here).
+JIT_BACKEND = "inductor"
+
+
+def _charlm_jit_step(charlm, model, opt, backend):
+    """The compiled replica step: its share (sum / global batch, TF semantics) of the global mean loss."""
+    import dtape
+    variables = list(model.trainable_variables)
+
+    def replica_step(x, y):
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(charlm.per_example_loss(model, x, y)) / CHARLM_BATCH
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    return dtape.function(replica_step, jit_compile=True, backend=backend)
+
+
+def _charlm_jit_dtape(strategy, rank, world, lr, backend):
+    import torch
+    import dtape
+    charlm, data, labels = _charlm(torch)
+    with strategy.scope():
+        model = charlm.build_model(0)
+        opt = dtape.optimizers.Adam(lr)
+        opt.build(model.trainable_variables)  # the slots before the trace: the first call compiles once
+    f = _charlm_jit_step(charlm, model, opt, backend)
+    part = _slice(rank, world, CHARLM_BATCH)
+    batches = [(dtape.constant(data[k, part]), dtape.constant(labels[k, part])) for k in range(4)]
+
+    def step(k):
+        loss = strategy.run(f, args=batches[k % 4])
+        return float(strategy.reduce(dtape.distribute.ReduceOp.SUM, loss, axis=None).torch())
+    step.function = f
+    return step, _Phases()
+
+
+def _charlm_jit_mirrored(replicas, lr, backend):
+    """The compiled step under MirroredStrategy with `replicas` CPU replicas (threads of this process)."""
+    import torch
+    import dtape
+    charlm, data, labels = _charlm(torch)
+    strategy = dtape.distribute.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = charlm.build_model(0)
+        opt = dtape.optimizers.Adam(lr)
+        opt.build(model.trainable_variables)
+    f = _charlm_jit_step(charlm, model, opt, backend)
+
+    def per_replica(array, k):
+        parts = [dtape.constant(array[k, _slice(i, replicas, CHARLM_BATCH)]) for i in range(replicas)]
+        return strategy.experimental_distribute_values_from_function(lambda ctx: parts[ctx.replica_id_in_sync_group])
+    batches = [(per_replica(data, k), per_replica(labels, k)) for k in range(4)]
+
+    def step(k):
+        loss = strategy.run(f, args=batches[k % 4])
+        return float(strategy.reduce(dtape.distribute.ReduceOp.SUM, loss, axis=None).torch())
+    step.function = f
+    return step, _Phases()
+
+
+def _charlm_ddp_compiled(rank, world, lr, compile_inside=False):
+    """DDP over torch.compile: torch.compile(DDP(module)) (compile_inside: DDP(torch.compile(module))), and
+    torch.optim.Adam's step compiled on its own."""
+    import types
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, HERE)
+    from bench import _TorchCharLM
+    charlm, data, labels = _charlm(torch)
+    values = [v.torch().clone() for v in charlm.build_model(0).trainable_variables]
+    module = _TorchCharLM(values, charlm)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(module) if compile_inside else module)
+    model = ddp if compile_inside else torch.compile(ddp)
+    opt = torch.optim.Adam(ddp.parameters(), lr=lr, eps=1e-7)
+    part = _slice(rank, world, CHARLM_BATCH)
+
+    def loss_fn(k):
+        logits = model(data[k % 4, part])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[k % 4, part].reshape(-1))
+    return _ddp_case(model, types.SimpleNamespace(zero_grad=opt.zero_grad, step=torch.compile(opt.step)), loss_fn,
+                     world)
+
+
+def _jit_cases(strategy, rank, world, lr, backend=JIT_BACKEND):
+    """The "charlm_jit" launch's cases (see above), with dtape's eager step (with GradientSync and without)
+    and eager DDP for reference."""
+    cases = {"jit": _charlm_jit_dtape(strategy, rank, world, lr, backend),
+             "dtape": _charlm_dtape(strategy, rank, world, lr, False),
+             "dtape_sync": _charlm_dtape(strategy, rank, world, lr, True),
+             "ddp": _charlm_ddp(rank, world, lr),
+             "ddp_compiled": _charlm_ddp_compiled(rank, world, lr),
+             "ddp_over_compiled": _charlm_ddp_compiled(rank, world, lr, compile_inside=True)}
+    cases["mirrored_jit"] = _charlm_jit_mirrored(world, lr, backend) if rank == 0 else (lambda k: float("nan"),
+                                                                                         _Phases())
+    return cases
+
+
+def _compile_counters():
+    """torch's compile counters so far: graphs dynamo compiled, inductor's FX-graph cache and AOTAutograd's
+    cache hits and misses (a cache hit: the compiled code came from the on-disk cache of an earlier process)."""
+    from torch._dynamo.utils import counters
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"],
+            "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+            "aot_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
+def _first_calls(cases):
+    """{name: (first loss, seconds of the first call (trace + compile), compile counters it added)}."""
+    out = {}
+    for name, (step, _) in cases.items():
+        before, t0 = _compile_counters(), time.perf_counter()
+        loss = step(0)
+        seconds = time.perf_counter() - t0
+        out[name] = (loss, seconds, {k: v - before[k] for k, v in _compile_counters().items()})
+    return out
+
+
 # -- one launch: the cases take turns ------------------------------------------------------
 def _worker(model, steps):
     """Runs dtape, dtape+GradientSync and DDP on `model` ("mlp" or "charlm"), step by step in turn."""
@@ -316,16 +454,21 @@ def _worker(model, steps):
     dist.init_process_group("gloo")
     strategy = dtape.distribute.MultiWorkerMirroredStrategy()  # on the existing group
     rank, world = dist.get_rank(), dist.get_world_size()
-    lr = 1e-3 if model == "charlm" else 0.01
+    lr = 1e-3 if model in ("charlm", "charlm_jit") else 0.01
     make_dtape, make_ddp = {"charlm": (_charlm_dtape, _charlm_ddp), "gpt": (_gpt_dtape, _gpt_ddp)}.get(
         model, (_mlp_dtape, _mlp_ddp))
-    cases = {"dtape": make_dtape(strategy, rank, world, lr, False),
-             "dtape_sync": make_dtape(strategy, rank, world, lr, True),
-             "ddp": make_ddp(rank, world, lr)}
+    if model == "charlm_jit":
+        cases = _jit_cases(strategy, rank, world, lr)
+    else:
+        cases = {"dtape": make_dtape(strategy, rank, world, lr, False),
+                 "dtape_sync": make_dtape(strategy, rank, world, lr, True),
+                 "ddp": make_ddp(rank, world, lr)}
     if model == "gpt":  # rank 0 alone runs the GPT under MirroredStrategy (world CPU replicas); the others wait
         cases["mirrored"] = _gpt_mirrored(world) if rank == 0 else (lambda k: float("nan"), _Phases())
     names = list(cases)
-    first = {name: cases[name][0](0) for name in names}
+    calls = _first_calls(cases)
+    first = {name: calls[name][0] for name in names}
+    compiled = _compile_counters()
     times, cpu = {name: [] for name in names}, {name: [] for name in names}
     for k in range(1, steps + 1):
         for name in names[k % len(names):] + names[:k % len(names)]:  # rotate: no case always goes first
@@ -340,6 +483,12 @@ def _worker(model, steps):
         out[name] = {"first_loss": first[name], "step_s": statistics.median(times[name][steps // 5:]),
                      "cpu_s": statistics.median(cpu[name][steps // 5:])}
         out[name].update(cases[name][1].medians())
+        out[name].update(first_call_s=calls[name][1], first_call_compiles=calls[name][2])
+        function = getattr(cases[name][0], "function", None)
+        if function is not None:  # a compiled dtape step: traced once, its graph reused by every later step
+            out[name].update(traces=function.trace_count, trace_s=sum(function.trace_seconds))
+    # compiles during the timed steps (0: every step reused the graphs compiled by the first calls)
+    out["compiles_after_first_calls"] = {k: v - compiled[k] for k, v in _compile_counters().items()}
     out["dtape_file"] = dtape.__file__
     dist.barrier()
     dist.destroy_process_group()  # ours to close: left to interpreter exit, gloo's threads may abort it
@@ -369,7 +518,9 @@ def _report(res):
     for key, r in res.items():
         print(f"{key:20s} first loss {r['first_loss']:.7f}  step {r['step_s'] * 1e3:6.2f} ms  cpu {r['cpu_s'] * 1e3:6.2f}"
               "  " + "  ".join(f"{p} {r[p + '_s'] * 1e3:5.2f}" for p in ("forward", "walk", "apply", "backward",
-                                                                      "optimizer") if p + "_s" in r))
+                                                                      "optimizer") if p + "_s" in r)
+              + (f"  first call {r['first_call_s']:.1f} s" if "first_call_s" in r else "")
+              + (f"  |first loss - DDP compiled's| {r['first_loss_diff']:.1e}" if "first_loss_diff" in r else ""))
 
 
 def _ratios(runs):
@@ -409,8 +560,35 @@ def _gpt_ratios(runs):
                  "gpt cpu time dtape/ddp": cpu["dtape_sync"] / cpu["ddp"]}
 
 
+def _jit_ratios(runs):
+    """The "charlm_jit" launch's ratios: the compiled replica step under MultiWorkerMirroredStrategy and under
+    MirroredStrategy (2 CPU replicas in rank 0's process) against DDP over a compiled module, and against
+    dtape's eager step and eager DDP; all taking turns in one launch. The first-step losses must agree to
+    float32 rounding (JIT_LOSS_TOLERANCE, relative: summation orders differ between the graphs and eager)."""
+    cases = runs[("charlm_jit", 2)]
+    res = {f"charlm_jit_{case}_2": r for case, r in cases.items()}
+    reference = cases["ddp_compiled"]["first_loss"]
+    for case in cases:
+        diff = abs(cases[case]["first_loss"] - reference)
+        assert diff < JIT_LOSS_TOLERANCE * abs(reference), \
+            f"charlm: {case} and DDP over torch.compile disagree on the first loss ({diff:.1e})"
+        cases[case]["first_loss_diff"] = diff
+    step = {case: r["step_s"] for case, r in cases.items()}
+    cpu = {case: r["cpu_s"] for case, r in cases.items()}
+    return res, {"charlm jit/ddp compiled": step["jit"] / step["ddp_compiled"],
+                 "charlm jit/dtape eager": step["jit"] / step["dtape"],
+                 "charlm jit/dtape eager+sync": step["jit"] / step["dtape_sync"],
+                 "charlm jit/ddp eager": step["jit"] / step["ddp"],
+                 "charlm mirrored jit/ddp compiled": step["mirrored_jit"] / step["ddp_compiled"],
+                 "charlm jit/DDP(compiled module)": step["jit"] / step["ddp_over_compiled"],
+                 "charlm ddp compiled/ddp eager": step["ddp_compiled"] / step["ddp"],
+                 "charlm cpu time jit/ddp compiled": cpu["jit"] / cpu["ddp_compiled"]}
+
+
+JIT_LOSS_TOLERANCE = 1e-6
 # (model, workers) of each launch of a set: the MLP at 1 and 2 workers, charlm and the GPT at 2
 LAUNCHES = (("mlp", 1), ("mlp", 2), ("charlm", 2), ("gpt", 2))
+JIT_LAUNCHES = (("charlm_jit", 2),)  # --jit-only: the compiled steps (not in LAUNCHES: each compiles for minutes)
 
 
 def _set_ratios(runs):
@@ -421,6 +599,10 @@ def _set_ratios(runs):
         gpt_res, gpt_ratios = _gpt_ratios(runs)
         res.update(gpt_res)
         ratios.update(gpt_ratios)
+    if ("charlm_jit", 2) in runs:
+        jit_res, jit_ratios = _jit_ratios(runs)
+        res.update(jit_res)
+        ratios.update(jit_ratios)
     return res, ratios
 
 
@@ -431,15 +613,31 @@ def measure(steps=60, repeat=3, verbose=True, launches=LAUNCHES):
     for i in range(repeat):
         runs = {(m, w): _launch(m, w, steps) for m, w in launches}
         files = {cases.pop("dtape_file") for cases in runs.values()}
+        later = {f"{m}_{w}": cases.pop("compiles_after_first_calls") for (m, w), cases in runs.items()}
         res, ratios = _set_ratios(runs)
-        sets.append({"results": res, "ratios": ratios, "dtape": sorted(files)})
+        sets.append({"results": res, "ratios": ratios, "dtape": sorted(files), "compiles_after_first_calls": later})
         if verbose:
             print(f"-- set {i + 1} of {repeat} (dtape imported by the workers: {', '.join(files)})")
             _report(res)
+            _report_compiles(res, later)
             print("   " + "   ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     summary = {k: (statistics.median(s["ratios"][k] for s in sets), min(s["ratios"][k] for s in sets),
                    max(s["ratios"][k] for s in sets)) for k in sets[0]["ratios"]}
     return {"runs": sets, "ratios": summary}
+
+
+def _report_compiles(res, later):
+    """What each first call compiled, and whether it came from the on-disk caches of an earlier launch."""
+    for key, r in res.items():
+        c = r.get("first_call_compiles", {})
+        if c.get("dynamo_graphs") or c.get("fxgraph_hit") or c.get("fxgraph_miss"):
+            print(f"{key:20s} first call compiled {c['dynamo_graphs']} dynamo graph(s); inductor FX-graph cache "
+                  f"{c['fxgraph_hit']} hit(s) / {c['fxgraph_miss']} miss(es), AOTAutograd cache {c['aot_hit']} / "
+                  f"{c['aot_miss']}" + (f"; dtape traces {r['traces']} ({r['trace_s']:.1f} s of the first call)"
+                                        if "traces" in r else ""))
+    for launch, c in later.items():
+        if any(c.values()):
+            print(f"{launch}: compiled again during the timed steps: {c}")
 
 
 def print_summary(summary, repeat):
@@ -454,7 +652,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="sets of launches; ratios are given as their median")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--gpt-only", action="store_true", help="only the GPT launch (dtape, MirroredStrategy, DDP)")
-    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt"], help=argparse.SUPPRESS)
+    ap.add_argument("--jit-only", action="store_true",
+                    help="only the compiled-step launch: the charlm step as dtape.function(jit_compile=True) under "
+                         "MultiWorkerMirroredStrategy and MirroredStrategy vs DDP over torch.compile")
+    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt", "charlm_jit"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -470,11 +671,14 @@ def main():
         os._exit(0)
     if args.steps < 5 or args.repeat < 1:
         ap.error("--steps must be at least 5 and --repeat at least 1")
-    out = measure(args.steps, args.repeat, launches=(("gpt", 2),) if args.gpt_only else LAUNCHES)
+    launches = (("gpt", 2),) if args.gpt_only else (JIT_LAUNCHES if args.jit_only else LAUNCHES)
+    load = os.getloadavg()
+    out = measure(args.steps, args.repeat, launches=launches)
     print_summary(out["ratios"], args.repeat)
-    print(f"load average {os.getloadavg()}")
+    print(f"load average at start {load}, at end {os.getloadavg()}")
     if args.json:
         out["loadavg"] = os.getloadavg()
+        out["loadavg_start"] = load
         json.dump(out, open(args.json, "w"), indent=1)
 
 
