@@ -27,7 +27,7 @@ from dtape import tape as _tp
 from dtape.module import Module
 from dtape.ops._dispatch import SeededRandomFunctions, call_fallback, flatten_args
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable, VariableAggregation, share_storage
+from dtape.variables import Variable, VariableAggregation, read_values, share_storage
 
 # How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
 _BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
@@ -363,12 +363,10 @@ def _param_slots(params):
 
 
 def _param_values(params):
-    """id(var) -> its value read once (recorded: a tied Variable's gradient sums its uses)."""
-    values = {}
-    for var in params.values():
-        if id(var) not in values:
-            values[id(var)] = var.read_value()
-    return values
+    """id(var) -> its value read once (recorded: a tied Variable's gradient sums its uses), all read at once
+    (`read_values`: one record for the module's parameters, not one per parameter)."""
+    unique = list({id(var): var for var in params.values()}.values())
+    return dict(zip([id(v) for v in unique], read_values(unique)))
 
 
 def _buffer_values(buffers):

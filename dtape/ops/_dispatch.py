@@ -51,6 +51,7 @@ class TorchFallback(_tp.RecordOp):
     __slots__ = ("name", "func", "spec", "leaves", "positions", "seed", "graph_in", "outs", "in_ids", "shared")
     saves_inputs = False   # torch's graph holds what the backward reads
     saves_outputs = False
+    raw_saved = True       # nothing saved to rebuild: the rule reads only torch's graph
 
     def __init__(self, func, spec, leaves, positions, seed=None):
         self.name = getattr(func, "__name__", repr(func))
@@ -177,6 +178,7 @@ class _GraphGrad(_tp.RecordOp):
     __slots__ = ("name", "graph_in", "outs", "in_ids", "shared")
     saves_inputs = False
     saves_outputs = False
+    raw_saved = True
 
     def __init__(self, name, graph_in, outs, in_ids):
         self.name = f"grad_{name}"
