@@ -342,8 +342,22 @@ def _save(op, inputs, outputs):
         if keep_in:
             return (x._t if type(x) is Tensor else x, y._t if type(y) is Tensor else y, o)
         return (_meta(x), _meta(y), o)
-    ins = [_keep(x) for x in inputs] if keep_in else [_meta(x) for x in inputs]
-    return tuple(ins + ([o._t for o in outputs] if keep_out else [_meta(o) for o in outputs]))
+    ins = [_keep(x) for x in inputs] if keep_in else _metas(inputs)
+    return tuple(ins + ([o._t for o in outputs] if keep_out else _metas(outputs)))
+
+
+def _metas(xs):
+    """[_meta(x) for x in xs], a Tensor's found in the cache without a call (a wrapped module's op has
+    one input per parameter)."""
+    out = []
+    for x in xs:
+        if type(x) is Tensor:
+            t = x._t
+            m = _meta_cache.get((t.shape, t.dtype, t.device))
+            out.append(_meta(x) if m is None else m)
+        else:
+            out.append(_meta(x))
+    return out
 
 
 _AMP_DEVICES = ("cpu", "cuda")
@@ -513,6 +527,19 @@ class Tape:
                 self._watched_vars.setdefault(id(v), v)
             self._watched.update(handles)
             self._accessed.add(key)
+
+    def _watch_accessed_all(self, accessed):
+        """`_watch_accessed(v._id, resolve_watched(v))` for each variable of `accessed`, under one lock."""
+        resolved = []
+        for v in accessed:
+            for w in _resolve_watched(v):
+                resolved.append((w, w._handle()._id))
+        with self._lock:
+            for w, i in resolved:
+                self._watched_vars.setdefault(id(w), w)
+                self._watched.add(i)
+            for v in accessed:
+                self._accessed.add(v._id)
 
     def watched_variables(self):
         """Variables watched so far, in first-watch order, without duplicates."""
@@ -828,9 +855,9 @@ def variables_read(variables, outs, op, read_op):
         else:
             if tape.watch_accessed_variables:
                 accessed = tape._accessed
-                for v in variables:
-                    if v._trainable and v._id not in accessed:
-                        tape._watch_accessed(v._id, _resolve_watched(v))
+                todo = [v for v in variables if v._trainable and v._id not in accessed]
+                if todo:
+                    tape._watch_accessed_all(todo)
             watched = tape._watched
             ks = [k for k, v in enumerate(variables) if v._id in watched]
             if not ks:
@@ -848,12 +875,8 @@ def variables_read(variables, outs, op, read_op):
 def _record_reads(op, variables, outs, state, foreign):
     """Records `op` from `variables` to `outs` (keeping the variables and their values' metadata), with
     the `foreign` tapes paused."""
-    metas = []
-    for o in outs:
-        t = o._t
-        m = _meta_cache.get((t.shape, t.dtype, t.device))
-        metas.append(_meta(o) if m is None else m)
-    args = (op, tuple([v._id for v in variables]), tuple(variables), tuple(outs), None, (*variables, *metas))
+    args = (op, tuple([v._id for v in variables]), tuple(variables), tuple(outs), None,
+            (*variables, *_metas(outs)))
     if not foreign:
         record(*args)
         return

@@ -69,10 +69,7 @@ class TorchFallback(_tp.RecordOp):
         leaves = list(self.leaves)
         for pos, t in zip(self.positions, tensors):
             leaves[pos] = t
-        if self.spec is None:  # flat positional arguments (`flatten_args`)
-            args, kwargs = leaves, {}
-        else:
-            args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        args, kwargs = unflatten_args(leaves, self.spec)
         if self.seed is None:
             return self.func(*args, **kwargs)
         with _seeded(*self.seed):
@@ -80,7 +77,8 @@ class TorchFallback(_tp.RecordOp):
 
     def call_graph(self, tensors):
         """Runs the function on aliases of `tensors` that require grad; returns its output (with grad_fn)."""
-        self.graph_in = [t.detach().requires_grad_() if _is_diff(t) else None for t in tensors]
+        self.graph_in = [t.detach().requires_grad_() if t.dtype.is_floating_point or t.dtype.is_complex else None
+                         for t in tensors]  # _is_diff, inline: a wrapped module has one input per parameter
         with torch.enable_grad():
             return self.call_raw([t if g is None else g for t, g in zip(tensors, self.graph_in)])
 
@@ -344,7 +342,7 @@ def call_fallback(func, args, kwargs):
     op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
     raws = [t._t for t in tensors]
     n_tapes = _recording_count(tensors) if _tp.active_tapes and tensors else 0
-    if n_tapes and any(_is_diff(t) for t in raws):
+    if n_tapes and _any_diff(raws):
         out = op.call_graph(raws)
     else:
         n_tapes, out = 0, op.call_raw(raws)
@@ -353,10 +351,17 @@ def call_fallback(func, args, kwargs):
     wrapped = [_output(o, n_tapes) if isinstance(o, torch.Tensor) else o for o in out_leaves]
     if n_tapes:
         outs = [o if o.requires_grad else None for o in out_leaves if isinstance(o, torch.Tensor)]
-        if any(o is not None for o in outs):
+        if outs.count(None) < len(outs):
             op.outs, op.in_ids, op.shared = outs, tuple([t._id for t in tensors]), n_tapes > 1
-            _tp.record(op, op.in_ids, tuple(tensors), tuple(w for w in wrapped if type(w) is Tensor), None)
+            _tp.record(op, op.in_ids, tuple(tensors), tuple([w for w in wrapped if type(w) is Tensor]), None)
     return wrapped[0] if single else pytree.tree_unflatten(wrapped, out_spec)
+
+
+def _any_diff(raws):
+    for t in raws:  # a loop, not any(genexpr): this runs on every recorded fallback call
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            return True
+    return False
 
 
 # Argument types pytree always treats as leaves: positional arguments of only these need no pytree walk.
@@ -365,14 +370,31 @@ _LEAF_TYPES = frozenset([Tensor, torch.Tensor, torch.nn.Parameter, int, float, b
 
 
 def flatten_args(args, kwargs):
-    """(leaves, spec) of (args, kwargs) as pytree gives them; spec None for positional leaves only (flat)."""
-    if not kwargs:
-        for a in args:
+    """(leaves, spec) of (args, kwargs), for `unflatten_args`: spec None for positional leaves only, a
+    tuple (number of positional arguments, keyword names) when every argument is a leaf (torch.nn.functional
+    passes all its keywords to `__torch_function__`), else pytree's (leaves as pytree gives them)."""
+    for a in args:
+        if type(a) not in _LEAF_TYPES:
+            break
+    else:
+        if not kwargs:
+            return list(args), None
+        for a in kwargs.values():
             if type(a) not in _LEAF_TYPES:
                 break
         else:
-            return list(args), None
+            return [*args, *kwargs.values()], (len(args), tuple(kwargs))
     return pytree.tree_flatten((args, kwargs))
+
+
+def unflatten_args(leaves, spec):
+    """(args, kwargs) from `flatten_args`' leaves (possibly replaced) and spec."""
+    if spec is None:
+        return leaves, {}
+    if type(spec) is tuple:
+        n = spec[0]
+        return leaves[:n], dict(zip(spec[1], leaves[n:]))
+    return pytree.tree_unflatten(leaves, spec)
 
 
 # torch functions whose result torch's autograd treats as a constant (no grad_fn): `.detach()`,
@@ -397,8 +419,14 @@ def _call_constant(func, args, kwargs):
 
 def _recording_count(tensors):
     """How many tapes recording on this thread watch one of `tensors` (each would record the call)."""
-    ids = [t._id for t in tensors]
-    return sum(1 for tape in _tp.recording_tapes() if any(i in tape._watched for i in ids))
+    n = 0
+    for tape in _tp.recording_tapes():  # loops, not generators: this runs on every fallback call
+        watched = tape._watched
+        for t in tensors:
+            if t._id in watched:
+                n += 1
+                break
+    return n
 
 
 def _output(o, graphed):
