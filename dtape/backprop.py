@@ -659,7 +659,14 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     out, pos = [], 0
     for src, hs in zip(sources, expanded):
         if len(hs) == 1:
-            parts = () if raw[pos] is None else (raw[pos],)
+            g = raw[pos]
+            if type(g) is Tensor:  # the common case, without a call: one part, in the source's dtype and device
+                t, dtype = g._t, src.dtype
+                if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == src.device:
+                    pos += 1
+                    out.append(g)
+                    continue
+            parts = () if g is None else (g,)
         else:
             parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
         pos += len(hs)
@@ -682,7 +689,7 @@ def _expand_sources(sources):
     """`_source_handles` of each source (checked), a Tensor or a variable that is its own handle directly."""
     expanded = []
     for s in sources:
-        if type(s) is Tensor or is_variable(s) and s._handle() is s:
+        if type(s) is Tensor or getattr(type(s), "_dtape_variable", False) and s._handle() is s:  # is_variable
             expanded.append((s,))
         else:
             expanded.append(_source_handles(_check_source(s)))
@@ -732,10 +739,6 @@ def _check_dtype(t, role):
 
 def _finish(src, parts, unconnected):
     dtype = src.dtype
-    if len(parts) == 1 and type(parts[0]) is Tensor:  # the common case: one part, on the source's device
-        t = parts[0]._t
-        if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == src.device:
-            return parts[0]
     if not _diff_dtype(dtype):
         warnings.warn(f"The dtype of the source tensor must be floating (e.g. float32) to get a gradient; "
                       f"got {dtype}, which gets None", stacklevel=4)
