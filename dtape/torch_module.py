@@ -392,6 +392,9 @@ class _ForwardCall:
     everything inside the forward (autocast, no_grad, detach, in-place ops on activations) means what it
     means in torch."""
 
+    # Not run a second time by the fallback (`_call_graph`): its buffer updates would be applied twice.
+    rerun_safe = False
+
     def __init__(self, shadow, slots, n_values, spec):
         self.shadow, self.slots, self.n_values, self.spec = shadow, slots, n_values, spec
         self.__name__ = type(shadow).__name__

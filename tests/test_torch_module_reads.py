@@ -214,3 +214,42 @@ def test_fallback_with_tensor_keyword_arguments_equals_torch():
         loss = loss_of(torch.nn.functional, *ins)
     for g, e in zip(tape.gradient(loss, ins), expected):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_cross_entropy_class_weights_as_a_dtape_constant():
+    # torch has no derivative for the class weights: the fallback runs the call with them as a constant
+    gen = torch.Generator().manual_seed(4)
+    logits, w = torch.randn(6, 4, generator=gen, dtype=f64), torch.rand(4, generator=gen, dtype=f64) + 0.5
+    target = torch.tensor([0, 3, 1, 2, 3, 0])
+    ref = logits.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(torch.nn.functional.cross_entropy(ref, target, weight=w), [ref])
+    x, wt = dtape.constant(logits), dtape.constant(w)
+    with dtape.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        loss = torch.nn.functional.cross_entropy(x, target, weight=wt)
+    grad_x, grad_w = tape.gradient(loss, [x, wt])
+    np.testing.assert_allclose(grad_x.numpy(), expected.numpy(), rtol=1e-12, atol=1e-14)
+    assert grad_w is None
+    with dtape.GradientTape() as tape:
+        tape.watch(wt)
+        with pytest.raises(RuntimeError, match="no derivative for one of its inputs that a tape watches"):
+            torch.nn.functional.cross_entropy(x, target, weight=wt)
+
+
+def test_wrapped_forward_is_not_run_twice_for_an_argument_torch_cannot_differentiate():
+    # a second run would update BatchNorm's running statistics twice: torch's error stands instead
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm1d(4)
+
+        def forward(self, x, target, class_weights):
+            return torch.nn.functional.cross_entropy(self.norm(x), target, weight=class_weights)
+
+    gen = torch.Generator().manual_seed(5)
+    tm = dtape.layers.TorchModule(Classifier().double())
+    x, w = torch.randn(6, 4, generator=gen, dtype=f64), torch.rand(4, generator=gen, dtype=f64)
+    with dtape.GradientTape():
+        with pytest.raises(RuntimeError, match="not differentiable with respect to argument 'weight'"):
+            tm(x, torch.tensor([0, 3, 1, 2, 3, 0]), dtape.constant(w), training=True)
+    assert int(tm._buffers["norm.num_batches_tracked"].numpy()) == 0

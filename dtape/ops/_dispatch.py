@@ -75,10 +75,13 @@ class TorchFallback(_tp.RecordOp):
         with _seeded(*self.seed):
             return self.func(*args, **kwargs)
 
-    def call_graph(self, tensors):
-        """Runs the function on aliases of `tensors` that require grad; returns its output (with grad_fn)."""
+    def call_graph(self, tensors, differentiable=None):
+        """Runs the function on aliases of `tensors` that require grad (floating ones; of those, where
+        `differentiable` is given, the ones it marks True); returns its output (with grad_fn)."""
         self.graph_in = [t.detach().requires_grad_() if t.dtype.is_floating_point or t.dtype.is_complex else None
                          for t in tensors]  # _is_diff, inline: a wrapped module has one input per parameter
+        if differentiable is not None:
+            self.graph_in = [g if d else None for g, d in zip(self.graph_in, differentiable)]
         with torch.enable_grad():
             return self.call_raw([t if g is None else g for t, g in zip(tensors, self.graph_in)])
 
@@ -343,7 +346,7 @@ def call_fallback(func, args, kwargs):
     raws = [t._t for t in tensors]
     n_tapes = _recording_count(tensors) if _tp.active_tapes and tensors else 0
     if n_tapes and _any_diff(raws):
-        out = op.call_graph(raws)
+        out = _call_graph(op, tensors, raws)
     else:
         n_tapes, out = 0, op.call_raw(raws)
     single = type(out) is torch.Tensor  # the common output: one tensor, no pytree walk
@@ -355,6 +358,33 @@ def call_fallback(func, args, kwargs):
             op.outs, op.in_ids, op.shared = outs, tuple([t._id for t in tensors]), n_tapes > 1
             _tp.record(op, op.in_ids, tuple(tensors), tuple([w for w in wrapped if type(w) is Tensor]), None)
     return wrapped[0] if single else pytree.tree_unflatten(wrapped, out_spec)
+
+
+# torch's refusal of `requires_grad` on an input it has no derivative for (F.cross_entropy's class `weight`)
+_NO_DERIVATIVE = "is not differentiable with respect to argument"
+
+
+def _call_graph(op, tensors, raws):
+    """`op.call_graph(raws)`; where torch has no derivative for one of the floating inputs, again with only
+    those a recording tape watches requiring grad (the others constants, as torch takes them).
+
+    A function marked `rerun_safe = False` (a wrapped module's forward, whose buffer updates a second run
+    would repeat) is not run again: torch's error stands.
+    """
+    try:
+        return op.call_graph(raws)
+    except RuntimeError as e:
+        if _NO_DERIVATIVE not in str(e) or not getattr(op.func, "rerun_safe", True):
+            raise
+        error = e
+    watched = [tape._watched for tape in _tp.recording_tapes()]
+    try:
+        return op.call_graph(raws, [any(t._id in w for w in watched) for t in tensors])
+    except RuntimeError as e:
+        if _NO_DERIVATIVE not in str(e):
+            raise
+    raise RuntimeError(f"torch.{op.name} has no derivative for one of its inputs that a tape watches ({error}); "
+                       "pass that input as a constant (a tensor no tape watches, or .detach())") from error
 
 
 def _any_diff(raws):
