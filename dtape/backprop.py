@@ -18,7 +18,7 @@ import torch
 from dtape import nest, ops
 from dtape.ops.math_ops import conj as _conj
 from dtape import tape as _tp
-from dtape.tensor import Tensor, convert_to_tensor, is_variable, storage_held_alone
+from dtape.tensor import Tensor, convert_to_tensor, is_variable, next_id, storage_held_alone
 
 
 class UnconnectedGradients(enum.Enum):
@@ -163,7 +163,10 @@ def _walk_records(records, reach, grads, keep, raw, ready, free, amp_now):
     amp = amp_now
     for rec in (records if ready is None else ready.iterate(records)):
         out_ids = rec.out_ids
-        if len(out_ids) == 1:
+        if rec.op.passthrough:  # several variable reads: their gradients move to the variables
+            _pass_through(rec, grads, keep, reach, raw)
+            dys = None
+        elif len(out_ids) == 1:
             i = out_ids[0]
             g = grads.get(i) if i in keep else grads.pop(i, None)
             dys = None if g is None else (g,)
@@ -220,6 +223,26 @@ def _backward_record(rec, dys, grads, reach, raw):
             prev.add_(g)  # the same kernel as prev + g, without a new buffer (as torch accumulates)
         else:
             grads[i] = prev + g
+
+
+def _pass_through(rec, grads, keep, reach, raw):
+    """Adds the gradient of each output of a `passthrough` record to its input's, as `_backward_record`
+    would with a rule returning `dys` (widened to a wider floating input, cast back under autocast, the
+    real part for a real input), but an output without a gradient gives its input none (not zeros)."""
+    inputs, outputs = rec.split()
+    for x, m, i, o in zip(inputs, outputs, rec.in_ids, rec.out_ids):
+        g = grads.get(o) if o in keep else grads.pop(o, None)
+        if g is None or i not in reach:
+            continue
+        if g.dtype is not m.dtype:  # m: the output's metadata, of its input's dtype
+            if g.dtype in _HALF:
+                g = _widen_autocast_dy((g,), (x,), raw)[0]
+            if g.dtype.is_complex and not x.dtype.is_complex:
+                g = g.real
+            if rec.amp is not None:
+                g = _to_input_dtype(g, x, raw)
+        prev = grads.get(i)
+        grads[i] = g if prev is None else prev + g
 
 
 def _to_input_dtype(g, x, raw):
@@ -368,7 +391,12 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
         with _tp.walk_scope(free):
             _walk(records, reach, grads, set(source_ids), raw, ready, free)
     out = [grads.get(i) for i in source_ids]
-    return [Tensor(g) if raw and g is not None else g for g in out]
+    if raw:
+        for k, g in enumerate(out):
+            if g is not None:  # Tensor(g), without the Python-level __init__ call
+                out[k] = t = Tensor.__new__(Tensor)
+                t._t, t._id = g, next_id()
+    return out
 
 
 def _dy_kind_message(k, dy, t):
@@ -533,12 +561,13 @@ class GradientTape:
         self._begin_use("gradient")
         try:
             flat_targets = [_as_target(t) for t in nest.flatten(target)]
-            flat_sources = nest.flatten(sources)
+            flat = _flat_list(sources)  # a plain list or tuple of sources: no nest walk either way
+            flat_sources = nest.flatten(sources) if flat is None else flat
             flat_dys = None if output_gradients is None else nest.flatten(output_gradients)
             grads = self._gradients(flat_targets, flat_sources, flat_dys, unconnected_gradients)
         finally:  # a call that raised was the tape's use too (TF drops it before walking)
             self._end_use()
-        return nest.pack_sequence_as(sources, grads)
+        return nest.pack_sequence_as(sources, grads) if flat is None else type(sources)(grads)
 
     def _begin_use(self, what):
         """Checks a gradient()/jacobian() call is allowed; stops a non-persistent tape recording."""
@@ -623,16 +652,48 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     pairs = [(t, None if dys is None else d) for t, d in zip(targets, dys or targets)]
     pairs = [(t, d) for t, d in pairs if _check_dtype(t, "target")]
     targets, dys = [t for t, _ in pairs], [d for _, d in pairs]
-    expanded = [_source_handles(_check_source(s)) for s in sources]
+    expanded = _expand_sources(sources)
     flat = [h for hs in expanded for h in hs]
     hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
     raw = imperative_grad(tape, targets, flat, dys, hook, free) if targets else [None] * len(flat)
     out, pos = [], 0
     for src, hs in zip(sources, expanded):
-        parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
+        if len(hs) == 1:
+            g = raw[pos]
+            if type(g) is Tensor:  # the common case, without a call: one part, in the source's dtype and device
+                t, dtype = g._t, src.dtype
+                if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == src.device:
+                    pos += 1
+                    out.append(g)
+                    continue
+            parts = () if g is None else (g,)
+        else:
+            parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
         pos += len(hs)
         out.append(_finish(src, parts, unconnected))
     return out
+
+
+def _flat_list(structure):
+    """`structure` as a list when it is a list or tuple (not a subclass) of leaves (`nest.flatten` would
+    give the same list, and `pack_sequence_as` rebuild it as `type(structure)(values)`), else None."""
+    if type(structure) is not list and type(structure) is not tuple:
+        return None
+    for x in structure:
+        if isinstance(x, (list, tuple, dict)):  # nest.is_nested
+            return None
+    return list(structure)
+
+
+def _expand_sources(sources):
+    """`_source_handles` of each source (checked), a Tensor or a variable that is its own handle directly."""
+    expanded = []
+    for s in sources:
+        if type(s) is Tensor or getattr(type(s), "_dtape_variable", False) and s._handle() is s:  # is_variable
+            expanded.append((s,))
+        else:
+            expanded.append(_source_handles(_check_source(s)))
+    return expanded
 
 
 def _single_handle_hook(expanded, on_ready):

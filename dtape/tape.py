@@ -165,6 +165,10 @@ class RecordOp:
     * `raw_saved`: on a raw walk (nothing records it) the rule takes the
       saved torch tensors as they are; otherwise it gets dtape.Tensors
       rebuilt with their recorded ids.
+    * `passthrough`: the rule is the identity from output k to input k
+      (one per input; several variable reads as one record): the walk adds
+      each output's gradient to its input's itself, without calling
+      `backward`, so an output without a gradient leaves its input without one.
 
     and implements `backward`, the vector-Jacobian product.
     """
@@ -175,6 +179,7 @@ class RecordOp:
     saves_outputs = True
     complex_grad = True
     raw_saved = False
+    passthrough = False
 
     def backward(self, dys, outputs, inputs, attrs, raw, needs):
         """Input gradients: one per input (None for no gradient), each of its input's shape or broadcastable to it.
@@ -337,8 +342,22 @@ def _save(op, inputs, outputs):
         if keep_in:
             return (x._t if type(x) is Tensor else x, y._t if type(y) is Tensor else y, o)
         return (_meta(x), _meta(y), o)
-    ins = [_keep(x) for x in inputs] if keep_in else [_meta(x) for x in inputs]
-    return tuple(ins + ([o._t for o in outputs] if keep_out else [_meta(o) for o in outputs]))
+    ins = [_keep(x) for x in inputs] if keep_in else _metas(inputs)
+    return tuple(ins + ([o._t for o in outputs] if keep_out else _metas(outputs)))
+
+
+def _metas(xs):
+    """[_meta(x) for x in xs], a Tensor's found in the cache without a call (a wrapped module's op has
+    one input per parameter)."""
+    out = []
+    for x in xs:
+        if type(x) is Tensor:
+            t = x._t
+            m = _meta_cache.get((t.shape, t.dtype, t.device))
+            out.append(_meta(x) if m is None else m)
+        else:
+            out.append(_meta(x))
+    return out
 
 
 _AMP_DEVICES = ("cpu", "cuda")
@@ -508,6 +527,19 @@ class Tape:
                 self._watched_vars.setdefault(id(v), v)
             self._watched.update(handles)
             self._accessed.add(key)
+
+    def _watch_accessed_all(self, accessed):
+        """`_watch_accessed(v._id, resolve_watched(v))` for each variable of `accessed`, under one lock."""
+        resolved = []
+        for v in accessed:
+            for w in _resolve_watched(v):
+                resolved.append((w, w._handle()._id))
+        with self._lock:
+            for w, i in resolved:
+                self._watched_vars.setdefault(id(w), w)
+                self._watched.add(i)
+            for v in accessed:
+                self._accessed.add(v._id)
 
     def watched_variables(self):
         """Variables watched so far, in first-watch order, without duplicates."""
@@ -790,6 +822,72 @@ def variable_read(variable, out, op):
         state.paused = prev
 
 
+def variables_read(variables, outs, op, read_op):
+    """`variable_read(variables[k], outs[k], read_op)` for every k, the recorded reads as one record of `op`.
+
+    Each tape watches what `variable_read` makes it watch, and each read is
+    recorded by the tapes that would record it alone (those watching the
+    variable; a sibling replica's tape only through an explicit watch).
+    When every tape that records any of these reads records the same ones
+    (one tape; tapes that watch alike), those reads become one record of
+    `op` (a `passthrough` op: inputs those variables, outputs their
+    values); otherwise each read is recorded alone, with `read_op`.
+    """
+    state = _thread_state
+    if state.captures:
+        captured = state.captures[-1]
+        for v in variables:
+            if v._trainable:
+                captured.setdefault(id(v), v)
+    if state.stopped or not _grad_enabled() and _grad_mode_stops():
+        return
+    run, scope, paused = state.run, state.scope, state.paused
+    foreign, common = (), None  # common: the positions of the reads that the recording tapes record
+    for tape in _tape_set:
+        if paused and tape in paused:
+            continue
+        if run is not None and tape._run is run and tape._owner is not scope:
+            explicit, watched = tape._explicit, tape._watched
+            ks = [k for k, v in enumerate(variables) if v._id in explicit and v._id in watched]
+            if not ks:
+                foreign += (tape,)
+                continue
+        else:
+            if tape.watch_accessed_variables:
+                accessed = tape._accessed
+                todo = [v for v in variables if v._trainable and v._id not in accessed]
+                if todo:
+                    tape._watch_accessed_all(todo)
+            watched = tape._watched
+            ks = [k for k, v in enumerate(variables) if v._id in watched]
+            if not ks:
+                continue
+        if common is None:
+            common = ks
+        elif ks != common:  # the tapes record different reads: one record each, as variable_read
+            for v, out in zip(variables, outs):
+                variable_read(v, out, read_op)
+            return
+    if common is not None:
+        _record_reads(op, [variables[k] for k in common], [outs[k] for k in common], state, foreign)
+
+
+def _record_reads(op, variables, outs, state, foreign):
+    """Records `op` from `variables` to `outs` (keeping the variables and their values' metadata), with
+    the `foreign` tapes paused."""
+    args = (op, tuple([v._id for v in variables]), tuple(variables), tuple(outs), None,
+            (*variables, *_metas(outs)))
+    if not foreign:
+        record(*args)
+        return
+    prev = state.paused
+    state.paused = prev + foreign
+    try:
+        record(*args)
+    finally:
+        state.paused = prev
+
+
 def record_reading(op, in_ids, inputs, outputs, attrs):
     """`record` for an op that takes variables among its inputs (a `dtape.function` call's op).
 
@@ -868,7 +966,7 @@ def should_record(tensors):
     return any(i in tape._watched for tape in tapes for i in ids)
 
 
-def record(op, in_ids, inputs, outputs, attrs):
+def record(op, in_ids, inputs, outputs, attrs, saved=None):
     """Records `op` on each tape recording on this thread that watches an input.
 
     The record keeps what `op` declares its rule reads (`saves_inputs`,
@@ -882,6 +980,8 @@ def record(op, in_ids, inputs, outputs, attrs):
       inputs: tuple of Tensors, Variables or Python scalars.
       outputs: tuple of Tensors.
       attrs: dict of non-tensor arguments (given back to `op.backward`), or None.
+      saved: what the record keeps, as `_save(op, inputs, outputs)` would give it, when the caller
+        built it already (None: built here).
     """
     state = _thread_state
     if state.stopped or not _grad_enabled() and _grad_mode_stops():
@@ -906,7 +1006,8 @@ def record(op, in_ids, inputs, outputs, attrs):
             continue
         if out_ids is None:
             out_ids = (outputs[0]._id,) if len(outputs) == 1 else tuple([o._id for o in outputs])
-            saved = _save(op, inputs, outputs)
+            if saved is None:
+                saved = _save(op, inputs, outputs)
             n_saved = len(saved)
             ver = 0  # inline (no call): every recorded op runs this
             try:

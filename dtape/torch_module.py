@@ -19,15 +19,14 @@ Source: torch.func.functional_call (parameter substitution); Keras 3's
 import sys
 
 import torch
-from torch.utils import _pytree as pytree
 
 from dtape import _call_context
 from dtape import random as _random
 from dtape import tape as _tp
 from dtape.module import Module
-from dtape.ops._dispatch import SeededRandomFunctions, call_fallback, flatten_args
+from dtape.ops._dispatch import SeededRandomFunctions, call_fallback, flatten_args, unflatten_args
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable, VariableAggregation, share_storage
+from dtape.variables import Variable, VariableAggregation, read_values, share_storage
 
 # How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
 _BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
@@ -298,6 +297,10 @@ def _shadow(module, training):
     The forward runs on it, so the shared module is never modified (thread
     safe: replicas call the same TorchModule at once).
     """
+    return _copy_tree(module, training, _compiled_type())
+
+
+def _copy_tree(module, training, compiled):
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or \
             module._backward_pre_hooks:
         raise NotImplementedError(f"TorchModule: {type(module).__name__} has forward or backward hooks, which are "
@@ -308,18 +311,21 @@ def _shadow(module, training):
     state.update(module.__dict__)
     state["_parameters"] = dict(module._parameters)
     state["_buffers"] = dict(module._buffers)
-    state["_modules"] = {k: None if m is None else _shadow(m, training) for k, m in module._modules.items()}
+    modules = state["_modules"] = {}
+    for k, m in module._modules.items():
+        modules[k] = None if m is None else _copy_tree(m, training, compiled)
     state["training"] = training
-    if _is_compiled(module):  # torch.compile'd: its compiled forward must call the copied original
-        state["_orig_mod"] = state["_modules"]["_orig_mod"]
+    if compiled is not None and isinstance(module, compiled):  # its compiled forward must call the copy
+        state["_orig_mod"] = modules["_orig_mod"]
         copy._initialize()
     return copy
 
 
-def _is_compiled(module):
-    """True for torch.compile's OptimizedModule (looked up only once dynamo is loaded: importing it costs seconds)."""
+def _compiled_type():
+    """torch.compile's OptimizedModule class, or None before dynamo is loaded (importing it costs seconds:
+    no module is compiled until then)."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
+    return None if dynamo is None else dynamo.OptimizedModule
 
 
 def _owner(root, name):
@@ -363,12 +369,10 @@ def _param_slots(params):
 
 
 def _param_values(params):
-    """id(var) -> its value read once (recorded: a tied Variable's gradient sums its uses)."""
-    values = {}
-    for var in params.values():
-        if id(var) not in values:
-            values[id(var)] = var.read_value()
-    return values
+    """id(var) -> its value read once (recorded: a tied Variable's gradient sums its uses), all read at once
+    (`read_values`: one record for the module's parameters, not one per parameter)."""
+    unique = list({id(var): var for var in params.values()}.values())
+    return dict(zip([id(v) for v in unique], read_values(unique)))
 
 
 def _buffer_values(buffers):
@@ -388,6 +392,9 @@ class _ForwardCall:
     everything inside the forward (autocast, no_grad, detach, in-place ops on activations) means what it
     means in torch."""
 
+    # Not run a second time by the fallback (`_call_graph`): its buffer updates would be applied twice.
+    rerun_safe = False
+
     def __init__(self, shadow, slots, n_values, spec):
         self.shadow, self.slots, self.n_values, self.spec = shadow, slots, n_values, spec
         self.__name__ = type(shadow).__name__
@@ -395,10 +402,7 @@ class _ForwardCall:
     def __call__(self, *flat):
         values = flat[:self.n_values]
         _install_parameters(self.shadow, self.slots, values)
-        if self.spec is None:  # positional leaves only (flatten_args)
-            args, kwargs = flat[self.n_values:], {}
-        else:
-            args, kwargs = pytree.tree_unflatten(list(flat[self.n_values:]), self.spec)
+        args, kwargs = unflatten_args(list(flat[self.n_values:]), self.spec)
         versions = [v._version for v in values]
         try:
             out = self._forward(args, kwargs)

@@ -53,6 +53,25 @@ class _ReadVariableOp(_tp.RecordOp):
 _READ_OP = _ReadVariableOp()
 
 
+class _ReadVariablesOp(_tp.RecordOp):
+    """Record op of several variable reads at once (`read_values`): output k's gradient is input k's."""
+
+    __slots__ = ()
+    name = "ReadVariableOp"
+    saves_inputs = saves_outputs = False
+    raw_saved = True
+    passthrough = True  # the walk moves each output's gradient to its input without calling backward
+
+    def backward(self, dys, outputs, inputs, attrs, raw, needs):
+        return dys
+
+    def jvp(self, tangents, outputs, inputs, attrs):
+        return tangents
+
+
+_READS_OP = _ReadVariablesOp()
+
+
 class _ReadHookState(threading.local):
     """Per-thread hook `fn(variable, value) -> value` applied to every read (None: none)."""
 
@@ -515,6 +534,48 @@ class Variable(metaclass=_VariableMeta):
 
     def __hash__(self):
         return id(self)
+
+
+def read_values(variables):
+    """The values of `variables`: what `[v.read_value() for v in variables]` gives (same values, same
+    watches, same gradients), in one pass and, where the tapes allow, one record for all of them.
+
+    For a caller that reads many variables at once (a wrapped torch module's
+    parameters, every call): a read costs Python work per variable and per
+    record of the backward walk. Plain variables, and distributed variables
+    whose read is their component's (`_reads_handle`), are read here;
+    anything else (another variable type, a trace or read hook active on
+    this thread, a component being written) takes `read_value` one by one.
+
+    Args:
+      variables: a sequence of variables (each once).
+
+    Returns:
+      A list of dtape.Tensors, one per variable.
+    """
+    if _trace.tracer is not None or _read_hook.fn is not None:
+        return [v.read_value() for v in variables]
+    comps = []
+    for v in variables:
+        c = v if type(v) is Variable else v._handle() if getattr(type(v), "_reads_handle", False) else None
+        if type(c) is not Variable:
+            return [v.read_value() for v in variables]
+        comps.append(c)
+    outs = []
+    for c in comps:
+        t = c._t  # before `_writing`, as `read_value` (see Variable._writing)
+        if c._writing:
+            t = c._after_write()
+        out = Tensor.__new__(Tensor)  # Tensor(t) without the Python-level __init__ call
+        out._t, out._id = t, next_id()
+        outs.append(out)
+    if _tp.active_tapes:
+        _tp.variables_read(comps, outs, _READS_OP, _READ_OP)
+    elif _tp.capturing_reads():
+        for c in comps:
+            if c._trainable:
+                _tp.variable_accessed(c)
+    return outs
 
 
 def install_tensor_protocol(cls):

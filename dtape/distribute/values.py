@@ -180,6 +180,9 @@ class MirroredVariable(DistributedVariable):
     Source: tf.distribute MirroredVariable.
     """
 
+    # A read is its handle's (`_component()`) read: `variables.read_values` reads the component itself.
+    _reads_handle = True
+
     def read_value(self):
         # The component's read reports the access; resolve_watched maps it to
         # the container (replica context) or to every component (cross-replica).

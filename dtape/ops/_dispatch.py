@@ -51,6 +51,7 @@ class TorchFallback(_tp.RecordOp):
     __slots__ = ("name", "func", "spec", "leaves", "positions", "seed", "graph_in", "outs", "in_ids", "shared")
     saves_inputs = False   # torch's graph holds what the backward reads
     saves_outputs = False
+    raw_saved = True       # nothing saved to rebuild: the rule reads only torch's graph
 
     def __init__(self, func, spec, leaves, positions, seed=None):
         self.name = getattr(func, "__name__", repr(func))
@@ -68,18 +69,19 @@ class TorchFallback(_tp.RecordOp):
         leaves = list(self.leaves)
         for pos, t in zip(self.positions, tensors):
             leaves[pos] = t
-        if self.spec is None:  # flat positional arguments (`flatten_args`)
-            args, kwargs = leaves, {}
-        else:
-            args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        args, kwargs = unflatten_args(leaves, self.spec)
         if self.seed is None:
             return self.func(*args, **kwargs)
         with _seeded(*self.seed):
             return self.func(*args, **kwargs)
 
-    def call_graph(self, tensors):
-        """Runs the function on aliases of `tensors` that require grad; returns its output (with grad_fn)."""
-        self.graph_in = [t.detach().requires_grad_() if _is_diff(t) else None for t in tensors]
+    def call_graph(self, tensors, differentiable=None):
+        """Runs the function on aliases of `tensors` that require grad (floating ones; of those, where
+        `differentiable` is given, the ones it marks True); returns its output (with grad_fn)."""
+        self.graph_in = [t.detach().requires_grad_() if t.dtype.is_floating_point or t.dtype.is_complex else None
+                         for t in tensors]  # _is_diff, inline: a wrapped module has one input per parameter
+        if differentiable is not None:
+            self.graph_in = [g if d else None for g, d in zip(self.graph_in, differentiable)]
         with torch.enable_grad():
             return self.call_raw([t if g is None else g for t, g in zip(tensors, self.graph_in)])
 
@@ -177,6 +179,7 @@ class _GraphGrad(_tp.RecordOp):
     __slots__ = ("name", "graph_in", "outs", "in_ids", "shared")
     saves_inputs = False
     saves_outputs = False
+    raw_saved = True
 
     def __init__(self, name, graph_in, outs, in_ids):
         self.name = f"grad_{name}"
@@ -342,8 +345,8 @@ def call_fallback(func, args, kwargs):
     op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
     raws = [t._t for t in tensors]
     n_tapes = _recording_count(tensors) if _tp.active_tapes and tensors else 0
-    if n_tapes and any(_is_diff(t) for t in raws):
-        out = op.call_graph(raws)
+    if n_tapes and _any_diff(raws):
+        out = _call_graph(op, tensors, raws)
     else:
         n_tapes, out = 0, op.call_raw(raws)
     single = type(out) is torch.Tensor  # the common output: one tensor, no pytree walk
@@ -351,10 +354,44 @@ def call_fallback(func, args, kwargs):
     wrapped = [_output(o, n_tapes) if isinstance(o, torch.Tensor) else o for o in out_leaves]
     if n_tapes:
         outs = [o if o.requires_grad else None for o in out_leaves if isinstance(o, torch.Tensor)]
-        if any(o is not None for o in outs):
+        if outs.count(None) < len(outs):
             op.outs, op.in_ids, op.shared = outs, tuple([t._id for t in tensors]), n_tapes > 1
-            _tp.record(op, op.in_ids, tuple(tensors), tuple(w for w in wrapped if type(w) is Tensor), None)
+            _tp.record(op, op.in_ids, tuple(tensors), tuple([w for w in wrapped if type(w) is Tensor]), None)
     return wrapped[0] if single else pytree.tree_unflatten(wrapped, out_spec)
+
+
+# torch's refusal of `requires_grad` on an input it has no derivative for (F.cross_entropy's class `weight`)
+_NO_DERIVATIVE = "is not differentiable with respect to argument"
+
+
+def _call_graph(op, tensors, raws):
+    """`op.call_graph(raws)`; where torch has no derivative for one of the floating inputs, again with only
+    those a recording tape watches requiring grad (the others constants, as torch takes them).
+
+    A function marked `rerun_safe = False` (a wrapped module's forward, whose buffer updates a second run
+    would repeat) is not run again: torch's error stands.
+    """
+    try:
+        return op.call_graph(raws)
+    except RuntimeError as e:
+        if _NO_DERIVATIVE not in str(e) or not getattr(op.func, "rerun_safe", True):
+            raise
+        error = e
+    watched = [tape._watched for tape in _tp.recording_tapes()]
+    try:
+        return op.call_graph(raws, [any(t._id in w for w in watched) for t in tensors])
+    except RuntimeError as e:
+        if _NO_DERIVATIVE not in str(e):
+            raise
+    raise RuntimeError(f"torch.{op.name} has no derivative for one of its inputs that a tape watches ({error}); "
+                       "pass that input as a constant (a tensor no tape watches, or .detach())") from error
+
+
+def _any_diff(raws):
+    for t in raws:  # a loop, not any(genexpr): this runs on every recorded fallback call
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            return True
+    return False
 
 
 # Argument types pytree always treats as leaves: positional arguments of only these need no pytree walk.
@@ -363,14 +400,31 @@ _LEAF_TYPES = frozenset([Tensor, torch.Tensor, torch.nn.Parameter, int, float, b
 
 
 def flatten_args(args, kwargs):
-    """(leaves, spec) of (args, kwargs) as pytree gives them; spec None for positional leaves only (flat)."""
-    if not kwargs:
-        for a in args:
+    """(leaves, spec) of (args, kwargs), for `unflatten_args`: spec None for positional leaves only, a
+    tuple (number of positional arguments, keyword names) when every argument is a leaf (torch.nn.functional
+    passes all its keywords to `__torch_function__`), else pytree's (leaves as pytree gives them)."""
+    for a in args:
+        if type(a) not in _LEAF_TYPES:
+            break
+    else:
+        if not kwargs:
+            return list(args), None
+        for a in kwargs.values():
             if type(a) not in _LEAF_TYPES:
                 break
         else:
-            return list(args), None
+            return [*args, *kwargs.values()], (len(args), tuple(kwargs))
     return pytree.tree_flatten((args, kwargs))
+
+
+def unflatten_args(leaves, spec):
+    """(args, kwargs) from `flatten_args`' leaves (possibly replaced) and spec."""
+    if spec is None:
+        return leaves, {}
+    if type(spec) is tuple:
+        n = spec[0]
+        return leaves[:n], dict(zip(spec[1], leaves[n:]))
+    return pytree.tree_unflatten(leaves, spec)
 
 
 # torch functions whose result torch's autograd treats as a constant (no grad_fn): `.detach()`,
@@ -395,8 +449,14 @@ def _call_constant(func, args, kwargs):
 
 def _recording_count(tensors):
     """How many tapes recording on this thread watch one of `tensors` (each would record the call)."""
-    ids = [t._id for t in tensors]
-    return sum(1 for tape in _tp.recording_tapes() if any(i in tape._watched for i in ids))
+    n = 0
+    for tape in _tp.recording_tapes():  # loops, not generators: this runs on every fallback call
+        watched = tape._watched
+        for t in tensors:
+            if t._id in watched:
+                n += 1
+                break
+    return n
 
 
 def _output(o, graphed):
