@@ -243,7 +243,8 @@ class Optimizer:
                 return self._replica_local_apply(ctx, pairs)
             if ctx is not None and ctx.num_replicas_in_sync > 1:
                 reduced = distribute.gradient_sync.reduce_gradients(pairs)
-                return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
+                mine = _ReplicaGradients([g for g, _ in reduced], [g for g, _ in pairs], [v for _, v in pairs])
+                return ctx.merge_call(self._merge_apply_replicas, args=(mine,))
             if ctx is not None:
                 return ctx.merge_call(self._merge_apply, args=(pairs,))
             return self._distributed_apply(distribute.get_strategy(), _drop_missing(pairs))
@@ -318,6 +319,19 @@ class Optimizer:
         if self.global_clipnorm is not None:
             return _ops.clip_by_global_norm(grads, self.global_clipnorm)[0]
         return [_ops.clip_by_value(g, -self.clipvalue, self.clipvalue) for g in grads]
+
+    def _merge_apply_replicas(self, strategy, mine):
+        """merge_fn: `mine` is each replica's _ReplicaGradients (a PerReplica of them with several replicas in
+        this process); groups them as merge_call groups its arguments, then `_merge_apply_reduced`."""
+        parts = mine.values if isinstance(mine, distribute.DistributedValues) else (mine,)
+        if len(parts) == 1:  # one replica of several in sync (a worker's): its tensors are its parts (as
+            # its merge_call wraps them); anything else is the same on every worker, so not distributed
+            reduced = parts[0].reduced
+            given = [None if isinstance(g, (Tensor, torch.Tensor)) and not isinstance(g, Variable) else g
+                     for g in parts[0].given]
+        else:  # the same object on every replica is not distributed
+            reduced, given = _group([p.reduced for p in parts]), _group([p.given for p in parts])
+        return self._merge_apply_reduced(strategy, list(zip(reduced, parts[0].variables)), given)
 
     def _merge_apply_reduced(self, strategy, pairs, given):
         """merge_fn: the gradients are already summed (each replica holds an identical copy): applies.
@@ -437,6 +451,30 @@ class Optimizer:
         return value.torch() if hasattr(value, "torch") else torch.as_tensor(value)
 
 
+class _ReplicaGradients:
+    """One replica's summed gradients, the gradients it was given and its variables, for merge_call as one
+    argument: merge_call groups (or, on a worker, wraps) every leaf of its arguments, one Python call each;
+    `Optimizer._merge_apply_replicas` groups these lists itself, with the same rule."""
+
+    __slots__ = ("reduced", "given", "variables")
+
+    def __init__(self, reduced, given, variables):
+        self.reduced, self.given, self.variables = reduced, given, variables
+
+
+def _group(lists):
+    """Per position of the replicas' `lists`: the one object every replica has there, else a PerReplica of
+    theirs (`distribute.values.regroup`'s rule for one leaf)."""
+    return [xs[0] if _all_same(xs) else distribute.PerReplica(xs) for xs in zip(*lists)]
+
+
+def _all_same(xs):
+    for x in xs:
+        if x is not xs[0]:
+            return False
+    return True
+
+
 def _check_not_cross_replica(method, variables=()):
     """TF's guard: no update from the cross-replica context of a strategy with several replicas in sync.
 
@@ -484,7 +522,8 @@ def _check_gradients(pairs):
     comparison of the shapes and dtypes of all at once, and the per-pair checks (with their messages) only
     when that finds a difference or another kind of gradient."""
     got = [(g._t.shape, g._t.dtype) if type(g) is Tensor else None for g, _ in pairs]
-    want = [(v._t.shape, v._t.dtype) if type(v) is Variable else (tuple(v.shape), v.dtype) for _, v in pairs]
+    firsts = [v.values[0] if isinstance(v, distribute.DistributedValues) else v for _, v in pairs]
+    want = [(v._t.shape, v._t.dtype) if type(v) is Variable else (tuple(v.shape), v.dtype) for v in firsts]
     if None in got or got != want:
         for g, v in pairs:
             _check_gradient(g, v)

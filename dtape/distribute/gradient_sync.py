@@ -407,7 +407,7 @@ def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
     timeout = timeout if timeout is not None else _timeout(rctx.strategy)
     registry = _registry()
     entries = [registry.get(id(v)) for _, v in pairs]
-    if pairs and all(e is not None and e.source is v and e.grad is g for e, (g, v) in zip(entries, pairs)):
+    if pairs and _launched_for(entries, pairs):
         for _, v in pairs:
             registry.pop(id(v), None)
         return [(e.session.reduced(e.index, timeout), v) for e, (_, v) in zip(entries, pairs)]
@@ -416,6 +416,14 @@ def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
     else:
         caps = next((e.session.caps for e in entries if e is not None), _DEFAULT_CAPS)
     return _reduce_fresh(rctx.strategy.extended, pairs, caps, timeout)
+
+
+def _launched_for(entries, pairs):
+    """Whether every pair's gradient is the one its entry's synced tape.gradient returned for its variable."""
+    for e, (g, v) in zip(entries, pairs):
+        if e is None or e.source is not v or e.grad is not g:
+            return False
+    return True
 
 
 _DEFAULT_CAPS = _caps(_check_cap(DEFAULT_BUCKET_CAP_MB), _check_cap(DEFAULT_FIRST_BUCKET_CAP_MB))
