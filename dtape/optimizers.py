@@ -1037,15 +1037,24 @@ class TorchOptimizer(Optimizer):
     skips parameters without `.grad`.
 
     Under MirroredStrategy every replica index has its own component of each
-    variable and so its own optimizer state: index 0 (the primary components)
-    is updated by the user's optimizer itself, every other index by a private
-    copy of it (same class, parameter groups and state). Before each step the
-    copies take every hyperparameter of the user's parameter groups (`lr`,
-    `betas`, `momentum`, `weight_decay`, ...), so a `torch.optim.lr_scheduler`
-    stepping the user's optimizer reaches every replica; they take its state
-    again after its `load_state_dict`. The copies see the same gradients and
-    values, so the components stay bit-identical. Under
-    MultiWorkerMirroredStrategy each worker's optimizer is the user's.
+    variable: index 0 (the primary components) is updated by the user's
+    optimizer itself. An index whose components are in the same memory as the
+    primary ones (CPU replicas: "cpu:1" beside "cpu:0") takes their new values
+    with one copy: the same kernels on the same values and gradients would give
+    the same bits, and a second step would double the update's cost. An index
+    on another device is updated by a private copy of the user's optimizer
+    (same class, parameter groups and state), with its own optimizer state on
+    that device. Before each step the copies take every hyperparameter of the
+    user's parameter groups (`lr`, `betas`, `momentum`, `weight_decay`, ...),
+    so a `torch.optim.lr_scheduler` stepping the user's optimizer reaches every
+    replica; they take its state again after its `load_state_dict`. The copies
+    see the same gradients and values, so the components stay bit-identical.
+    Under MultiWorkerMirroredStrategy each worker's optimizer is the user's.
+
+    What a step over one list of variables needs besides the gradients (their
+    slots, components, `.grad` buffers) is worked out at the first step and
+    kept while `apply_gradients` gets the very same variables in the same
+    order; another list (or order) works it out again.
 
     Between steps the torch optimizer's parameters are the variables' current
     tensors (its `param_groups`); a variable's tensor is written in place

@@ -103,10 +103,14 @@ class GradientSync:
     replica context, or with one replica, it does nothing. One object may
     serve every replica and every step. See the module docstring for the
     design and its rules (every replica calls `tape.gradient` with the same
-    sources).
+    sources). Each replica's bucket layout is kept while `tape.gradient` gets
+    the very same source objects in the same order (a training loop's
+    variables), as DDP builds its buckets once.
 
     Raises:
-      ValueError: a non-positive bucket_cap_mb or first_bucket_cap_mb, or an unknown order.
+      ValueError: a non-positive bucket_cap_mb or first_bucket_cap_mb, or an
+        unknown order; (at `tape.gradient`) a gradient whose size is not its
+        source's as laid out (a source reshaped in place between steps).
     """
 
     def __init__(self, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, order="readiness",
