@@ -28,7 +28,7 @@ same route: a custom op with a fake implementation, and a separate wait op,
 """
 import itertools
 import operator
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -135,10 +135,13 @@ def _(tensors):
 
 @torch.library.custom_op("dtape::all_reduce_wait", mutates_args=())
 def all_reduce_wait(token: torch.Tensor, dims: List[int], ranks: List[int], dtype: torch.dtype,
-                    device: torch.device) -> List[torch.Tensor]:
+                    device: torch.device, not_before: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Waits for the all-reduce `token` launched (`all_reduce_start(tensors)`); returns the sums, new tensors
     shaped as `tensors` (given as `ranks`, each tensor's number of dims, and `dims`, all their sizes in a
     row: `bucket_layout(tensors)`), of `dtype` on `device`.
+
+    `not_before` is not read: an input that makes a compiled graph compute it
+    before this wait (the scheduler would otherwise move a wait up to its start).
 
     Raises:
       KeyError: `token` was not launched on this process, or was waited for already.
@@ -157,7 +160,7 @@ def all_reduce_wait(token: torch.Tensor, dims: List[int], ranks: List[int], dtyp
 
 
 @all_reduce_wait.register_fake
-def _(token, dims, ranks, dtype, device):
+def _(token, dims, ranks, dtype, device, not_before=None):
     return [torch.empty(s, dtype=dtype, device=device) for s in _shapes(dims, ranks)]
 
 
@@ -207,7 +210,9 @@ def overlap_reductions(graph_module, bucket_cap_mb=None, first_bucket_cap_mb=Non
     the walk), capped as GradientSync's (`bucket_cap_mb`, default 25;
     `first_bucket_cap_mb`, default 1, so the first goes out early); each
     bucket's start is placed right after its last tensor is computed and its
-    wait right before the first op using one of its sums. The buckets are
+    wait right before the first op using one of its sums, taking the last
+    tensor of the walk as `not_before` (so that a compiler's scheduler does
+    not move the waits up, into the walk, where they would block it). The buckets are
     a function of the graph alone, so every replica running it launches the
     same all-reduces in the same order. The sums are the same numbers
     (a SUM of each element, in another flat layout).
@@ -241,6 +246,7 @@ def _split_pair(graph, order, start, wait, cap, first_cap):
               tensors[k].meta["val"].device) for k in ready]
     buckets = plan_buckets(items, cap, first_cap)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    last = tensors[ready[-1]]  # the walk's last gradient: every wait comes after it (and so after the walk)
     for bucket in buckets:
         members = [m[0] for m in bucket.members]
         inputs = [tensors[k] for k in members]
@@ -248,7 +254,7 @@ def _split_pair(graph, order, start, wait, cap, first_cap):
             new_start = graph.call_function(_START, (inputs,))
         users = [u for k in members if k in picks for u in picks[k].users]
         with graph.inserting_before(min(users, key=order.get) if users else output):
-            new_wait = graph.call_function(_WAIT, (new_start, *bucket_layout([n.meta["val"] for n in inputs])))
+            new_wait = graph.call_function(_WAIT, (new_start, *bucket_layout([n.meta["val"] for n in inputs]), last))
             for j, k in enumerate(members):
                 if k in picks:
                     picks[k].replace_all_uses_with(graph.call_function(operator.getitem, (new_wait, j)))
