@@ -211,8 +211,9 @@ def overlap_reductions(graph_module, bucket_cap_mb=None, first_bucket_cap_mb=Non
     `first_bucket_cap_mb`, default 1, so the first goes out early); each
     bucket's start is placed right after its last tensor is computed and its
     wait right before the first op using one of its sums, taking the last
-    tensor of the walk as `not_before` (so that a compiler's scheduler does
-    not move the waits up, into the walk, where they would block it). The buckets are
+    start's token (launched after the walk's last gradient) as `not_before`,
+    so that a compiler's scheduler moves no wait up into the walk or before
+    a launch, where it would block them. The buckets are
     a function of the graph alone, so every replica running it launches the
     same all-reduces in the same order. The sums are the same numbers
     (a SUM of each element, in another flat layout).
@@ -246,15 +247,18 @@ def _split_pair(graph, order, start, wait, cap, first_cap):
               tensors[k].meta["val"].device) for k in ready]
     buckets = plan_buckets(items, cap, first_cap)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    last = tensors[ready[-1]]  # the walk's last gradient: every wait comes after it (and so after the walk)
+    starts = []
     for bucket in buckets:
-        members = [m[0] for m in bucket.members]
-        inputs = [tensors[k] for k in members]
+        inputs = [tensors[m[0]] for m in bucket.members]
         with graph.inserting_after(max(inputs, key=order.get)):
-            new_start = graph.call_function(_START, (inputs,))
+            starts.append(graph.call_function(_START, (inputs,)))
+    for bucket, new_start in zip(buckets, starts):
+        members = [m[0] for m in bucket.members]
         users = [u for k in members if k in picks for u in picks[k].users]
         with graph.inserting_before(min(users, key=order.get) if users else output):
-            new_wait = graph.call_function(_WAIT, (new_start, *bucket_layout([n.meta["val"] for n in inputs]), last))
+            # after the last launch (itself after the walk's last gradient), so that no wait blocks a launch
+            new_wait = graph.call_function(_WAIT, (new_start, *bucket_layout([tensors[k].meta["val"] for k in members]),
+                                                   starts[-1]))
             for j, k in enumerate(members):
                 if k in picks:
                     picks[k].replace_all_uses_with(graph.call_function(operator.getitem, (new_wait, j)))

@@ -4,7 +4,7 @@ worker on its half of every global batch, with the replica step run eagerly and 
 Adam with a learning-rate schedule and a global clipnorm.
 
 Writes $OUT/rank<r>.json: {optimizer: {"eager"|"compiled": per-step global losses, "weights": every weight's
-sum after the run}, "reductions": the all_reduce_sum ops in the compiled graph, "traces": its trace count}.
+sum after the run}, "reductions": the all_reduce_start ops in the compiled graph, "traces": its trace count}.
 """
 import json
 import os
@@ -67,7 +67,7 @@ for name in ("sgd", "adam"):
     compiled, weights, f = train(name, True)
     (concrete,) = [c for cs in f._concrete.values() for c in cs]
     result[name] = {"eager": eager, "compiled": compiled, "weights_eager": weights_eager, "weights": weights,
-                    "traces": f.trace_count, "reductions": sum(n.target is torch.ops.dtape.all_reduce_sum.default
+                    "traces": f.trace_count, "reductions": sum(n.target is torch.ops.dtape.all_reduce_start.default
                                                                for n in concrete.graph.graph.nodes)}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
     json.dump(result, fh)
