@@ -35,8 +35,7 @@ import torch
 from dtape import _jit
 from dtape.distribute import context
 from dtape.distribute.cross_device_ops import DoneHandle
-from dtape.distribute.gradient_sync import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, _timeout,
-                                            plan_buckets)
+from dtape.distribute.gradient_sync import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, plan_buckets
 from dtape.distribute.reduce_util import ReduceOp
 
 __all__ = ["all_reduce_sum", "all_reduce_start", "all_reduce_wait", "reduce_gradients", "overlap_reductions"]
@@ -80,7 +79,7 @@ def _all_reduce_sum_backward(ctx, grad):
 all_reduce_sum.register_autograd(_all_reduce_sum_backward)
 
 
-# token -> (pending handle, timeout) of the all-reduces launched by `all_reduce_start` and not yet waited
+# token -> pending handle of the all-reduces launched by `all_reduce_start` and not yet waited
 # for; process-wide (the replica threads of a MirroredStrategy run one compiled graph at once), the tokens
 # unique (itertools.count's next is atomic under the GIL)
 _PENDING = {}
@@ -118,12 +117,11 @@ def all_reduce_start(tensors: List[torch.Tensor]) -> torch.Tensor:
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     rctx = context.get_replica_context()
     if rctx is None or rctx.num_replicas_in_sync == 1:
-        handle, timeout = DoneHandle([flat]), None
+        handle = DoneHandle([flat])
     else:  # the buffer is ours: the strategy may reduce it in place
         handle = rctx.strategy.extended._all_reduce_flat_async(ReduceOp.SUM, [flat], scratch=True)
-        timeout = _timeout(rctx.strategy)
     token = next(_TOKENS)
-    _PENDING[token] = (handle, timeout)
+    _PENDING[token] = handle
     return torch.tensor(token, dtype=torch.int64)
 
 
@@ -147,12 +145,11 @@ def all_reduce_wait(token: torch.Tensor, dims: List[int], ranks: List[int], dtyp
       KeyError: `token` was not launched on this process, or was waited for already.
       TimeoutError (after the strategy's timeout) or the failing replica's error, as every dtape collective.
     """
-    entry = _PENDING.pop(int(token), None)
-    if entry is None:
+    handle = _PENDING.pop(int(token), None)
+    if handle is None:
         raise KeyError(f"dtape.all_reduce_wait: no all-reduce in flight for token {int(token)}; wait once for "
                        "each token all_reduce_start returned, on the process that launched it")
-    handle, timeout = entry
-    (total,) = handle.wait(timeout)
+    (total,) = handle.wait()  # the strategy's timeout and failure reports (its handles' default)
     shapes = _shapes(dims, ranks)
     pieces = torch.split(total, [_numel(s) for s in shapes])
     # fresh tensors: the pieces share one buffer (and, across CPU replica threads, one sum)
