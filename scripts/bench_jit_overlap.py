@@ -10,6 +10,9 @@ step between two barriers, on the same weights; times are medians over the steps
 rank 0 (wall and this process's CPU time). The first-step losses of the two are checked equal.
 
   python scripts/bench_jit_overlap.py [--model mlp|charlm] [--steps 40] [--workers 2] [--backend inductor]
+                                     [--bucket-cap-mb 25] [--first-bucket-cap-mb 1]
+
+(charlm's 117k weights fit the default first bucket: one all-reduce either way; smaller caps split it.)
 
 Under the hood it re-runs itself with `--worker`.
 """
@@ -62,12 +65,13 @@ def _charlm(dtape, torch, rank, world):
     return list(model.trainable_variables), dtape.optimizers.Adam(1e-3), loss_fn, x, y
 
 
-def _worker(model, steps, backend):
+def _worker(model, steps, backend, caps):
     import torch
     import torch.distributed as dist
     import dtape
     from dtape.distribute import traceable_collectives as tc
     dist.init_process_group("gloo")
+    tc.OVERLAP_BUCKET_CAP_MB, tc.OVERLAP_FIRST_BUCKET_CAP_MB = caps
     strategy = dtape.distribute.MultiWorkerMirroredStrategy()  # on the existing group
     rank, world = dist.get_rank(), dist.get_world_size()
     with strategy.scope():
@@ -112,11 +116,11 @@ def _worker(model, steps, backend):
     return out
 
 
-def measure(model="mlp", steps=40, workers=2, backend="inductor"):
+def measure(model="mlp", steps=40, workers=2, backend="inductor", caps=(25.0, 1.0)):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                __file__, "--worker", "--model", model, "--steps", str(steps), "--backend", backend,
-               "--out", out.name]
+               "--bucket-cap-mb", str(caps[0]), "--first-bucket-cap-mb", str(caps[1]), "--out", out.name]
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // workers)), PYTHONPATH=path)
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=1800)
@@ -129,15 +133,17 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        res = _worker(args.model, args.steps, args.backend)
+        res = _worker(args.model, args.steps, args.backend, (args.bucket_cap_mb, args.first_bucket_cap_mb))
         if int(os.environ["RANK"]) == 0:
             json.dump(res, open(args.out, "w"))
         return
-    res = measure(args.model, args.steps, args.workers, args.backend)
+    res = measure(args.model, args.steps, args.workers, args.backend, (args.bucket_cap_mb, args.first_bucket_cap_mb))
     on, off = res["overlap"], res["after_walk"]
     assert abs(on["first_loss"] - off["first_loss"]) <= 1e-6 * abs(off["first_loss"]), res
     for name, r in res.items():
