@@ -96,6 +96,10 @@ def _shape_matches(pattern, shape):
     return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
 
 
+# Passes over each traced step graph before it is compiled (fn(graph_module), in place): higher layers
+# install theirs at import (dtape.distribute: gradient all-reduces overlapped with the walk).
+GRAPH_PASSES = []
+
 # One lock for every compiled function's lookups and traces in the process: make_fx is not thread-safe
 # (torch.fx keeps one global patcher: two threads tracing at once fail), and one lock, rather than one per
 # function, cannot deadlock when a body being traced calls another compiled function.
@@ -493,6 +497,8 @@ class _Concrete:
             self.variables = self.variables + [_shared(v) for v in met]
             for v in met:
                 self.owner.trace_variable(v)
+        for graph_pass in GRAPH_PASSES:
+            graph_pass(graph)
         return graph, box["template"], box["written"]
 
     def call(self, leaves, tensors):

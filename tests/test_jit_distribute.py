@@ -4,7 +4,8 @@ The compiled function has no strategy logic: a captured MirroredVariable is
 resolved to the calling replica's component at each call (inputs and
 writes), replica threads trace one at a time and share one graph, and
 `apply_gradients` traced in a replica sums the gradients with the
-`torch.ops.dtape.all_reduce_sum` op when the graph runs. Per-step losses and
+`torch.ops.dtape.all_reduce_start`/`all_reduce_wait` ops when the graph runs (launched during the
+walk, waited for after it: `traceable_collectives.overlap_reductions`). Per-step losses and
 final variables equal the eager mirrored step (and one device, where eager
 does) in float32; dropout draws from each replica's own generator. What
 cannot be traced in a replica step raises, saying what to do. Every wait has
@@ -21,6 +22,7 @@ import torch
 
 import dtape
 from dtape.distribute import ReduceOp
+from dtape.distribute import traceable_collectives as tc
 
 from _strategies import mirrored
 
@@ -105,7 +107,8 @@ def test_digits_step_compiled_in_two_replicas_equals_eager_mirrored_and_one_devi
     assert f.trace_count == 1  # the second replica found the first one's graph
     (concrete,) = _concretes(f)
     graph_ops = [n.target for n in concrete.graph.graph.nodes if n.op == "call_function"]
-    assert graph_ops.count(torch.ops.dtape.all_reduce_sum.default) == 1  # one bucket: every float32 gradient
+    # one bucket: every float32 gradient (38 KB, under the first bucket's 1 MB)
+    assert graph_ops.count(torch.ops.dtape.all_reduce_start.default) == 1
     assert not concrete._runners  # draws nothing: one graph for both replicas
 
 
@@ -419,3 +422,41 @@ def test_replicas_tracing_different_compiled_functions_at_once_trace_one_at_a_ti
         values = [float(v) for v in strategy.experimental_local_results(run)]
         assert values[0] == values[1] == pytest.approx(float(body(dtape.ones([4, 2]) * 0.1)), rel=1e-6)
         assert [f.trace_count for f in fs] == [1, 1]
+
+
+def test_charlm_step_with_overlapped_buckets_equals_eager_and_launches_them_during_the_walk(monkeypatch):
+    """Small bucket caps (50 KB first, 100 KB then: 4 buckets of charlm's 117k weights): each bucket's
+    all-reduce starts as soon as the walk has its gradients and is waited for after the walk, before the
+    update; the losses and weights equal the eager mirrored step's."""
+    monkeypatch.setattr(sys.modules[__name__], "GLOBAL", 4)
+    monkeypatch.setattr(tc, "OVERLAP_FIRST_BUCKET_CAP_MB", 0.05)
+    monkeypatch.setattr(tc, "OVERLAP_BUCKET_CAP_MB", 0.1)
+    batches = _charlm_batches(10)
+    eager = _train(mirrored(2), False, charlm, _sgd, batches)
+    compiled = _train(mirrored(2), True, charlm, _sgd, batches)
+    _assert_same(compiled, eager, rtol=1e-6, atol=1e-7)
+    (concrete,) = _concretes(compiled[2])
+    nodes = list(concrete.graph.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    starts = [n for n in nodes if n.target is torch.ops.dtape.all_reduce_start.default]
+    waits = [n for n in nodes if n.target is torch.ops.dtape.all_reduce_wait.default]
+    last_gradient = max(at[g] for s in starts for g in s.args[0])
+    assert len(starts) == len(waits) == 4
+    assert sum(len(s.args[0]) for s in starts) == 30  # every weight's gradient (charlm has 30), once
+    assert at[starts[0]] < at[starts[1]] < at[starts[2]] < last_gradient  # launched while the walk goes on
+    for early, late in zip(starts, starts[1:]):  # bucketed in the walk's order: no bucket waits for a late one
+        assert max(at[g] for g in early.args[0]) < min(at[g] for g in late.args[0])
+    assert min(at[w] for w in waits) > at[starts[-1]] == last_gradient + 1
+
+
+def test_compiled_step_without_the_overlap_pass_reduces_in_one_bucket_after_the_walk(monkeypatch):
+    monkeypatch.setattr(tc, "OVERLAP", False)
+    monkeypatch.setattr(tc, "OVERLAP_FIRST_BUCKET_CAP_MB", 0.01)
+    batches = _digits_batches(3)
+    eager = _train(mirrored(2), False, digits, _sgd, batches)
+    compiled = _train(mirrored(2), True, digits, _sgd, batches)
+    _assert_same(compiled, eager, rtol=1e-6)
+    (concrete,) = _concretes(compiled[2])
+    ops = [n.target for n in concrete.graph.graph.nodes]
+    assert ops.count(torch.ops.dtape.all_reduce_start.default) == 1
+    assert ops.index(torch.ops.dtape.all_reduce_wait.default) == ops.index(torch.ops.dtape.all_reduce_start.default) + 1

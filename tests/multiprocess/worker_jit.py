@@ -1,10 +1,11 @@
 """Worker script for test_jit_multi_worker.py: the digits MLP trained under MultiWorkerMirroredStrategy, each
 worker on its half of every global batch, with the replica step run eagerly and compiled
 (`dtape.function(step, jit_compile=True)` inside `strategy.run`), for SGD with momentum and dropout, and for
-Adam with a learning-rate schedule and a global clipnorm.
+Adam with a learning-rate schedule and a global clipnorm, and for SGD again with small overlap buckets (three
+all-reduces launched during the walk).
 
 Writes $OUT/rank<r>.json: {optimizer: {"eager"|"compiled": per-step global losses, "weights": every weight's
-sum after the run}, "reductions": the all_reduce_sum ops in the compiled graph, "traces": its trace count}.
+sum after the run}, "reductions": the all_reduce_start ops in the compiled graph, "traces": its trace count}.
 """
 import json
 import os
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import dtape  # noqa: E402
 import dtape.distribute as dd  # noqa: E402
+from dtape.distribute import traceable_collectives as tc  # noqa: E402
 from tasks import digits  # noqa: E402
 
 out, steps = sys.argv[1], int(sys.argv[2])
@@ -29,7 +31,7 @@ GLOBAL, LOCAL = 32, 16
 
 
 def make_optimizer(name):
-    if name == "sgd":
+    if name.startswith("sgd"):
         return dtape.optimizers.SGD(0.1, momentum=0.9)
     schedule = dtape.optimizers.schedules.ExponentialDecay(3e-3, decay_steps=5, decay_rate=0.8)
     return dtape.optimizers.Adam(schedule, global_clipnorm=0.5)
@@ -116,14 +118,16 @@ if len(sys.argv) > 3 and sys.argv[3] == "tutorial":
 
 generator = strategy.run(dtape.random.get_generator)  # this worker's replica generator (dropout draws from it)
 result = {}
-for name in ("sgd", "adam"):
+for name in ("sgd", "adam", "sgd_buckets"):
+    # sgd_buckets: caps of 4 KB, three buckets (W2; b2 and W1; b1) launched as the walk makes them
+    tc.OVERLAP_FIRST_BUCKET_CAP_MB = tc.OVERLAP_BUCKET_CAP_MB = 0.004 if name == "sgd_buckets" else 25.0
     state = generator.get_state()
     eager, weights_eager, _ = train(name, False)
     generator.set_state(state)  # the compiled run draws the eager run's dropout masks
     compiled, weights, f = train(name, True)
     (concrete,) = [c for cs in f._concrete.values() for c in cs]
     result[name] = {"eager": eager, "compiled": compiled, "weights_eager": weights_eager, "weights": weights,
-                    "traces": f.trace_count, "reductions": sum(n.target is torch.ops.dtape.all_reduce_sum.default
+                    "traces": f.trace_count, "reductions": sum(n.target is torch.ops.dtape.all_reduce_start.default
                                                                for n in concrete.graph.graph.nodes)}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
     json.dump(result, fh)
