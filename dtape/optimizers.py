@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import math
+import operator
 import sys
 import warnings
 import weakref
@@ -236,14 +237,14 @@ class Optimizer:
         with profile_range("dtape.apply_gradients"), distribute.collective_ops.labelled("apply_gradients"):
             pairs = [(g, v) for g, v in grads_and_vars]
             _check_not_cross_replica("apply_gradients", [v for _, v in pairs])
-            for g, v in pairs:
-                _check_gradient(g, v)
+            _check_gradients(pairs)
             ctx = distribute.get_replica_context()
             if ctx is not None and ctx.num_replicas_in_sync > 1 and is_tracing():
                 return self._replica_local_apply(ctx, pairs)
             if ctx is not None and ctx.num_replicas_in_sync > 1:
                 reduced = distribute.gradient_sync.reduce_gradients(pairs)
-                return ctx.merge_call(self._merge_apply_reduced, args=(reduced, [g for g, _ in pairs]))
+                mine = _ReplicaGradients([g for g, _ in reduced], [g for g, _ in pairs], [v for _, v in pairs])
+                return ctx.merge_call(self._merge_apply_replicas, args=(mine,))
             if ctx is not None:
                 return ctx.merge_call(self._merge_apply, args=(pairs,))
             return self._distributed_apply(distribute.get_strategy(), _drop_missing(pairs))
@@ -318,6 +319,19 @@ class Optimizer:
         if self.global_clipnorm is not None:
             return _ops.clip_by_global_norm(grads, self.global_clipnorm)[0]
         return [_ops.clip_by_value(g, -self.clipvalue, self.clipvalue) for g in grads]
+
+    def _merge_apply_replicas(self, strategy, mine):
+        """merge_fn: `mine` is each replica's _ReplicaGradients (a PerReplica of them with several replicas in
+        this process); groups them as merge_call groups its arguments, then `_merge_apply_reduced`."""
+        parts = mine.values if isinstance(mine, distribute.DistributedValues) else (mine,)
+        if len(parts) == 1:  # one replica of several in sync (a worker's): its tensors are its parts (as
+            # its merge_call wraps them); anything else is the same on every worker, so not distributed
+            reduced = parts[0].reduced
+            given = [None if isinstance(g, (Tensor, torch.Tensor)) and not isinstance(g, Variable) else g
+                     for g in parts[0].given]
+        else:  # the same object on every replica is not distributed
+            reduced, given = _group([p.reduced for p in parts]), _group([p.given for p in parts])
+        return self._merge_apply_reduced(strategy, list(zip(reduced, parts[0].variables)), given)
 
     def _merge_apply_reduced(self, strategy, pairs, given):
         """merge_fn: the gradients are already summed (each replica holds an identical copy): applies.
@@ -437,6 +451,30 @@ class Optimizer:
         return value.torch() if hasattr(value, "torch") else torch.as_tensor(value)
 
 
+class _ReplicaGradients:
+    """One replica's summed gradients, the gradients it was given and its variables, for merge_call as one
+    argument: merge_call groups (or, on a worker, wraps) every leaf of its arguments, one Python call each;
+    `Optimizer._merge_apply_replicas` groups these lists itself, with the same rule."""
+
+    __slots__ = ("reduced", "given", "variables")
+
+    def __init__(self, reduced, given, variables):
+        self.reduced, self.given, self.variables = reduced, given, variables
+
+
+def _group(lists):
+    """Per position of the replicas' `lists`: the one object every replica has there, else a PerReplica of
+    theirs (`distribute.values.regroup`'s rule for one leaf)."""
+    return [xs[0] if _all_same(xs) else distribute.PerReplica(xs) for xs in zip(*lists)]
+
+
+def _all_same(xs):
+    for x in xs:
+        if x is not xs[0]:
+            return False
+    return True
+
+
 def _check_not_cross_replica(method, variables=()):
     """TF's guard: no update from the cross-replica context of a strategy with several replicas in sync.
 
@@ -455,6 +493,8 @@ def _check_not_cross_replica(method, variables=()):
             f"replica context: call it inside the function given to `strategy.run` (here "
             f"{strategy.num_replicas_in_sync} replicas in sync), as TF requires. Nothing was updated.")
     for var in variables:
+        if type(var) is Variable:  # a plain variable belongs to no strategy (and the lookup below would raise)
+            continue
         owner = getattr(var, "distribute_strategy", None)
         if owner is not None and owner is not strategy and owner.num_replicas_in_sync > 1:
             raise RuntimeError(
@@ -475,6 +515,18 @@ def _check_learning_rate(lr):
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"learning_rate must be a finite float >= 0, got {lr!r}")
     return lr
+
+
+def _check_gradients(pairs):
+    """`_check_gradient` of every (gradient, variable) pair: for a tape's gradients (plain Tensors) one
+    comparison of the shapes and dtypes of all at once, and the per-pair checks (with their messages) only
+    when that finds a difference or another kind of gradient."""
+    got = [(g._t.shape, g._t.dtype) if type(g) is Tensor else None for g, _ in pairs]
+    firsts = [v.values[0] if isinstance(v, distribute.DistributedValues) else v for _, v in pairs]
+    want = [(v._t.shape, v._t.dtype) if type(v) is Variable else (tuple(v.shape), v.dtype) for v in firsts]
+    if None in got or got != want:
+        for g, v in pairs:
+            _check_gradient(g, v)
 
 
 def _check_gradient(grad, var):
@@ -1031,7 +1083,8 @@ class TorchOptimizer(Optimizer):
         self._slot_of = {}       # _slot_key(variable) -> (group index, position): where it is in param_groups
         self._var_at = {}        # (group index, position) -> the variable (container) there
         self._copies = {}        # replica index >= 1 -> the torch optimizer of that index's components
-        self._grads = {}         # (id(torch optimizer), slot) -> its `.grad` buffer (see _grad_buffer)
+        self._grads = {}         # replica index -> (its parameters, their `.grad` buffers) (see _grad_buffers)
+        self._plan = None        # the latest variables' _Plan: kept while apply_gradients gets the same ones
         self._stale = False      # the user's optimizer loaded a state dict since the copies were made
         torch_optimizer.register_load_state_dict_post_hook(
             functools.partial(_copies_stale, weakref.ref(self)))
@@ -1141,23 +1194,44 @@ class TorchOptimizer(Optimizer):
     def _clip_gradients(self, pairs):
         return pairs  # clipped per replica index in `_step_index`, by torch.nn.utils.clip_grad_norm_
 
+    def _merge_apply(self, strategy, pairs):
+        """One replica in sync: the sum over the replicas is each gradient itself, so it is not reduced (an
+        identity op per variable); `_step_index` copies the gradients into the `.grad` buffers, which torch's
+        step may write. Several replicas: `Optimizer._merge_apply`."""
+        if strategy.num_replicas_in_sync == 1 and not _any_distributed([g for g, _ in pairs]):
+            return self._distributed_apply(strategy, _drop_missing(pairs))
+        return super()._merge_apply(strategy, pairs)
+
     def _apply(self, strategy, pairs):
-        variables = [v for _, v in pairs]
+        plan = self._plan_for([v for _, v in pairs])
+        grads = [g for g, _ in pairs]
+        with _tp.stop_recording(), uninterrupted():
+            stepped = plan.stepped
+            optimizers = self._optimizers(stepped)
+            for i in stepped:
+                parts = [grads[k]._t if type(grads[k]) is Tensor else _replica_part(grads[k], i).torch()
+                         for k in plan.positions[i]]
+                self._step_index(i, optimizers[i], plan, parts)
+            for i in plan.copied:  # same memory as index 0: its new values, bit for bit (see _Plan)
+                update_together(plan.components[i], functools.partial(_copy_from, plan.sources(i)))
+            self.iterations.assign_add(1)
+        return self.iterations
+
+    def _plan_for(self, variables):
+        """The _Plan of `variables`: the cached one while they are the very same objects in the same order
+        (a variable's slot never changes once matched), else a new one (matching any new variable first)."""
+        plan = self._plan
+        if plan is not None and len(plan.variables) == len(variables) and \
+                all(map(operator.is_, plan.variables, variables)):
+            return plan
         if len({id(v) for v in variables}) != len(variables):
             raise ValueError(f"{self.name}.apply_gradients: a variable is listed twice; pass each variable once "
                              "(sum its gradients first)")
         self._match(variables)
-        by_index = {}  # replica index -> [(slot, component, gradient)]
-        for g, var in pairs:
-            comps = var.values if isinstance(var, distribute.DistributedValues) else (var,)
-            for i, c in enumerate(comps):
-                by_index.setdefault(i, []).append((self._slot_of[_slot_key(var)], c, _replica_part(g, i).torch()))
-        optimizers = self._optimizers(len(by_index))
-        with _tp.stop_recording(), uninterrupted():
-            for i in sorted(by_index):
-                self._step_index(optimizers[i], by_index[i])
-            self.iterations.assign_add(1)
-        return self.iterations
+        plan = self._plan = _Plan(variables, [self._slot_of[_slot_key(v)] for v in variables])
+        for i in plan.copied:  # its optimizer state would go stale: a later step of that index starts afresh
+            self._copies.pop(i, None)
+        return plan
 
     # -- matching variables with the torch optimizer's parameters -----------------------------
     def _match(self, variables):
@@ -1211,26 +1285,27 @@ class TorchOptimizer(Optimizer):
             _bind(user, [(slot, None, None)], [comps[0].torch()], [None])
 
     # -- one torch optimizer per replica index ---------------------------------------------------
-    def _optimizers(self, n):
-        """[the torch optimizer of replica index i for i < n]: the user's, then its copies (made or refreshed
-        before any index steps, so every copy starts from the user's state)."""
+    def _optimizers(self, indices):
+        """{i: the torch optimizer of replica index i for i in `indices`}: the user's for 0, else its copy
+        (made or refreshed before any index steps, so every copy starts from the user's state)."""
         user = self.torch_optimizer
         layout = [len(g["params"]) for g in user.param_groups]
         if self._stale or any([len(g["params"]) for g in c.param_groups] != layout for c in self._copies.values()):
-            self._grads = {k: b for k, b in self._grads.items() if k[0] == id(user)}
+            self._grads = {0: self._grads[0]} if 0 in self._grads else {}
             self._copies.clear()
             self._stale = False
-        missing = [i for i in range(1, n) if i not in self._copies]
+        missing = [i for i in indices if i and i not in self._copies]
         if missing:
             state = user.state_dict()
             for i in missing:
                 self._copies[i] = _copy_optimizer(user, self._index_params(i), copy.deepcopy(state))
+                self._grads.pop(i, None)
         for c in self._copies.values():  # the hyperparameters a scheduler (or the user) set on the user's groups
             for mine, theirs in zip(c.param_groups, user.param_groups):
                 for key, value in theirs.items():
                     if key != "params":
                         mine[key] = value
-        return [user] + [self._copies[i] for i in range(1, n)]
+        return {i: self._copies[i] if i else user for i in indices}
 
     def _index_params(self, index):
         """{slot: replica `index`'s component tensor} for the matched variables with such a component."""
@@ -1241,30 +1316,32 @@ class TorchOptimizer(Optimizer):
                 out[slot] = comps[index].torch()
         return out
 
-    def _grad_buffer(self, opt, slot, param):
-        """The `.grad` tensor of `opt`'s parameter at `slot`: kept from step to step (torch keeps `p.grad`), so
-        a step that writes its gradients (clipping does) writes this private copy, never the gradients given
-        to apply_gradients nor another replica's."""
-        key = (id(opt), slot)
-        buf = self._grads.get(key)
-        if buf is None or buf.shape != param.shape or buf.stride() != param.stride() or \
-                buf.dtype != param.dtype or buf.device != param.device:
-            buf = self._grads[key] = torch.empty_like(param)
-        return buf
+    def _grad_buffers(self, index, tensors):
+        """The `.grad` tensors of replica `index`'s parameters `tensors`: kept from step to step while the
+        parameters are the same tensors with the same shapes, dtypes and devices (torch keeps `p.grad`), so a
+        step that writes its gradients (clipping does) writes these private copies, never the gradients given
+        to apply_gradients nor another replica's. Only the parameters' ids are kept: a reference would make
+        every update of a variable that does not share its storage write a copy."""
+        ids, meta = list(map(id, tensors)), [(t.shape, t.dtype, t.device) for t in tensors]
+        kept = self._grads.get(index)
+        if kept is not None and kept[0] == ids and kept[2] == meta:
+            return kept[1]
+        old = {} if kept is None else dict(zip(kept[0], kept[1]))
+        buffers = [_reuse(old.get(i), t) for i, t in zip(ids, tensors)]
+        self._grads[index] = (ids, buffers, meta)
+        return buffers
 
-    def _step_index(self, opt, entries):
-        """Runs `opt.step()` on one replica index's components with their summed gradients as `.grad`."""
-        comps = [c for _, c, _ in entries]
-        saved = []
-        for (g, i), _, _ in entries:  # let go of the tensors: update_together must see who else holds them
-            params = opt.param_groups[g]["params"]
-            saved.append(opt.state.pop(params[i], None))
-            params[i] = None
+    def _step_index(self, index, opt, plan, grads):
+        """Runs `opt.step()` on replica `index`'s components with their summed gradients `grads` as `.grad`."""
+        comps, entries = plan.components[index], plan.entries[index]
+        # let go of the tensors that update_together may copy: it must see who else holds them (a variable
+        # sharing its storage with its module's parameter is always written in place)
+        released = None if plan.shared[index] else self._release(opt, entries)
 
         def step(tensors):  # under the variables' locks, on their tensors or their copies
-            _bind(opt, entries, tensors, saved)
-            buffers = [self._grad_buffer(opt, slot, t) for (slot, _, _), t in zip(entries, tensors)]
-            torch._foreach_copy_(buffers, [grad for _, _, grad in entries])  # one call, not one per variable
+            _bind(opt, entries, tensors, released or _NONE * len(entries))
+            buffers = self._grad_buffers(index, tensors)
+            torch._foreach_copy_(buffers, grads)  # one call, not one per variable
             for t, buf in zip(tensors, buffers):
                 t.grad = buf
             try:
@@ -1274,13 +1351,86 @@ class TorchOptimizer(Optimizer):
             finally:
                 for t in tensors:
                     t.grad = None
+        if released is None:  # written in place: the optimizer holds the variables' tensors already
+            update_together(comps, step)
+            return
         try:
             update_together(comps, step)
         finally:  # the optimizer's parameters: what the variables hold now (also if the step failed)
-            _bind(opt, entries, [c.torch() for c in comps], saved)
+            _bind(opt, entries, [c.torch() for c in comps], released)
+
+    @staticmethod
+    def _release(opt, entries):
+        """Takes `entries`' parameters (and their state) out of `opt`; returns their states."""
+        saved = []
+        for (g, i), _, _ in entries:
+            params = opt.param_groups[g]["params"]
+            saved.append(opt.state.pop(params[i], None))
+            params[i] = None
+        return saved
+
+
+class _Plan:
+    """What an apply_gradients step over one list of variables needs besides the gradients, worked out once.
+
+    For replica index i: `positions[i]`, the variables with a component there (all of them, but for plain
+    variables among mirrored ones: index 0 only); `components[i]` those components; `entries[i]`
+    [(slot, None, None)] for them (the form `_bind` takes); `shared[i]`: every one shares its storage with
+    its module's parameter (always written in place, so the optimizer may keep holding it). `stepped`: the
+    indices whose torch optimizer steps: 0, and every index with a component on another device than its
+    index-0 component (CPU devices are one memory); `copied`: the other indices, which take index 0's new
+    values with one copy instead of a step of their own: the same values as the same kernels on the same
+    inputs would give. Valid while the variables are the same objects (their slots, components and devices
+    are fixed).
+    """
+
+    __slots__ = ("variables", "positions", "entries", "components", "shared", "stepped", "copied")
+
+    def __init__(self, variables, slots):
+        self.variables = tuple(variables)
+        parts = [v.values if isinstance(v, distribute.DistributedValues) else (v,) for v in variables]
+        n = max((len(p) for p in parts), default=1)
+        self.positions = [[k for k, p in enumerate(parts) if i < len(p)] for i in range(n)]
+        self.entries = [[(slots[k], None, None) for k in ks] for ks in self.positions]
+        self.components = [[parts[k][i] for k in ks] for i, ks in enumerate(self.positions)]
+        self.shared = [all(getattr(c, "_shared", False) for c in comps) for comps in self.components]
+        same = [all(_same_memory(parts[k][i].device, parts[k][0].device) for k in ks)
+                for i, ks in enumerate(self.positions)]
+        self.stepped = [i for i in range(n) if i == 0 or not same[i]]
+        self.copied = [i for i in range(1, n) if same[i]]
+
+    def sources(self, i):
+        """The index-0 components of the variables at index i (what a copied index takes its values from)."""
+        first = dict(zip(self.positions[0], self.components[0]))
+        return [first[k] for k in self.positions[i]]
+
+
+def _any_distributed(values):
+    for x in values:
+        if isinstance(x, distribute.DistributedValues):
+            return True
+    return False
+
+
+def _same_memory(a, b):
+    """Devices whose tensors are in one memory: the same device, or two CPU devices ("cpu:0", "cpu:1")."""
+    return a == b or (a.type == "cpu" and b.type == "cpu")
+
+
+def _copy_from(sources, tensors):
+    torch._foreach_copy_(tensors, [s.torch() for s in sources])
+
+
+def _reuse(buf, param):
+    """`buf` if it can be `param`'s `.grad` (its shape, strides, dtype and device), else a new one."""
+    if buf is None or buf.shape != param.shape or buf.stride() != param.stride() or \
+            buf.dtype != param.dtype or buf.device != param.device:
+        return torch.empty_like(param)
+    return buf
 
 
 _PARAMS_KEY = "dtape.params"
+_NONE = [None]
 
 
 def _stable_name(name):

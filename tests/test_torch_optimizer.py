@@ -401,3 +401,67 @@ def test_update_that_copies_a_held_tensor_moves_torch_s_state_with_it():
         np.testing.assert_allclose(var.numpy(), ref.detach().numpy(), rtol=1e-12, atol=1e-12)
         if held is not None:
             np.testing.assert_array_equal(held[0].numpy(), held[1])  # the held read kept its value
+
+
+def _changing_steps(strategy, shared):
+    """A run whose apply_gradients calls change what an update over a list of variables may keep between
+    steps: the list in another order, a shorter list, a scheduler's lr drop, a parameter group added, a held
+    read that makes the update copy a variable's tensor. Each step's gradients are torch autograd's of the
+    reference, given as dtape constants (halved on each of 2 replicas: the sum is exact), so every step must
+    equal torch's AdamW step (with clip_grad_norm_) bit for bit. Returns (dtape's values, torch's) per step."""
+    g = torch.Generator().manual_seed(3)
+    w1, w2, b, c = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 4), (4, 2), (2,), (2,)))
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (w1, w2, b, c)]
+    with strategy.scope():
+        if shared:  # a TorchModule's variables share their storage with the module's parameters
+            module = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in (w1, w2, b, c)])
+            variables = dtape.layers.TorchModule(module).trainable_variables
+        else:
+            variables = [dtape.Variable(t.clone(), name=f"v{k}") for k, t in enumerate((w1, w2, b, c))]
+    ref_opt = torch.optim.AdamW(ref[:3], lr=0.1, weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    torch_opt = torch.optim.AdamW([v.torch() for v in variables[:3]], lr=0.1, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    opt = dtape.optimizers.from_torch(torch_opt, global_clipnorm=0.5)
+    replicas = strategy.num_replicas_in_sync
+    got, want, held = [], [], []
+    for step, order in enumerate([[0, 1, 2], [2, 1, 0], [1, 0], [0, 1, 2], [3, 0, 1, 2], [0, 1, 2, 3]]):
+        if step == 3:  # the learning rate a scheduler sets
+            sched.step()
+            ref_sched.step()
+        if step == 4:  # a parameter group added after from_torch, with a variable none of the lists had
+            torch_opt.add_param_group({"params": [variables[3].torch()], "weight_decay": 0.0})
+            ref_opt.add_param_group({"params": [ref[3]], "weight_decay": 0.0})
+        if step == 5:  # a read held across the step: a variable that owns its tensor gets a new one
+            held.append(variables[0].read_value())
+        ref_opt.zero_grad(set_to_none=True)
+        (torch.tanh(x @ ref[0]) @ ref[1] + ref[2] + ref[3]).square().sum().backward()
+        for k in set(range(4)) - set(order):
+            ref[k].grad = None
+        grads = {k: ref[k].grad.clone() for k in order}
+
+        def replica_step():
+            pairs = [(dtape.constant(grads[k] / replicas), variables[k]) for k in order]
+            before = [p[0].torch().clone() for p in pairs]
+            opt.apply_gradients(pairs)
+            for (mine, _), kept in zip(pairs, before):
+                assert torch.equal(mine.torch(), kept)  # the clipped `.grad` buffers are copies: gradients intact
+        strategy.run(replica_step)
+        torch.nn.utils.clip_grad_norm_([ref[k] for k in order], 0.5)
+        ref_opt.step()
+        got.append([[comp.torch().clone() for comp in getattr(v, "values", (v,))] for v in variables])
+        want.append([t.detach().clone() for t in ref])
+    return got, want
+
+
+@pytest.mark.usefixtures("closes_strategies", "one_thread")
+@pytest.mark.parametrize("shared", [True, False], ids=["torch_module", "variables"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_what_an_update_keeps_between_steps_follows_the_variables_and_the_torch_optimizer(replicas, shared):
+    strategy = mirrored(2) if replicas == 2 else ds.get_strategy()
+    got, want = _changing_steps(strategy, shared)
+    for step, (values, expected) in enumerate(zip(got, want)):
+        for k, (comps, ref) in enumerate(zip(values, expected)):
+            for comp in comps:  # every replica's component: the one torch step's values, bit for bit
+                assert torch.equal(comp, ref), (step, k)

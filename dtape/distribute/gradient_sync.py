@@ -49,6 +49,7 @@ collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix.
 Source: torch.nn.parallel.DistributedDataParallel's reducer (buckets,
 readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
 """
+import operator
 import threading
 
 import torch
@@ -120,6 +121,9 @@ class GradientSync:
         # replicas of a process: the first replica back from the agreement adopts the order for every
         # replica, so a step that fails on some replicas after it cannot leave them with different orders.
         self._orders = {}
+        # (strategy id, replica id) -> the _Layout of that replica's latest sources: kept while the next call
+        # gets the very same source objects (a training loop's), so a step does not lay the buckets out again
+        self._layouts = {}
 
     def start(self, sources):
         """The tape's hook: a session for one `tape.gradient` call, or None (nothing to synchronise)."""
@@ -134,15 +138,24 @@ class GradientSync:
                 "overlapped all-reduce cannot run in a traced step. Drop gradient_sync= in the compiled step; "
                 "apply_gradients traced in a replica all-reduces inside the graph")
         sources = list(sources)
-        key = (id(rctx.strategy), tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x in sources))
+        slot = (id(rctx.strategy), rctx.replica_id_in_sync_group)  # each replica has its own devices
+        layout = self._layouts.get(slot)
+        if layout is None or not layout.holds(sources):
+            layout = None
+            key = (id(rctx.strategy), tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
+                                            for x in sources))
+        else:
+            key = layout.key
         order, learn = None, None
         if self.order == "readiness":
             with self._lock:
                 order = self._orders.get(key)
             if order is None:
                 learn = (self._learned, key, rctx.replica_id_in_sync_group)
-        return _Session(rctx.strategy.extended, sources, (self.bucket_cap_bytes, self.first_bucket_cap_bytes),
-                        order, learn)
+        caps = (self.bucket_cap_bytes, self.first_bucket_cap_bytes)
+        if layout is None or layout.order is not order:
+            layout = self._layouts[slot] = _Layout(sources, key, order, caps)
+        return _Session(rctx.strategy.extended, sources, caps, layout, learn)
 
     def _learned(self, key, order):
         with self._lock:
@@ -196,10 +209,13 @@ def plan_buckets(items, cap_bytes, first_cap_bytes=None):
 
 def _flat(member, g, bucket):
     """Gradient `g` (torch/dtape tensor; None: zeros) as a 1-D tensor of the bucket's dtype and device."""
-    _, _, n, _, dtype = member
+    _, _, n, shape, dtype = member
     if g is None:
         return torch.zeros(n, dtype=bucket.dtype, device=bucket.device)
     t = g.torch() if isinstance(g, Tensor) else g
+    if t.numel() != n:  # a source whose shape changed since its bucket was laid out: never a misplaced sum
+        raise ValueError(f"GradientSync: a gradient of shape {tuple(t.shape)} for a source laid out as {shape}; "
+                         "a source's shape must not change between steps (use a new GradientSync after it does)")
     if t.dtype != dtype:  # as tape.gradient's result: cast to the source's dtype first
         t = t.to(dtype)
     return t.reshape(-1).to(bucket.device, bucket.dtype)
@@ -269,18 +285,34 @@ def _float_items(values_and_refs, order=None):
     return sorted(items, key=lambda item: rank[item[0]])
 
 
+class _Layout:
+    """The buckets of one list of sources on one replica (`order`: the agreed readiness order they were laid
+    out in, or None: reverse source order), with the sources themselves: valid for a later call with the same
+    objects (a variable's shape, dtype and device are fixed; `_flat` checks each gradient's size)."""
+
+    __slots__ = ("sources", "key", "order", "buckets", "where")
+
+    def __init__(self, sources, key, order, caps):
+        self.sources, self.key, self.order = tuple(sources), key, order
+        self.buckets = plan_buckets(_float_items(sources, order), *caps)
+        self.where = {m[0]: b for b, bucket in enumerate(self.buckets) for m in bucket.members}
+
+    def holds(self, sources):
+        return len(sources) == len(self.sources) and all(map(operator.is_, sources, self.sources))
+
+
 # -- the session of one tape.gradient call ----------------------------------------------
 class _Session:
     """Buckets of one `tape.gradient` call on one replica: filled during the walk, launched in order."""
 
-    def __init__(self, ext, sources, caps, order=None, learn=None):
+    def __init__(self, ext, sources, caps, layout, learn=None):
         self.caps = caps  # (bucket cap, first bucket's cap) in bytes
         self._ext = ext
         self._sources = sources
         self._learn = learn
         self._seen = []  # float sources in the order the walk finished them
-        self._buckets = plan_buckets(_float_items(sources, order), *caps)
-        self._where = {m[0]: b for b, bucket in enumerate(self._buckets) for m in bucket.members}
+        self._buckets = layout.buckets
+        self._where = layout.where
         self._left = [len(b.members) for b in self._buckets]
         self._grads = [{} for _ in self._buckets]
         self._handles = [None] * len(self._buckets)
@@ -304,9 +336,10 @@ class _Session:
 
     def finish(self, grads):
         """After the walk: launches what is left, and registers the returned gradients for apply_gradients."""
-        for j, g in enumerate(grads):
-            if j in self._where:
-                self.ready(j, g)
+        if self._next < len(self._buckets):  # else the walk reported every gradient and all are launched
+            for j, g in enumerate(grads):
+                if j in self._where:
+                    self.ready(j, g)
         registry = _registry()
         for j, src in enumerate(self._sources):
             if j in self._where:
@@ -374,7 +407,7 @@ def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
     timeout = timeout if timeout is not None else _timeout(rctx.strategy)
     registry = _registry()
     entries = [registry.get(id(v)) for _, v in pairs]
-    if pairs and all(e is not None and e.source is v and e.grad is g for e, (g, v) in zip(entries, pairs)):
+    if pairs and _launched_for(entries, pairs):
         for _, v in pairs:
             registry.pop(id(v), None)
         return [(e.session.reduced(e.index, timeout), v) for e, (_, v) in zip(entries, pairs)]
@@ -383,6 +416,14 @@ def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
     else:
         caps = next((e.session.caps for e in entries if e is not None), _DEFAULT_CAPS)
     return _reduce_fresh(rctx.strategy.extended, pairs, caps, timeout)
+
+
+def _launched_for(entries, pairs):
+    """Whether every pair's gradient is the one its entry's synced tape.gradient returned for its variable."""
+    for e, (g, v) in zip(entries, pairs):
+        if e is None or e.source is not v or e.grad is not g:
+            return False
+    return True
 
 
 _DEFAULT_CAPS = _caps(_check_cap(DEFAULT_BUCKET_CAP_MB), _check_cap(DEFAULT_FIRST_BUCKET_CAP_MB))

@@ -469,3 +469,41 @@ def test_first_step_timing_out_with_a_replica_stuck_in_its_walk_leaves_later_ste
     strategy.run(step)
     strategy.run(step)
     _expect_sgd_steps(ws, 2)
+
+
+@pytest.mark.parametrize("order", ["readiness", "reverse"])
+def test_a_kept_bucket_layout_follows_the_sources_of_each_call(order):
+    """One GradientSync keeps each replica's bucket layout while tape.gradient gets the same source objects:
+    a list in another order, a shorter list, new variables of the same shapes and a source whose shape
+    changed (refused, naming the cause) each get the sums over the replicas of their own gradients."""
+    strategy = _strategy(2)
+    with strategy.scope():
+        first = [dtape.Variable(torch.full(s, float(k + 1), dtype=torch.float64)) for k, s in
+                 enumerate([(3, 2), (2,), (5,)])]
+        other = [dtape.Variable(torch.full(v.shape, -2.0, dtype=torch.float64)) for v in first]
+    sync = GradientSync(TINY_MB, order=order)  # one bucket per source: a stale layout misplaces every sum
+
+    def step(sources, scales):
+        r = _rid()
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = dtape.add_n([dtape.reduce_sum(v * v) * (s * (r + 1)) for v, s in zip(sources, scales)])
+        grads = tape.gradient(loss, sources)
+        return [g for g, _ in reduce_gradients(list(zip(grads, sources)))]
+
+    def check(sources, scales):
+        reduced = strategy.run(step, args=(sources, scales))
+        for v, s, g in zip(sources, scales, reduced):
+            want = 2 * v.values[0].torch() * s * 3  # replicas 1 and 2: the scale times 1 + 2
+            for part in strategy.experimental_local_results(g):
+                assert torch.equal(part.torch(), want)
+    for _ in range(3):  # the first call learns the readiness order, the next ones keep the layout
+        check(first, [1.0, 2.0, 3.0])
+    check(first[::-1], [1.0, 2.0, 3.0])
+    check(first[1:], [5.0, 7.0])
+    check(other, [1.0, 2.0, 3.0])
+    check(first, [1.0, 2.0, 3.0])
+    layout = sync._layouts[(id(strategy), 0)]
+    bucket = next(b for b in layout.buckets if b.members[0][0] == 0)
+    bucket.members[0] = bucket.members[0][:2] + (7, (7,)) + bucket.members[0][4:]  # laid out for 7 elements
+    with pytest.raises(ValueError, match=r"a gradient of shape \(3, 2\) for a source laid out as \(7,\)"):
+        strategy.run(step, args=(first, [1.0, 2.0, 3.0]))
