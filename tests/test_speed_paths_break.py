@@ -1,6 +1,8 @@
 """Fast paths of TorchModule reads, from_torch's step plan and GradientSync's kept bucket layout, attacked where
 they could give a silently wrong result: each test compares with torch.optim / torch.autograd in float64, or
 with what dtape's own optimizers do (TF's per-component update)."""
+import copy
+
 import pytest
 import torch
 
@@ -44,3 +46,33 @@ def test_from_torch_updates_each_component_of_a_trainable_sync_on_read_variable_
             ref_opt.step()
         for r in range(2):
             torch.testing.assert_close(v.values[r].torch(), refs[r].detach(), rtol=1e-12, atol=1e-12)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+
+
+def test_forward_mode_through_a_module_s_one_read_record_equals_torch_hvp():
+    """The one record of a module's parameter reads carries tangents (its jvp): a JVP, and a Hessian-vector
+    product by forward-over-backward, equal torch.func's."""
+    module = _mlp()
+    x = torch.randn(5, 3, dtype=f64, generator=torch.Generator().manual_seed(1))
+    tm = dtape.layers.TorchModule(copy.deepcopy(module))
+    variables = tm.trainable_variables
+    tangents = [torch.full_like(v.torch(), 0.1 * (k + 1)) for k, v in enumerate(variables)]
+    with dtape.autodiff.ForwardAccumulator(variables, [dtape.constant(t) for t in tangents]) as acc:
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(tm(dtape.constant(x)) ** 2)
+        grads = tape.gradient(loss, variables)
+    names = [n for n, _ in module.named_parameters()]
+
+    def f(*params):
+        return torch.func.functional_call(module, dict(zip(names, params)), (x,)).pow(2).sum()
+    params = tuple(p.detach() for p in module.parameters())
+    _, jvp = torch.func.jvp(f, params, tuple(tangents))
+    _, hvp = torch.autograd.functional.hvp(f, params, tuple(tangents))
+    torch.testing.assert_close(acc.jvp(loss).torch(), jvp, rtol=1e-12, atol=1e-12)
+    for got, want in zip(acc.jvp(grads), hvp):
+        torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-12)
+
