@@ -1390,7 +1390,7 @@ class _Plan:
     [(slot, None, None)] for them (the form `_bind` takes); `shared[i]`: every one shares its storage with
     its module's parameter (always written in place, so the optimizer may keep holding it). `stepped`: the
     indices whose torch optimizer steps: 0, and every index with a component on another device than its
-    index-0 component (CPU devices are one memory); `copied`: the other indices, which take index 0's new
+    index-0 component (CPU devices are one memory) or of a sync-on-read variable; `copied`: the other indices, which take index 0's new
     values with one copy instead of a step of their own: the same values as the same kernels on the same
     inputs would give. Valid while the variables are the same objects (their slots, components and devices
     are fixed).
@@ -1406,7 +1406,9 @@ class _Plan:
         self.entries = [[(slots[k], None, None) for k in ks] for ks in self.positions]
         self.components = [[parts[k][i] for k in ks] for i, ks in enumerate(self.positions)]
         self.shared = [all(getattr(c, "_shared", False) for c in comps) for comps in self.components]
-        same = [all(_same_memory(parts[k][i].device, parts[k][0].device) for k in ks)
+        # a copy is index 0's values: only for mirrored variables (a sync-on-read one holds each replica's own)
+        same = [all(isinstance(variables[k], distribute.MirroredVariable) and
+                    _same_memory(parts[k][i].device, parts[k][0].device) for k in ks)
                 for i, ks in enumerate(self.positions)]
         self.stepped = [i for i in range(n) if i == 0 or not same[i]]
         self.copied = [i for i in range(1, n) if same[i]]
