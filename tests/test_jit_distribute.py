@@ -240,7 +240,7 @@ def test_tf_tutorial_form_compiled_around_strategy_run_equals_eager_and_one_devi
     assert len(steps_run) == 1
     (concrete,) = _concretes(replica)
     graph_ops = [n.target for n in concrete.graph.graph.nodes if n.op == "call_function"]
-    assert graph_ops.count(torch.ops.dtape.all_reduce_sum.default) == 1
+    assert graph_ops.count(torch.ops.dtape.all_reduce_start.default) == 1
 
 
 def test_tf_tutorial_form_with_an_optimizer_not_built_makes_its_slots_in_an_eager_first_call():
