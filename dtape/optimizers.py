@@ -329,12 +329,14 @@ class Optimizer:
         parts = mine.values if isinstance(mine, distribute.DistributedValues) else (mine,)
         if len(parts) == 1:  # one replica of several in sync (a worker's): its tensors are its parts (as
             # its merge_call wraps them); anything else is the same on every worker, so not distributed
-            reduced = parts[0].reduced
+            reduced, variables = parts[0].reduced, parts[0].variables
             given = [None if isinstance(g, (Tensor, torch.Tensor)) and not isinstance(g, Variable) else g
                      for g in parts[0].given]
         else:  # the same object on every replica is not distributed
             reduced, given = _group([p.reduced for p in parts]), _group([p.given for p in parts])
-        return self._merge_apply_reduced(strategy, list(zip(reduced, parts[0].variables)), given)
+            variables = _group([p.variables for p in parts])  # each replica's own components stay its own
+            _check_same_variables(variables)
+        return self._merge_apply_reduced(strategy, list(zip(reduced, variables)), given)
 
     def _merge_apply_reduced(self, strategy, pairs, given):
         """merge_fn: the gradients are already summed (each replica holds an identical copy): applies.
@@ -463,6 +465,19 @@ class _ReplicaGradients:
 
     def __init__(self, reduced, given, variables):
         self.reduced, self.given, self.variables = reduced, given, variables
+
+
+def _check_same_variables(variables):
+    """Raises ValueError when the replicas listed other variables at one position (`variables`: grouped):
+    their gradients were summed position by position, so applying them would mix the variables' gradients."""
+    for k, v in enumerate(variables):
+        if isinstance(v, distribute.PerReplica) and \
+                len({id(distribute.value_container(c)) for c in v.values}) > 1:
+            names = [getattr(c, "name", "?") for c in v.values]
+            raise ValueError(f"apply_gradients: the replicas passed different variables at position {k} ({names}); "
+                             "their gradients are summed position by position, so every replica must pass the "
+                             "same variables in the same order (e.g. zip(grads, model.trainable_variables)). "
+                             "Nothing was updated.")
 
 
 def _group(lists):

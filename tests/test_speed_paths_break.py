@@ -76,3 +76,48 @@ def test_forward_mode_through_a_module_s_one_read_record_equals_torch_hvp():
     for got, want in zip(acc.jvp(grads), hvp):
         torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-12)
 
+
+
+def _two_variables(strategy):
+    with strategy.scope():
+        return [dtape.Variable(torch.full((3,), float(k + 1), dtype=f64), name=f"v{k}") for k in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["torch", "dtape"])
+def test_replicas_listing_their_variables_in_other_orders_raise_instead_of_mixing_gradients(kind):
+    """The gradients are summed position by position: replica 1 listing (g, v) in another order would add v1's
+    gradient to v0's. A clear error, nothing written."""
+    strategy = mirrored(2)
+    variables = _two_variables(strategy)
+    opt = dtape.optimizers.SGD(1.0) if kind == "dtape" else \
+        dtape.optimizers.from_torch(torch.optim.SGD([v.torch() for v in variables], lr=1.0))
+
+    def step():
+        r = ds.get_replica_context().replica_id_in_sync_group
+        listed = variables if r == 0 else variables[::-1]
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(variables[0] * 10.0) + dtape.reduce_sum(variables[1])
+        opt.apply_gradients(zip(tape.gradient(loss, listed), listed))
+    with pytest.raises(ValueError, match="same variables in the same order"):
+        strategy.run(step)
+    for k, v in enumerate(variables):
+        for comp in v.values:
+            assert torch.equal(comp.torch(), torch.full((3,), float(k + 1), dtype=f64))
+
+
+def test_from_torch_given_each_replica_s_own_components_updates_every_component():
+    """Each replica passing its own components (v.values[r]): every component takes torch's SGD step with the
+    summed gradient (replica 1's components are not left behind)."""
+    strategy = mirrored(2)
+    variables = _two_variables(strategy)
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([v.torch() for v in variables], lr=1.0))
+
+    def step():
+        comps = [v.values[ds.get_replica_context().replica_id_in_sync_group] for v in variables]
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(variables[0] * 10.0) + dtape.reduce_sum(variables[1])
+        opt.apply_gradients(zip(tape.gradient(loss, comps), comps))
+    strategy.run(step)
+    for v, want in zip(variables, (1.0 - 20.0, 2.0 - 2.0)):
+        for comp in v.values:
+            assert torch.equal(comp.torch(), torch.full((3,), want, dtype=f64))
