@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from dtape import random as _random
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
-from dtape.variables import trace_scope, variable_creator_scope
+from dtape.variables import trace_scope, tracing_body, variable_creator_scope
 
 # TF warns once a function has been traced this many times (tf.function's FREQUENT_TRACING_WARNING_THRESHOLD)
 RETRACE_WARNING_THRESHOLD = 5
@@ -174,6 +175,7 @@ class JitFunction:
         self._concrete = {}  # relaxed key -> list of _Concrete
         self._variables = {}  # every variable a trace took as an input, in first-seen order
         self._initialized = False  # variables may be created only until the first trace completes
+        self._bound = weakref.WeakKeyDictionary()  # instance -> its JitFunction (a decorated method)
         self.trace_count = 0
         # per signature: the seconds spent tracing; the compile happens in the first call of each graph
         self.trace_seconds = []
@@ -182,7 +184,26 @@ class JitFunction:
         return getattr(self.python_function, "__qualname__", None) or getattr(self.python_function, "__name__",
                                                                                "function")
 
+    def __get__(self, instance, owner=None):
+        """A decorated method: one JitFunction per instance, kept (its traces too) while the instance lives."""
+        if instance is None:
+            return self
+        try:
+            bound = self._bound.get(instance)
+        except TypeError:
+            raise TypeError(f"a compiled dtape.function method {self._name()!r} needs instances that can be "
+                            f"weakly referenced and hashed, to keep its traces per instance; "
+                            f"{type(instance).__name__} cannot be") from None
+        if bound is None:
+            bound = JitFunction(self.python_function.__get__(instance, owner), self._input_signature,
+                                self._reduce_retracing, self._backend, self._compile_options,
+                                None if self._eager_call is None else self._eager_call.__get__(instance, owner))
+            self._bound[instance] = bound
+        return bound
+
     def __call__(self, *args, **kwargs):
+        if tracing_body():  # called from another compiled function's body: inlined in its graph, as TF does
+            return self.python_function(*args, **kwargs)
         flat = not kwargs and not any(nest.is_nested(a) for a in args)  # the common case, without the nest walk
         leaves = list(args) if flat else nest.flatten((args, kwargs))
         kinds, tensors, shapes = _classify(leaves)
@@ -199,7 +220,9 @@ class JitFunction:
                 except _NeedsEagerCall:
                     concrete = None
         if concrete is None:  # outside the lock: the eager call may wait for other replicas (merge_call)
-            return self._eager_call(*args, **kwargs)
+            result = self._eager_call(*args, **kwargs)
+            self._initialized = True  # that call was the first: later traces may not create variables (TF's rule)
+            return result
         return concrete.call(leaves, tensors)
 
     def _signature_shapes(self, args, kwargs, tensors):
@@ -228,8 +251,12 @@ class JitFunction:
                 self._variables.setdefault(_shared(x), None)
         started = time.perf_counter()
         concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
+        first, self._initialized = not self._initialized, True
+        if first and concrete.created:
+            # TF traces a first call that created variables again: a body that creates them on every call
+            # (not once, behind `if self.v is None`) raises now rather than silently keep the first ones
+            concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
         self.trace_seconds.append(time.perf_counter() - started)
-        self._initialized = True
         self.trace_count += 1
         self._concrete.setdefault(relaxed, []).append(concrete)
         if self.trace_count >= RETRACE_WARNING_THRESHOLD:
@@ -357,11 +384,13 @@ class _Concrete:
             tracer = _Tracer(zip([_local(v) for v in self.variables], flat[len(flat) - len(self.variables):]))
             result = self._run_body(leaves, flat, tracer)
             box["tracer"] = tracer
-            box["template"] = nest.map_structure(lambda y: _TENSOR if isinstance(y, Tensor) else y, result)
+            box["template"] = nest.map_structure(_slot, result)
             box["written"] = [_shared(v) for v in tracer.written]
-            outs = [y.torch() for y in nest.flatten(result) if isinstance(y, Tensor)]
+            outs = [y.torch() if isinstance(y, Tensor) else y for y in nest.flatten(result)
+                    if isinstance(y, (Tensor, torch.Tensor))]
             return outs + [tracer.values[v] for v in tracer.written]
         graph = _make_fx(self.owner, body, self._fakes(tensors), self.dynamic)
+        self.created = box["tracer"].created
         met = list(box["tracer"].unknown)
         if met:
             _lift_constants(graph, [v._t for v in met])
@@ -393,7 +422,8 @@ class _Concrete:
             flat = [result]
         else:
             it = iter(outs[:n])
-            flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
+            flat = [Tensor(next(it)) if y is _TENSOR else next(it) if y is _TORCH_TENSOR else y
+                    for y in nest.flatten(self.template)]
             result = nest.pack_sequence_as(self.template, flat)
         if recording:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
@@ -484,10 +514,18 @@ def _compile(owner, graph, dynamic):
 
 
 class _TensorSlot:
-    """Marks where the body's result had a Tensor (filled with the graph's outputs at each call)."""
+    """Marks where the body's result had a tensor (filled with the graph's outputs at each call)."""
 
 
 _TENSOR = _TensorSlot()
+_TORCH_TENSOR = _TensorSlot()  # a torch.Tensor result: returned as a torch.Tensor of the graph's output
+
+
+def _slot(y):
+    """The template's entry for one leaf of the body's result."""
+    if isinstance(y, Tensor):
+        return _TENSOR
+    return _TORCH_TENSOR if isinstance(y, torch.Tensor) else y
 
 
 def _generator_attributes(graph, generator):
@@ -538,9 +576,9 @@ def _creator(owner, tracer):
     def create(next_creator, **kwargs):
         if owner._initialized:
             raise ValueError(
-                f"dtape.function {owner._name()!r} creates a variable on a trace after the first; a compiled "
-                "function may create variables only on its first call (TF's rule): create it outside the "
-                "function, or once (e.g. `if self.v is None: self.v = dtape.Variable(...)`)")
+                f"dtape.function {owner._name()!r} creates a variable again on a later trace (or on every "
+                "call); a compiled function may create variables only once, on its first call (TF's rule): "
+                "create it outside the function, or once (e.g. `if self.v is None: self.v = dtape.Variable(...)`)")
         init = kwargs["initial_value"]
         if isinstance(init, Tensor):
             init = init.torch()
