@@ -54,6 +54,7 @@ from dtape.variables import trace_scope, tracing_body, variable_creator_scope
 RETRACE_WARNING_THRESHOLD = 5
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, nest)) + (
     sysconfig.get_paths()["stdlib"] + os.sep,)
+_TRACE_SIZE = 7  # the size a None dim is traced with when the call's is 0 or 1
 _DTAPE_DIR = os.path.dirname(nest.__file__) + os.sep
 _TENSOR_FILES = ("tensor.py", "variables.py")  # the conversion itself: the note names its caller
 
@@ -157,7 +158,9 @@ class JitFunction:
       OperatorNotAllowedInGraphError (a TypeError): at trace time, the body
         reads a tensor's value on the host; the message names the file and line.
       ValueError: a call does not match `input_signature`, or a trace after
-        the first creates a variable.
+        the first creates a variable (a first trace that created variables is
+        traced again, as TF's, so a body creating them on every call raises
+        on its first call).
       RuntimeError: a second-order gradient through the call.
 
     Source: tf.function(jit_compile=True) semantics; torch.compile.
@@ -351,11 +354,17 @@ class _Concrete:
 
     def _fakes(self, tensors, extra=()):
         """Fake inputs for the trace: the tensor arguments (None dims symbolic), the variables' values, `extra`."""
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        # None dims are sizes of their own: two equal traced sizes are not taken for one
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=_ShapeEnv(duck_shape=False))
         fakes = []
         for t, s in zip(tensors, self.shapes):
             t = t.torch() if isinstance(t, Tensor) else t
             dims = [DimDynamic.DYNAMIC if d is None else DimDynamic.STATIC for d in s]
+            if any(d is None and n < 2 for d, n in zip(s, t.shape)):
+                # a traced size of 0 or 1 makes torch take the dim for that size (its size-1 cases, as
+                # broadcasting): the trace sees a general size there (the graph takes any), an odd one, which
+                # torch's checks are unlikely to find equal to a fixed dim and fix the None dim to
+                t = t.new_empty([_TRACE_SIZE if d is None and n < 2 else n for d, n in zip(s, t.shape)])
             fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
                          if None in s else mode.from_tensor(t, static_shapes=True))
         fakes += [mode.from_tensor(_local(v)._t, static_shapes=True) for v in self.variables]
@@ -591,9 +600,20 @@ def _creator(owner, tracer):
     return create
 
 
+class _ShapeEnv(ShapeEnv):
+    """torch's ShapeEnv, keeping the stack where the trace first fixed a symbolic size (a None dim) to a number."""
+
+    def _set_replacement(self, a, tgt, msg):
+        if tgt.is_number:
+            self.__dict__.setdefault("fixed", {}).setdefault(a, traceback.extract_stack()[:-1])
+        super()._set_replacement(a, tgt, msg)
+
+
 def _make_fx(owner, body, fakes, dynamic):
+    # the symbols of the None dims (sizes the body derives, as from `dtape.shape(x)`, may be fixed)
+    symbols = [d.node.expr for f in fakes if isinstance(f, FakeTensor) for d in f.shape if isinstance(d, torch.SymInt)]
     try:
-        return make_fx(body, tracing_mode="symbolic" if dynamic else "fake", _allow_non_fake_inputs=True)(*fakes)
+        graph = make_fx(body, tracing_mode="symbolic" if dynamic else "fake", _allow_non_fake_inputs=True)(*fakes)
     except _NeedsEagerCall:
         raise
     except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -604,12 +624,20 @@ def _make_fx(owner, body, fakes, dynamic):
             raise _host_read_error(owner, e, "a tensor's data on the host (.numpy(), .tolist(), a numpy "
                                              "conversion)") from None
         raise
+    fixed = fakes[0].fake_mode.shape_env.__dict__.get("fixed", {}) if symbols else {}
+    fixed = next((stack for s, stack in fixed.items() if s in symbols), None)  # the first fixed, in trace order
+    if fixed is not None:  # the graph would take any size there and compute with the traced one: never silently
+        raise OperatorNotAllowedInGraphError(_host_read_message(
+            owner, _user_frame(fixed), "a None dim's size as a Python number (float(x.shape[0]), a size compared "
+            "or broadcast against a fixed one), which would fix it to the traced call's size; sizes in tensor "
+            "arithmetic (x.shape[0] with tensors, dtape.shape(x)) stay any size. Or declare the size in "
+            "input_signature (without reduce_retracing)"))
+    return graph
 
 
-def _user_frame(exc):
-    """(file, line, source) of the innermost frame of `exc`'s traceback outside dtape, torch and the stdlib,
+def _user_frame(frames):
+    """(file, line, source) of the innermost of `frames` (a traceback's) outside dtape, torch and the stdlib,
     and a note naming the innermost dtape frame below it (where a library function made the read)."""
-    frames = traceback.extract_tb(exc.__traceback__)
     note = ""
     for frame in reversed(frames):
         if frame.filename.startswith(_DTAPE_DIR) and not note and not frame.filename.endswith(_TENSOR_FILES):
@@ -621,12 +649,16 @@ def _user_frame(exc):
 
 
 def _host_read_error(owner, exc, what):
-    path, line, source, note = _user_frame(exc)
-    return OperatorNotAllowedInGraphError(
-        f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}{note}; "
-        "while the function is traced its tensors have no values. Use dtape ops on tensors instead "
+    return OperatorNotAllowedInGraphError(_host_read_message(
+        owner, _user_frame(traceback.extract_tb(exc.__traceback__)),
+        f"{what}; while the function is traced its tensors have no values. Use dtape ops on tensors instead "
         "(dtape.where(cond, a, b) for a choice, a mask for a conditional update), move the read out of the "
-        "function (return the tensor and read it after the call), or use jit_compile=False")
+        "function (return the tensor and read it after the call), or use jit_compile=False"))
+
+
+def _host_read_message(owner, where, what):
+    path, line, source, note = where
+    return f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}{note}"
 
 
 class _JitOp(_tp.RecordOp):
