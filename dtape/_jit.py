@@ -272,6 +272,10 @@ class JitFunction:
                 "For (3), pass tensors (the same tf.function retracing rules apply).", stacklevel=3)
         return concrete
 
+    def experimental_get_tracing_count(self):
+        """The number of traces so far (`trace_count`). Source: tf.function's method of this name."""
+        return self.trace_count
+
     def trace_variable(self, variable):
         """Registers a variable met during a trace (an input of this trace's graph and of later traces)."""
         self._variables.setdefault(_shared(variable), None)

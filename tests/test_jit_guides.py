@@ -21,6 +21,25 @@ def _jit(fn=None, **kw):
     return dtape.function(fn, jit_compile=True, backend=None, **kw)
 
 
+def test_tracing_rules_of_the_guide():
+    traced = []
+
+    @_jit
+    def double(x):
+        traced.append(x if isinstance(x, (int, float)) else tuple(x.shape))  # Python runs only while tracing
+        return x + x
+    results = [double(1), double(1), double(2), double(dtape.constant([1.0])), double(dtape.constant([5.0]))]
+    assert results[:3] == [2, 2, 4] and [float(r) for r in results[3:]] == [2.0, 10.0]
+    assert traced == [1, 2, (1,)] and double.experimental_get_tracing_count() == 3
+
+    @_jit(reduce_retracing=True)
+    def g(x):
+        return x * 2
+    outs = [g(dtape.constant(list(range(n)))).numpy().tolist() for n in (3, 5, 2, 9)]
+    assert outs == [[2 * i for i in range(n)] for n in (3, 5, 2, 9)]
+    assert g.experimental_get_tracing_count() == 2  # the second shape made the dim general
+
+
 def test_a_compiled_function_calls_another_inline():
     # the graphs guide's outer_function calling a tf.function inner_function
     inner = _jit(lambda x, y, b: dtape.matmul(x, y) + b)
