@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from dtape.variables import trace_scope, tracing_body, variable_creator_scope
 RETRACE_WARNING_THRESHOLD = 5
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, nest)) + (
     sysconfig.get_paths()["stdlib"] + os.sep,)
+_TRACE_SIZE = 7  # the size a None dim is traced with when the call's is 0 or 1
 _DTAPE_DIR = os.path.dirname(nest.__file__) + os.sep
 _TENSOR_FILES = ("tensor.py", "variables.py")  # the conversion itself: the note names its caller
 
@@ -231,7 +233,9 @@ class JitFunction:
       OperatorNotAllowedInGraphError (a TypeError): at trace time, the body
         reads a tensor's value on the host; the message names the file and line.
       ValueError: a call does not match `input_signature`, or a trace after
-        the first creates a variable.
+        the first creates a variable (a first trace that created variables is
+        traced again, as TF's, so a body creating them on every call raises
+        on its first call).
       RuntimeError: a second-order gradient through the call.
 
     Source: tf.function(jit_compile=True) semantics; torch.compile.
@@ -249,6 +253,7 @@ class JitFunction:
         self._concrete = {}  # relaxed key -> list of _Concrete
         self._variables = {}  # every variable a trace took as an input, in first-seen order
         self._initialized = False  # variables may be created only until the first trace completes
+        self._bound = weakref.WeakKeyDictionary()  # instance -> its JitFunction (a decorated method)
         self.trace_count = 0
         # per signature: the seconds spent tracing; the compile happens in the first call of each graph
         self.trace_seconds = []
@@ -267,11 +272,26 @@ class JitFunction:
                  else f"{self.trace_count} trace(s)")
         return f"<dtape.function {self._name()!r} jit_compile=True, {state}>"
 
-    def experimental_get_tracing_count(self):
-        """The number of graphs traced for this function (tf.function's; 0 while its body runs eagerly)."""
-        return self.trace_count
+    def __get__(self, instance, owner=None):
+        """A decorated method: one JitFunction per instance, kept (its traces too) while the instance lives."""
+        if instance is None:
+            return self
+        try:
+            bound = self._bound.get(instance)
+        except TypeError:
+            raise TypeError(f"a compiled dtape.function method {self._name()!r} needs instances that can be "
+                            f"weakly referenced and hashed, to keep its traces per instance; "
+                            f"{type(instance).__name__} cannot be") from None
+        if bound is None:
+            bound = JitFunction(self.python_function.__get__(instance, owner), self._input_signature,
+                                self._reduce_retracing, self._backend, self._compile_options,
+                                None if self._eager_call is None else self._eager_call.__get__(instance, owner))
+            self._bound[instance] = bound
+        return bound
 
     def __call__(self, *args, **kwargs):
+        if tracing_body():  # called from another compiled function's body: inlined in its graph, as TF does
+            return self.python_function(*args, **kwargs)
         if self.eager_body_reason is not None:
             return self._call_body_eagerly(args, kwargs)
         flat = not kwargs and not any(nest.is_nested(a) for a in args)  # the common case, without the nest walk
@@ -297,7 +317,9 @@ class JitFunction:
         if self.eager_body_reason is not None:
             return self._call_body_eagerly(args, kwargs)
         if concrete is None:
-            return self._eager_call(*args, **kwargs)
+            result = self._eager_call(*args, **kwargs)
+            self._initialized = True  # that call was the first: later traces may not create variables (TF's rule)
+            return result
         return concrete.call(leaves, tensors)
 
     def _call_body_eagerly(self, args, kwargs):
@@ -352,8 +374,12 @@ class JitFunction:
                 self._variables.setdefault(_shared(x), None)
         started = time.perf_counter()
         concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
+        first, self._initialized = not self._initialized, True
+        if first and concrete.created:
+            # TF traces a first call that created variables again: a body that creates them on every call
+            # (not once, behind `if self.v is None`) raises now rather than silently keep the first ones
+            concrete = _Concrete(self, args, kwargs, leaves, tensors, shapes, list(self._variables))
         self.trace_seconds.append(time.perf_counter() - started)
-        self._initialized = True
         self.trace_count += 1
         self._concrete.setdefault(relaxed, []).append(concrete)
         if self.trace_count >= RETRACE_WARNING_THRESHOLD:
@@ -365,6 +391,11 @@ class JitFunction:
                 "outside of the loop. For (2), use reduce_retracing=True or an input_signature with None dims. "
                 "For (3), pass tensors (the same tf.function retracing rules apply).", stacklevel=3)
         return concrete
+
+    def experimental_get_tracing_count(self):
+        """The number of traces so far (`trace_count`; 0 while its body runs eagerly around strategy.run).
+        Source: tf.function's method of this name."""
+        return self.trace_count
 
     def trace_variable(self, variable):
         """Registers a variable met during a trace (an input of this trace's graph and of later traces)."""
@@ -453,11 +484,17 @@ class _Concrete:
 
     def _fakes(self, tensors, extra=()):
         """Fake inputs for the trace: the tensor arguments (None dims symbolic), the variables' values, `extra`."""
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        # None dims are sizes of their own: two equal traced sizes are not taken for one
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=_ShapeEnv(duck_shape=False))
         fakes = []
         for t, s in zip(tensors, self.shapes):
             t = t.torch() if isinstance(t, Tensor) else t
             dims = [DimDynamic.DYNAMIC if d is None else DimDynamic.STATIC for d in s]
+            if any(d is None and n < 2 for d, n in zip(s, t.shape)):
+                # a traced size of 0 or 1 makes torch take the dim for that size (its size-1 cases, as
+                # broadcasting): the trace sees a general size there (the graph takes any), an odd one, which
+                # torch's checks are unlikely to find equal to a fixed dim and fix the None dim to
+                t = t.new_empty([_TRACE_SIZE if d is None and n < 2 else n for d, n in zip(s, t.shape)])
             fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
                          if None in s else mode.from_tensor(t, static_shapes=True))
         fakes += [mode.from_tensor(_local(v)._t, static_shapes=True) for v in self.variables]
@@ -486,11 +523,13 @@ class _Concrete:
             tracer = _Tracer(zip([_local(v) for v in self.variables], flat[len(flat) - len(self.variables):]))
             result = self._run_body(leaves, flat, tracer)
             box["tracer"] = tracer
-            box["template"] = nest.map_structure(lambda y: _TENSOR if isinstance(y, Tensor) else y, result)
+            box["template"] = nest.map_structure(_slot, result)
             box["written"] = [_shared(v) for v in tracer.written]
-            outs = [y.torch() for y in nest.flatten(result) if isinstance(y, Tensor)]
+            outs = [y.torch() if isinstance(y, Tensor) else y for y in nest.flatten(result)
+                    if isinstance(y, (Tensor, torch.Tensor))]
             return outs + [tracer.values[v] for v in tracer.written]
         graph = _make_fx(self.owner, body, self._fakes(tensors), self.dynamic)
+        self.created = box["tracer"].created
         met = list(box["tracer"].unknown)
         if met:
             _lift_constants(graph, [v._t for v in met])
@@ -524,7 +563,8 @@ class _Concrete:
             flat = [result]
         else:
             it = iter(outs[:n])
-            flat = [Tensor(next(it)) if y is _TENSOR else y for y in nest.flatten(self.template)]
+            flat = [Tensor(next(it)) if y is _TENSOR else next(it) if y is _TORCH_TENSOR else y
+                    for y in nest.flatten(self.template)]
             result = nest.pack_sequence_as(self.template, flat)
         if recording:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
@@ -615,10 +655,18 @@ def _compile(owner, graph, dynamic):
 
 
 class _TensorSlot:
-    """Marks where the body's result had a Tensor (filled with the graph's outputs at each call)."""
+    """Marks where the body's result had a tensor (filled with the graph's outputs at each call)."""
 
 
 _TENSOR = _TensorSlot()
+_TORCH_TENSOR = _TensorSlot()  # a torch.Tensor result: returned as a torch.Tensor of the graph's output
+
+
+def _slot(y):
+    """The template's entry for one leaf of the body's result."""
+    if isinstance(y, Tensor):
+        return _TENSOR
+    return _TORCH_TENSOR if isinstance(y, torch.Tensor) else y
 
 
 def _generator_attributes(graph, generator):
@@ -669,9 +717,9 @@ def _creator(owner, tracer):
     def create(next_creator, **kwargs):
         if owner._initialized:
             raise ValueError(
-                f"dtape.function {owner._name()!r} creates a variable on a trace after the first; a compiled "
-                "function may create variables only on its first call (TF's rule): create it outside the "
-                "function, or once (e.g. `if self.v is None: self.v = dtape.Variable(...)`)")
+                f"dtape.function {owner._name()!r} creates a variable again on a later trace (or on every "
+                "call); a compiled function may create variables only once, on its first call (TF's rule): "
+                "create it outside the function, or once (e.g. `if self.v is None: self.v = dtape.Variable(...)`)")
         init = kwargs["initial_value"]
         if isinstance(init, Tensor):
             init = init.torch()
@@ -684,9 +732,20 @@ def _creator(owner, tracer):
     return create
 
 
+class _ShapeEnv(ShapeEnv):
+    """torch's ShapeEnv, keeping the stack where the trace first fixed a symbolic size (a None dim) to a number."""
+
+    def _set_replacement(self, a, tgt, msg):
+        if tgt.is_number:
+            self.__dict__.setdefault("fixed", {}).setdefault(a, traceback.extract_stack()[:-1])
+        super()._set_replacement(a, tgt, msg)
+
+
 def _make_fx(owner, body, fakes, dynamic):
+    # the symbols of the None dims (sizes the body derives, as from `dtape.shape(x)`, may be fixed)
+    symbols = [d.node.expr for f in fakes if isinstance(f, FakeTensor) for d in f.shape if isinstance(d, torch.SymInt)]
     try:
-        return make_fx(body, tracing_mode="symbolic" if dynamic else "fake", _allow_non_fake_inputs=True)(*fakes)
+        graph = make_fx(body, tracing_mode="symbolic" if dynamic else "fake", _allow_non_fake_inputs=True)(*fakes)
     except _NeedsEagerCall:
         raise
     except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -697,12 +756,20 @@ def _make_fx(owner, body, fakes, dynamic):
             raise _host_read_error(owner, e, "a tensor's data on the host (.numpy(), .tolist(), a numpy "
                                              "conversion)") from None
         raise
+    fixed = fakes[0].fake_mode.shape_env.__dict__.get("fixed", {}) if symbols else {}
+    fixed = next((stack for s, stack in fixed.items() if s in symbols), None)  # the first fixed, in trace order
+    if fixed is not None:  # the graph would take any size there and compute with the traced one: never silently
+        raise OperatorNotAllowedInGraphError(_host_read_message(
+            owner, _user_frame(fixed), "a None dim's size as a Python number (float(x.shape[0]), a size compared "
+            "or broadcast against a fixed one), which would fix it to the traced call's size; sizes in tensor "
+            "arithmetic (x.shape[0] with tensors, dtape.shape(x)) stay any size. Or declare the size in "
+            "input_signature (without reduce_retracing)"))
+    return graph
 
 
-def _user_frame(exc):
-    """(file, line, source) of the innermost frame of `exc`'s traceback outside dtape, torch and the stdlib,
+def _user_frame(frames):
+    """(file, line, source) of the innermost of `frames` (a traceback's) outside dtape, torch and the stdlib,
     and a note naming the innermost dtape frame below it (where a library function made the read)."""
-    frames = traceback.extract_tb(exc.__traceback__)
     note = ""
     for frame in reversed(frames):
         if frame.filename.startswith(_DTAPE_DIR) and not note and not frame.filename.endswith(_TENSOR_FILES):
@@ -714,12 +781,16 @@ def _user_frame(exc):
 
 
 def _host_read_error(owner, exc, what):
-    path, line, source, note = _user_frame(exc)
-    return OperatorNotAllowedInGraphError(
-        f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}{note}; "
-        "while the function is traced its tensors have no values. Use dtape ops on tensors instead "
+    return OperatorNotAllowedInGraphError(_host_read_message(
+        owner, _user_frame(traceback.extract_tb(exc.__traceback__)),
+        f"{what}; while the function is traced its tensors have no values. Use dtape ops on tensors instead "
         "(dtape.where(cond, a, b) for a choice, a mask for a conditional update), move the read out of the "
-        "function (return the tensor and read it after the call), or use jit_compile=False")
+        "function (return the tensor and read it after the call), or use jit_compile=False"))
+
+
+def _host_read_message(owner, where, what):
+    path, line, source, note = where
+    return f"{path}:{line}: `{source}` in dtape.function {owner._name()!r} (jit_compile=True) reads {what}{note}"
 
 
 class _JitOp(_tp.RecordOp):

@@ -12,9 +12,9 @@ import operator
 import numpy as np
 import torch
 
-from dtape.tensor import Tensor, is_variable
+from dtape.tensor import Tensor, convert_to_tensor, is_variable
 
-__all__ = ["size_value", "shape_values", "scalar_value"]
+__all__ = ["size_value", "shape_values", "scalar_value", "num_elements", "count_divisor"]
 
 _SEQUENCES = (tuple, list, torch.Size)
 
@@ -34,13 +34,20 @@ def _is_integer(arr):
     return arr.dtype.kind in "iu"
 
 
+def _traced_sizes(arr):
+    """The sizes that `dtape.shape` (a tuple) or an int or slice of it (a size or a tuple) holds while a
+    compiled function is traced, or None: the trace's tensors have no values to read, and the sizes (ints, or
+    symbolic sizes of None dims) keep the graph general."""
+    return getattr(arr, "_dtape_sizes", None) if isinstance(arr, torch.Tensor) else None
+
+
 def size_value(n, op, what="size"):
     """One size as a Python int: an int, a numpy integer or a 0-d integer tensor (dtape, torch, numpy).
 
     Raises:
       TypeError: a bool, a float, or a tensor that is not 0-d and integer.
     """
-    if type(n) is int:  # the common case, first: sizes are read on every reshape
+    if type(n) is int or isinstance(n, torch.SymInt):  # the common case first; a symbolic size of a trace
         return n
     if isinstance(n, (bool, np.bool_)):  # True is an int to Python, never a size to TF
         raise TypeError(f"{op}: {what} must be an integer, got {n!r}")
@@ -49,6 +56,9 @@ def size_value(n, op, what="size"):
         raise TypeError(f"{op}: {what} must be an integer or a 0-d integer tensor, got a tensor of shape "
                         f"{tuple(arr.shape)} and dtype {arr.dtype}" + (" (cast it: dtape.cast(n, dtape.int32))"
                                                                         if arr.ndim == 0 else ""))
+    traced = _traced_sizes(arr)
+    if traced is not None and not isinstance(traced, tuple):
+        return traced
     try:
         return operator.index(n if arr is None else arr.item())
     except TypeError:
@@ -73,13 +83,16 @@ def shape_values(shape, op, what="shape", scalar=False):
     if type(shape) in _SEQUENCES and all(type(s) is int for s in shape):  # the common case, first
         return tuple(shape)
     arr = _as_array(shape)
+    traced = _traced_sizes(arr)
+    if isinstance(traced, tuple):
+        return traced
     if arr is not None:
         if not _is_integer(arr):
             raise TypeError(f"{op}: {what} must be of an integer dtype, got {arr.dtype}")
         if arr.ndim > 1:
             raise ValueError(f"{op}: {what} must be a 1-D list of sizes, got a tensor of shape {tuple(arr.shape)}")
         if arr.ndim == 1:
-            return tuple(int(s) for s in arr.tolist())
+            return tuple(s if isinstance(s, torch.SymInt) else int(s) for s in arr.tolist())
     if isinstance(shape, (list, tuple, torch.Size)):
         return tuple(size_value(s, op, f"{what} entry") for s in shape)
     if not scalar:
@@ -101,3 +114,18 @@ def scalar_value(x, op, what="value"):
         raise TypeError(f"{op}: {what} must be a scalar (a number or a 0-d tensor), got a tensor of shape "
                         f"{tuple(arr.shape)}")
     return arr.item()
+
+
+def num_elements(t):
+    """The number of elements of tensor-like `t` (with a shape): a Python int, or a torch.SymInt while a
+    compiled function is traced with a None dim (a size of any call, which int() would fix to this one)."""
+    n = 1
+    for s in t.shape:
+        n *= s if isinstance(s, torch.SymInt) else int(s)
+    return n
+
+
+def count_divisor(n, dtype):
+    """A count `n` (an int, or a symbolic size of a trace) as the divisor of a mean: a Python float, or a
+    0-d tensor of `dtype` for a symbolic size (a graph value, where float() would fix the traced size)."""
+    return float(n) if type(n) is int else convert_to_tensor(n, dtype)

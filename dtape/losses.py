@@ -18,6 +18,7 @@ import torch
 
 from dtape import _replica_info
 from dtape import nn as _nn
+from dtape._sizes import count_divisor, num_elements
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
 from dtape.tensor import convert_to_tensor, is_variable
@@ -203,7 +204,7 @@ class Loss:
         total = _math.reduce_sum(losses)
         if self.reduction == "sum":
             return total
-        return total / float(max(_numel(losses), 1))
+        return total / count_divisor(max(num_elements(losses), 1), total.dtype)
 
     def _check_distributed_reduction(self):
         """TF's `_get_reduction` guard, for a replica context of more than one replica."""
@@ -220,13 +221,6 @@ class Loss:
                 "\n    loss = dtape.nn.compute_average_loss(loss_obj(labels, predictions), "
                 "global_batch_size=GLOBAL_BATCH_SIZE)\n(as tf.nn.compute_average_loss in TF's custom training "
                 "tutorial: https://www.tensorflow.org/tutorials/distribute/custom_training)")
-
-
-def _numel(t):
-    n = 1
-    for s in t.shape:
-        n *= int(s)
-    return n
 
 
 class SparseCategoricalCrossentropy(Loss):

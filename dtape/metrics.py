@@ -15,6 +15,7 @@ Source: tf.keras.metrics.
 import torch
 
 from dtape import nn as _nn
+from dtape._sizes import count_divisor, num_elements
 from dtape import tape as _tp
 from dtape.module import Module
 from dtape.ops import array_ops as _array
@@ -106,7 +107,7 @@ class _Reduce(Metric):
         with _tp.stop_recording():
             values = _array.cast(_tensor(values), self.dtype)
             if sample_weight is None:
-                total, count = _math.reduce_sum(values), float(_numel(values))
+                total, count = _math.reduce_sum(values), count_divisor(num_elements(values), self.dtype)
             else:
                 weight = _array.cast(_tensor(sample_weight), self.dtype)
                 weight = _match_rank(weight, values)
@@ -127,13 +128,6 @@ def _match_rank(weight, values):
     while weight.ndim < values.ndim:
         weight = _array.expand_dims(weight, -1)
     return weight
-
-
-def _numel(t):
-    n = 1
-    for s in t.shape:
-        n *= int(s)
-    return n
 
 
 class Mean(_Reduce):

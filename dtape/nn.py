@@ -2,6 +2,7 @@
 import torch
 
 from dtape import _replica_info
+from dtape._sizes import count_divisor
 from dtape import tape as _tape
 from dtape.ops import array_ops as _array
 from dtape.ops import math_ops as _math
@@ -70,7 +71,7 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     total = _math.reduce_sum(loss)
     if global_batch_size is None:
         _check_replica_context("compute_average_loss")
-        return total / float(max(_global_count(loss.shape[0]), 1))
+        return total / count_divisor(max(_global_count(loss.shape[0]), 1), total.dtype)
     return total / float(_check_batch_size(global_batch_size))
 
 

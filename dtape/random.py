@@ -89,7 +89,7 @@ def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None, device=None):
     Source: tf.random.uniform.
     """
     device = default_device(device)
-    t = torch.rand(_shape(shape), dtype=_dtype(dtype), device=device, generator=_seeded(seed, device))
+    t = raw_uniform(_shape(shape), _dtype(dtype), device, _seeded(seed, device))
     return Tensor(t * (maxval - minval) + minval)
 
 
@@ -100,7 +100,9 @@ def normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None, device=None):
     Source: tf.random.normal.
     """
     device = default_device(device)
-    t = torch.randn(_shape(shape), dtype=_dtype(dtype), device=device, generator=_seeded(seed, device))
+    # torch.randn's draws, as torch.randn runs them; unlike torch.randn with a generator, this traces with the
+    # symbolic sizes of a compiled function's None dims
+    t = torch.empty(_shape(shape), dtype=_dtype(dtype), device=device).normal_(generator=_seeded(seed, device))
     return Tensor(t * stddev + mean)
 
 
@@ -149,9 +151,15 @@ def set_seed(seed):
     torch.manual_seed(seed)
 
 
+def raw_uniform(shape, dtype, device, generator):
+    """torch.rand's draws (a raw torch tensor) as `empty().uniform_()`, which is what torch.rand runs and,
+    unlike torch.rand with a generator, traces with the symbolic sizes of a compiled function's None dims."""
+    return torch.empty(shape, dtype=dtype, device=device).uniform_(0, 1, generator=generator)
+
+
 def bernoulli_mask(shape, keep_prob, dtype, device):
     """A raw torch mask of `shape`: 1/keep_prob with probability keep_prob, else 0 (dropout's)."""
-    keep = torch.rand(_shape(shape), device=device, generator=get_generator(device)) < keep_prob
+    keep = raw_uniform(_shape(shape), None, device, get_generator(device)) < keep_prob
     return keep.to(dtype) / keep_prob
 
 

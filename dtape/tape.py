@@ -313,7 +313,10 @@ def _meta(x):
         return x  # a variable stays: the model keeps it alive anyway, and dtape.function reads it back
     else:
         key = (x.shape, x.dtype, x.device)
-    m = _meta_cache.get(key)
+    try:
+        m = _meta_cache.get(key)
+    except TypeError:  # symbolic sizes (a compiled function's None dims, while traced) do not hash
+        return _Meta(x)
     if m is None:
         if len(_meta_cache) > 4096:
             _meta_cache.clear()

@@ -333,12 +333,19 @@ def _infer_dtype(value):
     return None
 
 
+_SYMBOLIC_SCALARS = {torch.SymInt: torch.int64, torch.SymFloat: DEFAULT_FLOAT_DTYPE, torch.SymBool: torch.bool}
+
+
 def to_torch(value, dtype=None, device=None):
     """A torch.Tensor from a scalar, nested list, numpy array or torch.Tensor."""
     if dtype is not None:
         dtype = as_dtype(dtype)
     if isinstance(value, torch.Tensor):
         t = value.detach()
+    elif isinstance(value, tuple(_SYMBOLIC_SCALARS)):
+        # a size of a traced tensor whose dimension is symbolic (a compiled function's None dim): `full` keeps
+        # it a graph value, where torch.tensor would fix it to the traced call's size
+        t = torch.full((), value, dtype=dtype or _SYMBOLIC_SCALARS[type(value)])
     elif isinstance(value, np.ndarray) or np.isscalar(value) and not isinstance(value, (int, float, bool)):
         t = torch.from_numpy(np.array(value, copy=True))
     else:

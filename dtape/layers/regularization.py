@@ -57,7 +57,7 @@ class Dropout(Layer):
             return x
         if self.seed is None:
             return _nn.dropout(x, self.rate)
-        keep = torch.rand(tuple(x.shape), generator=self._stream(x.device), device=x.device) >= self.rate
+        keep = _random.raw_uniform(tuple(x.shape), None, x.device, self._stream(x.device)) >= self.rate
         return x * Tensor(keep.to(x.dtype) / (1.0 - self.rate))
 
     def _stream(self, device):

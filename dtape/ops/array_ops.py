@@ -12,7 +12,7 @@ from dtape.ops import _samples as S
 from dtape.ops._axes import AxisError, axis_values, canonical_axis, permutation
 from dtape.ops._dispatch import call_fallback
 from dtape.ops._registry import TORCH_TABLE, defop, tangents_or_zeros
-from dtape.tensor import (DEFAULT_FLOAT_DTYPE, Tensor, to_torch, as_dtype, default_device, is_variable,
+from dtape.tensor import (DEFAULT_FLOAT_DTYPE, Tensor, to_torch, as_dtype, default_device, is_tracing, is_variable,
                           is_differentiable_dtype)
 
 _brange = builtins.range  # `range` below is tf.range
@@ -337,6 +337,9 @@ def getitem(tensor, key):
     out = _getitem(tensor, key=plain)
     for position, index in reversals:  # one index per reversed dimension: tensor indices would broadcast together
         out = _getitem(out, key=(slice(None),) * position + (index,))
+    sizes = getattr(tensor._t, "_dtape_sizes", None) if type(tensor) is Tensor else None
+    if sizes is not None and (type(key) is int or isinstance(key, slice)):  # dtape.shape(x)[0] traced: kept
+        out._t._dtape_sizes = sizes[key]
     return out
 
 
@@ -777,12 +780,19 @@ def shape(input, out_type=torch.int32, name=None):  # noqa: A002 - TF's argument
       >>> dtape.shape(dtape.zeros([2, 3])).numpy()
       array([2, 3], dtype=int32)
     """
-    return Tensor(torch.tensor(tuple(_like(input).shape), dtype=as_dtype(out_type)))
+    sizes, dtype = tuple(_like(input).shape), as_dtype(out_type)
+    if not is_tracing():
+        return Tensor(torch.tensor(sizes, dtype=dtype))
+    # traced (a compiled function), the tensor has no values to read back: it carries the sizes, which size
+    # arguments take (`dtape._sizes`), symbolic for None dims (graph values, where torch.tensor would fix them)
+    t = torch.stack([torch.full((), d, dtype=dtype) for d in sizes]) if sizes else torch.zeros(0, dtype=dtype)
+    t._dtape_sizes = sizes
+    return Tensor(t)
 
 
 def size(input, out_type=torch.int32, name=None):  # noqa: A002
     """The number of elements of `input` as a 0-d integer tensor of `out_type` on the CPU. Source: tf.size."""
-    return Tensor(torch.tensor(_like(input).numel(), dtype=as_dtype(out_type)))
+    return Tensor(torch.full((), _like(input).numel(), dtype=as_dtype(out_type)))
 
 
 def rank(input, name=None):  # noqa: A002

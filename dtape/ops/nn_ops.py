@@ -324,7 +324,7 @@ def dropout(x, rate, noise_shape=None, seed=None, name=None):
     shape = tuple(x.shape) if noise_shape is None else shape_values(noise_shape, "dropout", "noise_shape")
     if seed is not None:
         gen = torch.Generator(device=x.device).manual_seed(int(seed))
-        keep = torch.rand(shape, generator=gen, device=x.device) >= float(rate)
+        keep = _random.raw_uniform(shape, None, x.device, gen) >= float(rate)
         mask = keep.to(x.dtype) / (1 - float(rate))
     else:
         mask = _random.bernoulli_mask(shape, 1 - float(rate), x.dtype, x.device)
