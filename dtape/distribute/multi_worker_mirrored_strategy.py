@@ -560,7 +560,7 @@ class _WorkerExtended(StrategyExtended):
 
     _announces = True  # _all_reduce_flat_async takes `announce`: one check for a step's buckets
 
-    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False):
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False, tag=None):
         """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
 
         StrategyExtended's flat interface (gradient buckets, collectives on the
@@ -571,7 +571,9 @@ class _WorkerExtended(StrategyExtended):
         buckets): reduced in place, saving a copy of every bucket.
         `announce` [(dtype, numel)], `announced`: one tensor, as
         Communicator.all_reduce_async's (the next flat launches are checked
-        with this one's signatures).
+        with this one's signatures). `tag` (which variables a gradient bucket
+        holds, in process memory) is not compared across workers: only the
+        signatures (sizes, dtypes, calls) are.
         """
         comm = self._strategy._comm
         if announce:
