@@ -51,6 +51,7 @@ readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
 """
 import operator
 import threading
+import zlib
 
 import torch
 
@@ -319,13 +320,18 @@ class _SourceIds:
     """Which variable each of one replica's tape.gradient sources is: its distributed container's id (each
     replica may pass its own components or the container), None for anything else (e.g. a replica's own
     tensor). Each bucket's all-reduce among replica threads carries it: the buckets are summed position by
-    position, so replicas that list the variables in different orders raise there, before any sum."""
+    position, so replicas that list the variables in different orders raise there, before any sum. Workers
+    (MultiWorkerMirroredStrategy) compare `digest` (names and shapes) in their buckets' signature check."""
 
-    __slots__ = ("ids", "containers")
+    __slots__ = ("ids", "containers", "digest")
 
     def __init__(self, sources):
         self.containers = tuple(values.value_container(s) for s in sources)
         self.ids = tuple(id(c) if isinstance(c, values.DistributedVariable) else None for c in self.containers)
+        # across processes ids mean nothing: the sources' names and shapes by position, as one positive int that
+        # a worker's bucket signature carries (collective_ops compares it with every worker's)
+        described = repr([(_name(c), tuple(getattr(c, "shape", ()))) for c in self.containers]).encode()
+        self.digest = (zlib.crc32(described) & 0x7FFFFFFF) or 1
 
     def mismatch(self, tags):
         """The error message when the replicas' `tags` (this one first) differ at some position, else None."""

@@ -571,11 +571,14 @@ class _WorkerExtended(StrategyExtended):
         buckets): reduced in place, saving a copy of every bucket.
         `announce` [(dtype, numel)], `announced`: one tensor, as
         Communicator.all_reduce_async's (the next flat launches are checked
-        with this one's signatures). `tag` (which variables a gradient bucket
-        holds, in process memory) is not compared across workers: only the
-        signatures (sizes, dtypes, calls) are.
+        with this one's signatures). `tag`: a gradient bucket's sources; the
+        signature of each bucket that is checked carries its `digest` (the
+        sources' names and shapes by position), so workers that passed
+        tape.gradient different variables at some position raise
+        CollectiveMismatchError before any value is summed.
         """
         comm = self._strategy._comm
+        sources = tag.digest if tag is not None and not announced else 0  # announced: the first one carried it
         if announce:
             announce = [(cross_device_ops.accumulation_dtype(dtype), numel) for dtype, numel in announce]
         pending = []
@@ -583,7 +586,7 @@ class _WorkerExtended(StrategyExtended):
             wide = _widen(t)
             # a widened copy is ours to reduce in place; the caller's tensor only if given away
             pending.append(comm.all_reduce_async(wide, scratch=scratch or wide is not t, announce=announce,
-                                                 announced=announced))
+                                                 announced=announced, sources=sources))
         scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
         return _FlatHandle(pending, tensors, scale)
 
