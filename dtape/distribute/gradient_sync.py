@@ -44,7 +44,10 @@ How the overlap works (DDP's reducer, on the tape):
 
 Every replica must call `tape.gradient` with the same sources, and
 `apply_gradients` with the same variables, in the same order: they are
-collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix.
+collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix: each bucket's
+all-reduce carries which variable is at each position (`_SourceIds`, built with the layout), compared by
+the replica threads before the sum, and across workers as a digest of the names and shapes in the
+bucket's signature (collective_ops).
 
 Source: torch.nn.parallel.DistributedDataParallel's reducer (buckets,
 readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
