@@ -217,6 +217,8 @@ def describe_signature(row):
     plan = row[12] if len(row) > 12 else 0
     then = (f" announcing {plan} more all-reduce{'s' * (plan > 1)}" if plan > 0 else
             " (announced by an earlier checked all-reduce)" if plan == _PLAN_LEFT else "")
+    if name == "all_reduce" and src:  # all_reduce_async's `sources`
+        then = f" over sources {int(src):#010x}{then}"
     return (f"{name} #{seq}{of} ({dtype}[{', '.join(dims)}]){then}" if dims else
             f"{name} #{seq}{of} ({dtype} scalar){then}")
 
@@ -229,6 +231,11 @@ def mismatch_message(rank, rows):
     said = [f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} entered {describe_signature(row)}"
             for row, rs in groups.items()]
     same_call = len({row[1:4] for row in groups}) == 1
+    if len({row[:2] + row[3:] for row in groups}) == 1:  # only all_reduce_async's `sources` differ
+        return (f"rank {rank}: collectives out of step: {said[0]} while {', '.join(said[1:])}: the workers passed "
+                "tape.gradient different sources (names or shapes) at some position; every replica must ask for "
+                "the same variables in the same order. No value was returned; the group is unusable now: fix the "
+                "program and restart the workers.")
     shapes = (" Hint: the same call got values of different shapes or dtypes on different workers: every worker "
               "must pass the same shape and dtype (e.g. the same variables, in the same order).") if same_call else ""
     return (f"rank {rank}: collectives out of step: {said[0]} while {', '.join(said[1:])}; every worker must issue "
@@ -360,7 +367,7 @@ class Communicator:
                                                                                   rounding_mode="floor")
         return out.to(t.device)
 
-    def all_reduce_async(self, t, scratch=False, label=None, announce=None, announced=False):
+    def all_reduce_async(self, t, scratch=False, label=None, announce=None, announced=False, sources=0):
         """Launches the SUM of `t` over every worker; returns a pending result whose `wait()` gives it.
 
         Launch order must match on every worker (as every collective);
@@ -377,9 +384,12 @@ class Communicator:
         entered instead, on any worker, still raises CollectiveMismatchError
         on every worker before any value is returned (from `wait()` where a
         worker was already inside an announced one).
+        `sources`: 0, or a positive int below 2**31 naming what the values
+        stand for (a gradient bucket's sources): part of the signature, so
+        workers that differ there raise CollectiveMismatchError.
         """
         out = t.detach() if scratch and _in_place_ok(t, self.device) else self._staged(t)
-        what, unchecked = self._enter("all_reduce", out, label, announce=announce, announced=announced)
+        what, unchecked = self._enter("all_reduce", out, label, src=sources, announce=announce, announced=announced)
         try:
             work = dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as e:

@@ -157,13 +157,14 @@ class DoneHandle:
 class _Slot:
     """One collective in flight: every replica's contribution, then every replica's result."""
 
-    __slots__ = ("seq", "parts", "arrived", "reduce_op", "result", "error", "finished")
+    __slots__ = ("seq", "parts", "arrived", "reduce_op", "tags", "result", "error", "finished")
 
     def __init__(self, seq, n):
         self.seq = seq
         self.parts = [None] * n
         self.arrived = 0
         self.reduce_op = [None] * n
+        self.tags = [None] * n
         self.result = None
         self.error = None
         self.finished = False
@@ -214,12 +215,17 @@ class ThreadCollectives:
         self._seq = [0] * self._n
         self._slots = {}
 
-    def launch(self, replica_id, reduce_op, tensors):
-        """Contributes `tensors` (torch tensors) as replica `replica_id`; returns a ThreadCollectiveHandle."""
-        with self._coord.shielded(replica_id):
-            return self._launch(replica_id, reduce_op, tensors)
+    def launch(self, replica_id, reduce_op, tensors, tag=None):
+        """Contributes `tensors` (torch tensors) as replica `replica_id`; returns a ThreadCollectiveHandle.
 
-    def _launch(self, replica_id, reduce_op, tensors):
+        `tag`: None, or what the caller's contribution stands for, with a method `mismatch(tags)` (every
+        replica's tag, this one first) -> an error message or None: checked before the sum, so that every
+        replica raises that ValueError and nothing is summed (gradient buckets: which variable is where).
+        """
+        with self._coord.shielded(replica_id):
+            return self._launch(replica_id, reduce_op, tensors, tag)
+
+    def _launch(self, replica_id, reduce_op, tensors, tag=None):
         with self._cond:
             if self._coord.aborted:  # an abandoned replica still running: it must not complete a collective
                 raise StepAborted(f"replica {replica_id}: step aborted before this all-reduce")
@@ -230,6 +236,7 @@ class ThreadCollectives:
                 slot = self._slots[seq] = _Slot(seq, self._n)
             slot.parts[replica_id] = list(tensors)
             slot.reduce_op[replica_id] = reduce_op
+            slot.tags[replica_id] = tag
             slot.arrived += 1
             last = slot.arrived == self._n
             if last:
@@ -292,6 +299,9 @@ class ThreadCollectives:
 
 
 def _check_same_collective(seq, slot):
+    message = slot.tags[0].mismatch(slot.tags) if slot.tags[0] is not None else None
+    if message is not None:
+        raise ValueError(message)
     sigs = [(op, tuple((t.numel(), t.dtype) for t in parts)) for op, parts in zip(slot.reduce_op, slot.parts)]
     if any(s != sigs[0] for s in sigs[1:]):
         described = "; ".join(f"replica {r}: {s[0].name} of {list(s[1])}" for r, s in enumerate(sigs))

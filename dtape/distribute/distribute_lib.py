@@ -405,7 +405,7 @@ class StrategyExtended:
         an accelerator, where the sum moves every tensor to the first device (one copy per bucket)."""
         return any(d.type != "cpu" for d in self._torch_devices)
 
-    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False):
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, tag=None):
         """Launches an all-reduce of this replica's `tensors`; returns a handle at once.
 
         Args:
@@ -418,6 +418,9 @@ class StrategyExtended:
             never reads again): a strategy may then reduce them in place
             instead of copying them first (the thread collectives never
             modify their inputs either way).
+          tag: None, or what the contribution stands for (a gradient bucket's
+            sources, `ThreadCollectives.launch`'s `tag`): replica threads
+            compare it before summing.
 
         Returns:
           A handle with `.wait(timeout=None) -> list of torch.Tensor` (the
@@ -435,7 +438,7 @@ class StrategyExtended:
         coord = rctx._coordinator
         if coord is not None:
             group = cross_device_ops.thread_collectives(coord, self._devices)
-            return group.launch(rctx.replica_id_in_sync_group, reduce_op, tensors)
+            return group.launch(rctx.replica_id_in_sync_group, reduce_op, tensors, tag)
         if self._strategy.num_replicas_in_sync != 1:
             raise NotImplementedError(f"{type(self).__name__} must implement _all_reduce_flat_async "
                                       "for more than one replica")

@@ -44,20 +44,24 @@ How the overlap works (DDP's reducer, on the tape):
 
 Every replica must call `tape.gradient` with the same sources, and
 `apply_gradients` with the same variables, in the same order: they are
-collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix.
+collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix: each bucket's
+all-reduce carries which variable is at each position (`_SourceIds`, built with the layout), compared by
+the replica threads before the sum, and across workers as a digest of the names and shapes in the
+bucket's signature (collective_ops).
 
 Source: torch.nn.parallel.DistributedDataParallel's reducer (buckets,
 readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
 """
 import operator
 import threading
+import zlib
 
 import torch
 
 from dtape import _config
 from dtape import tape as _tp
 from dtape.backprop import profile_range
-from dtape.distribute import collective_ops, context
+from dtape.distribute import collective_ops, context, values
 from dtape.distribute.cross_device_ops import accumulation_dtype
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.nn import compute_average_loss  # noqa: F401  (one function, public under both names)
@@ -128,6 +132,9 @@ class GradientSync:
         # (strategy id, replica id) -> the _Layout of that replica's latest sources: kept while the next call
         # gets the very same source objects (a training loop's), so a step does not lay the buckets out again
         self._layouts = {}
+        # per-position variable identities -> one shared copy, so that replicas asking for the same variables in
+        # the same order hand their all-reduces the very same tuple (the thread collectives compare it with `is`)
+        self._idents = {}
 
     def start(self, sources):
         """The tape's hook: a session for one `tape.gradient` call, or None (nothing to synchronise)."""
@@ -158,8 +165,15 @@ class GradientSync:
                 learn = (self._learned, key, rctx.replica_id_in_sync_group)
         caps = (self.bucket_cap_bytes, self.first_bucket_cap_bytes)
         if layout is None or layout.order is not order:
-            layout = self._layouts[slot] = _Layout(sources, key, order, caps)
+            layout = self._layouts[slot] = _Layout(sources, key, order, caps, self._source_ids(sources))
         return _Session(rctx.strategy.extended, sources, caps, layout, learn)
+
+    def _source_ids(self, sources):
+        """The _SourceIds of `sources`, its identity tuple shared with every replica that has the same one."""
+        ids = _SourceIds(sources)
+        with self._lock:
+            ids.ids = self._idents.setdefault(ids.ids, ids.ids)
+        return ids
 
     def _learned(self, key, order):
         with self._lock:
@@ -243,7 +257,7 @@ def _unpack(bucket, reduced):
 
 
 @collective_ops.labelled("tape.gradient's GradientSync")   # apply_gradients' own reduction: its label wins
-def _launch(ext, bucket, grads_by_index, ledger=None):
+def _launch(ext, bucket, grads_by_index, ledger=None, tag=None):
     """Launches a bucket's all-reduce (SUM): its gradients, then one presence flag each; returns the handle.
 
     Across processes and devices the gradients are first copied into one
@@ -261,8 +275,8 @@ def _launch(ext, bucket, grads_by_index, ledger=None):
             flags.append(0.0 if g is None else 1.0)
         parts.append(torch.tensor(flags, dtype=bucket.dtype, device=bucket.device))
         if not ext._flat_buckets:
-            return ext._all_reduce_flat_async(ReduceOp.SUM, parts)
-        return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True, **(ledger or {}))
+            return ext._all_reduce_flat_async(ReduceOp.SUM, parts, tag=tag)
+        return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True, tag=tag, **(ledger or {}))
 
 
 def _ledger(ext, buckets, b):
@@ -294,15 +308,53 @@ class _Layout:
     out in, or None: reverse source order), with the sources themselves: valid for a later call with the same
     objects (a variable's shape, dtype and device are fixed; `_flat` checks each gradient's size)."""
 
-    __slots__ = ("sources", "key", "order", "buckets", "where")
+    __slots__ = ("sources", "key", "order", "buckets", "where", "ids")
 
-    def __init__(self, sources, key, order, caps):
-        self.sources, self.key, self.order = tuple(sources), key, order
+    def __init__(self, sources, key, order, caps, ids=None):
+        self.sources, self.key, self.order, self.ids = tuple(sources), key, order, ids
         self.buckets = plan_buckets(_float_items(sources, order), *caps)
         self.where = {m[0]: b for b, bucket in enumerate(self.buckets) for m in bucket.members}
 
     def holds(self, sources):
         return len(sources) == len(self.sources) and all(map(operator.is_, sources, self.sources))
+
+
+class _SourceIds:
+    """Which variable each of one replica's tape.gradient sources is: its distributed container's id (each
+    replica may pass its own components or the container), None for anything else (e.g. a replica's own
+    tensor). Each bucket's all-reduce among replica threads carries it: the buckets are summed position by
+    position, so replicas that list the variables in different orders raise there, before any sum. Workers
+    (MultiWorkerMirroredStrategy) compare `digest` (names and shapes) in their buckets' signature check."""
+
+    __slots__ = ("ids", "containers", "digest")
+
+    def __init__(self, sources):
+        self.containers = tuple(values.value_container(s) for s in sources)
+        self.ids = tuple(id(c) if isinstance(c, values.DistributedVariable) else None for c in self.containers)
+        # across processes ids mean nothing: the sources' names and shapes by position, as one positive int that
+        # a worker's bucket signature carries (collective_ops compares it with every worker's)
+        described = repr([(_name(c), tuple(getattr(c, "shape", ()))) for c in self.containers]).encode()
+        self.digest = (zlib.crc32(described) & 0x7FFFFFFF) or 1
+
+    def mismatch(self, tags):
+        """The error message when the replicas' `tags` (this one first) differ at some position, else None."""
+        for t in tags:
+            if t is not None and t.ids is not self.ids:
+                break
+        else:
+            return None  # every replica has the same shared tuple (or made another collective: the size check's)
+        for k, ref in enumerate(self.ids):
+            if any(t is not None and (len(t.ids) <= k or t.ids[k] != ref) for t in tags):
+                names = [_name(t.containers[k]) if t is not None and k < len(t.ids) else "-" for t in tags]
+                return (f"the replicas passed tape.gradient different sources at position {k} ({names}); every "
+                        "replica must ask for the same variables in the same order (e.g. "
+                        "model.trainable_variables): their gradients are summed position by position. Nothing "
+                        "was reduced.")
+        return None
+
+
+def _name(source):
+    return getattr(source, "name", None) or f"a {type(source).__name__}"
 
 
 # -- the session of one tape.gradient call ----------------------------------------------
@@ -317,6 +369,7 @@ class _Session:
         self._seen = []  # float sources in the order the walk finished them
         self._buckets = layout.buckets
         self._where = layout.where
+        self._ids = layout.ids
         self._left = [len(b.members) for b in self._buckets]
         self._grads = [{} for _ in self._buckets]
         self._handles = [None] * len(self._buckets)
@@ -334,7 +387,7 @@ class _Session:
         while self._next < len(self._buckets) and self._left[self._next] == 0:
             b = self._next
             ledger = _ledger(self._ext, self._buckets, b)
-            self._handles[b] = _launch(self._ext, self._buckets[b], self._grads[b], ledger)
+            self._handles[b] = _launch(self._ext, self._buckets[b], self._grads[b], ledger, self._ids)
             self._grads[b] = {j: None for j in self._grads[b]}  # the buffer holds the values now
             self._next += 1
 

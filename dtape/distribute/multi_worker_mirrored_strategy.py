@@ -560,7 +560,7 @@ class _WorkerExtended(StrategyExtended):
 
     _announces = True  # _all_reduce_flat_async takes `announce`: one check for a step's buckets
 
-    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False):
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False, tag=None):
         """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
 
         StrategyExtended's flat interface (gradient buckets, collectives on the
@@ -571,9 +571,14 @@ class _WorkerExtended(StrategyExtended):
         buckets): reduced in place, saving a copy of every bucket.
         `announce` [(dtype, numel)], `announced`: one tensor, as
         Communicator.all_reduce_async's (the next flat launches are checked
-        with this one's signatures).
+        with this one's signatures). `tag`: a gradient bucket's sources; the
+        signature of each bucket that is checked carries its `digest` (the
+        sources' names and shapes by position), so workers that passed
+        tape.gradient different variables at some position raise
+        CollectiveMismatchError before any value is summed.
         """
         comm = self._strategy._comm
+        sources = tag.digest if tag is not None and not announced else 0  # announced: the first one carried it
         if announce:
             announce = [(cross_device_ops.accumulation_dtype(dtype), numel) for dtype, numel in announce]
         pending = []
@@ -581,7 +586,7 @@ class _WorkerExtended(StrategyExtended):
             wide = _widen(t)
             # a widened copy is ours to reduce in place; the caller's tensor only if given away
             pending.append(comm.all_reduce_async(wide, scratch=scratch or wide is not t, announce=announce,
-                                                 announced=announced))
+                                                 announced=announced, sources=sources))
         scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
         return _FlatHandle(pending, tensors, scale)
 

@@ -209,8 +209,89 @@ def test_different_sources_on_replicas_raise_instead_of_mixing():
         variables = model.trainable_variables if _rid() == 0 else model.trainable_variables[::-1]
         grads = tape.gradient(loss, variables)
         dtape.optimizers.SGD(0.1).apply_gradients(zip(grads, variables))
-    with pytest.raises(ValueError, match="different contributions"):
+    with pytest.raises(ValueError, match="different sources at position 0"):
         strategy.run(fn)
+
+
+# Two variables of one shape: replica r's loss is A[r] * sum(v0) + B[r] * sum(v1), so its gradients are A[r]
+# and B[r] everywhere, and one SGD(1.0) step leaves v0 = -sum(A), v1 = -sum(B) (here -3 and -30).
+_A, _B = (1.0, 2.0), (10.0, 20.0)
+
+
+def _pair(strategy):
+    with strategy.scope():
+        return [dtape.Variable(torch.zeros(2, dtype=torch.float64), name=f"v{i}") for i in range(2)]
+
+
+def _ordered_step(strategy, vs, sync, orders, errors, opt=None):
+    """One step; replica r asks tape.gradient for `[vs[k] for k in orders[r]]`; with `opt`, applies what it
+    got; else replica 1 passes its own components and every replica waits for the synced sums
+    (`reduce_gradients`). Returns {replica: sums in its order}; ValueErrors are recorded per replica."""
+    sums = {}
+
+    def fn():
+        r = _rid()
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = _A[r] * dtape.reduce_sum(vs[0]) + _B[r] * dtape.reduce_sum(vs[1])
+        sources = [vs[k] if opt is not None or r == 0 else vs[k].values[r] for k in orders[r]]
+        try:
+            grads = tape.gradient(loss, sources)
+            if opt is not None:
+                opt.apply_gradients(zip(grads, sources))
+            else:
+                sums[r] = [g.numpy().tolist() for g, _ in reduce_gradients(list(zip(grads, sources)))]
+        except ValueError as e:
+            errors[r] = str(e)
+    strategy.run(fn)
+    return sums
+
+
+@pytest.mark.parametrize("cap_mb", [TINY_MB, 25.0])
+def test_sources_in_one_order_are_summed_per_variable(cap_mb):
+    strategy = _strategy()
+    vs, errors = _pair(strategy), {}
+    _ordered_step(strategy, vs, GradientSync(cap_mb), [(0, 1), (0, 1)], errors, dtape.optimizers.SGD(1.0))
+    assert errors == {}
+    np.testing.assert_array_equal(vs[0].numpy(), [-3.0, -3.0])
+    np.testing.assert_array_equal(vs[1].numpy(), [-30.0, -30.0])
+    # replica 1 passing its own components: the same variables, in the same order
+    sums = _ordered_step(strategy, vs, GradientSync(cap_mb), [(1, 0), (1, 0)], errors)
+    assert errors == {} and sums == {0: [[30.0, 30.0], [3.0, 3.0]], 1: [[30.0, 30.0], [3.0, 3.0]]}
+
+
+def _assert_raised_on_every_replica(errors):
+    assert sorted(errors) == [0, 1]
+    for message in errors.values():
+        assert "the replicas passed tape.gradient different sources at position 0" in message
+        assert "every replica must ask for the same variables in the same order" in message
+        assert "'v0" in message and "'v1" in message
+
+
+@pytest.mark.parametrize("cap_mb", [TINY_MB, 25.0])
+def test_sources_in_different_orders_raise_on_every_replica_and_change_nothing(cap_mb):
+    strategy = _strategy()
+    vs, errors = _pair(strategy), {}
+    _ordered_step(strategy, vs, GradientSync(cap_mb), [(0, 1), (1, 0)], errors, dtape.optimizers.SGD(1.0))
+    _assert_raised_on_every_replica(errors)
+    for v in vs:
+        np.testing.assert_array_equal(v.numpy(), [0.0, 0.0])
+    errors = {}  # replica 1 passing its own components in the other order
+    assert _ordered_step(strategy, vs, GradientSync(cap_mb), [(0, 1), (1, 0)], errors) == {}
+    _assert_raised_on_every_replica(errors)
+
+
+@pytest.mark.parametrize("cap_mb", [TINY_MB, 25.0])
+def test_an_order_changed_after_the_layout_was_kept_raises(cap_mb):
+    strategy = _strategy()
+    vs, sync, opt = _pair(strategy), GradientSync(cap_mb), dtape.optimizers.SGD(1.0)
+    for _ in range(2):  # the second step keeps each replica's layout
+        errors = {}
+        _ordered_step(strategy, vs, sync, [(0, 1), (0, 1)], errors, opt)
+        assert errors == {}
+    _ordered_step(strategy, vs, sync, [(0, 1), (1, 0)], errors, opt)
+    _assert_raised_on_every_replica(errors)
+    np.testing.assert_array_equal(vs[0].numpy(), [-6.0, -6.0])
+    np.testing.assert_array_equal(vs[1].numpy(), [-60.0, -60.0])
 
 
 def test_gradient_sync_outside_a_strategy_is_plain():

@@ -73,6 +73,13 @@ def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path
         # v2 -= 2 * 27, v1 -= 2 * 15 * 9, v0 -= 15 * 3 * 2 * (1 + 2), summed over the 2 workers
         walked = [-269.0, -268.0, -267.0, -50.0, -49.0, -48.0]
         assert res["walk_both"] == {"value": walked * 2}, res["walk_both"]
+        # tape.gradient's sources in one order: v0 -= 1 + 2, v1 -= 10 + 20 (two buckets, then one)
+        assert res["sources_same"] == {"value": [-3.0, -3.0, -30.0, -30.0] * 2}, res["sources_same"]
+        # in another order on rank 1 (same shapes): the buckets' signatures carry the sources' names and shapes
+        for scenario, size in (("sources_swapped", "3]) over sources 0x"), ("sources_swapped_one_bucket", "6]) over")):
+            err = _error(res, scenario)
+            assert err.startswith(said) and f"of tape.gradient's GradientSync (float32[{size}" in err, err
+            assert "the workers passed tape.gradient different sources (names or shapes) at some position" in err
 
 
 @pytest.mark.multiprocess

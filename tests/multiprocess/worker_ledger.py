@@ -18,6 +18,8 @@ argv: out_dir, mode.
         other two) whose backward walk issues a collective between buckets (the gradient of a
         ReplicaContext.all_reduce made by both) on rank 1 only / on both (then: the variables, then those of the
         same step without GradientSync).
+      sources_same, sources_swapped(_one_bucket): a GradientSync step with two same-shaped variables, passed to
+        tape.gradient in the same order / in another order on rank 1 (two buckets, one).
     Writes $OUT/rank<r>.json: {scenario: {"value": ...} or {"error": "Type: message"}}.
   "save_then_exit": rank 0 alone calls checkpoint.save while rank 1 leaves the program.
 """
@@ -141,6 +143,34 @@ def walk_both(strategy):
     return _walk_step(strategy, True, _walk_sync()) + _walk_step(strategy, True, None)
 
 
+def _ordered_sources(strategy, swap, cap_mb):
+    """One SGD(1.0) step with GradientSync; rank r's loss is (r + 1) * sum(v0) + 10 * (r + 1) * sum(v1) (same
+    shapes); rank 1 passes tape.gradient [v1, v0] when `swap`. Returns the variables."""
+    with strategy.scope():
+        vs = [dtape.Variable([0.0, 0.0], name="v0"), dtape.Variable([0.0, 0.0], name="v1")]
+    opt = dtape.optimizers.SGD(1.0)
+
+    def step():
+        with dtape.GradientTape(gradient_sync=dd.GradientSync(cap_mb, first_bucket_cap_mb=cap_mb)) as tape:
+            loss = (rank + 1) * dtape.reduce_sum(vs[0]) + 10 * (rank + 1) * dtape.reduce_sum(vs[1])
+        sources = vs[::-1] if swap and rank == 1 else vs
+        opt.apply_gradients(zip(tape.gradient(loss, sources), sources))
+    strategy.run(step)
+    return [x for v in vs for x in v.numpy().tolist()]
+
+
+def sources_same(strategy):
+    return _ordered_sources(strategy, False, 1e-9) + _ordered_sources(strategy, False, 25.0)
+
+
+def sources_swapped(strategy):       # one bucket per variable: the first announces the second
+    return _ordered_sources(strategy, True, 1e-9)
+
+
+def sources_swapped_one_bucket(strategy):
+    return _ordered_sources(strategy, True, 25.0)
+
+
 def attempt(fn, strategy=None, *args):
     strategy = strategy or dd.MultiWorkerMirroredStrategy(seed=0)
     try:
@@ -153,7 +183,8 @@ def attempt(fn, strategy=None, *args):
 
 if mode == "scenarios":
     for scenario in (save_then_reduce, save_then_step, shapes, dtypes, order, fine, announced_fine,
-                     announced_then_large, announced_then_small, announced_both_leave, walk_one, walk_both):
+                     announced_then_large, announced_then_small, announced_both_leave, walk_one, walk_both,
+                     sources_same, sources_swapped, sources_swapped_one_bucket):
         attempt(scenario)
 else:
     strategy = dd.MultiWorkerMirroredStrategy(seed=0)
