@@ -376,7 +376,7 @@ class _Concrete:
 
     def call(self, leaves, tensors):
         """Runs the compiled graph, applies the writes, records one op on recording tapes; returns the result."""
-        local = [_local(v) for v in self.variables]
+        local = [v._handle() for v in self.variables]  # `_local`: self.variables are already `_shared`
         recording = _tp.could_possibly_record()
         ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors]
         if recording or self._targets is None:  # the gradient graph reruns the body on the values read now
