@@ -49,7 +49,7 @@ from dtape._local import ThreadLocalScope
 from dtape import tape as _tp
 from dtape.backprop import imperative_grad
 from dtape.tensor import Tensor, as_dtype, convert_to_tensor, is_variable
-from dtape.variables import trace_scope, tracing_body, variable_creator_scope
+from dtape.variables import trace_scope, tracing_body, update_together, variable_creator_scope
 
 # TF warns once a function has been traced this many times (tf.function's FREQUENT_TRACING_WARNING_THRESHOLD)
 RETRACE_WARNING_THRESHOLD = 5
@@ -474,6 +474,10 @@ class _Concrete:
             int.from_bytes(os.urandom(7), "little"))
         self._vjp = None
         self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
+        # the positions (among the graph's inputs) of the variables the graph writes into, or None: it returns
+        # their new values instead (see `_write_into_inputs`)
+        self._targets = _write_into_inputs(self.graph, len(tensors), self.variables, self.written,
+                                           owner._compile_options)
         self.compiled = _compile(owner, self.graph, self.dynamic)
         self._draws = _generator_attributes(self.graph, self.generator)
         self._runners = {}  # a caller's generator -> (compiled graph, its generator), for graphs that draw
@@ -542,22 +546,29 @@ class _Concrete:
 
     def call(self, leaves, tensors):
         """Runs the compiled graph, applies the writes, records one op on recording tapes; returns the result."""
-        ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors] + [_local(v).torch() for v in self.variables]
+        local = [v._handle() for v in self.variables]  # `_local`: self.variables are already `_shared`
+        recording = _tp.could_possibly_record()
+        ins = [t.torch() if isinstance(t, Tensor) else t for t in tensors]
+        if recording or self._targets is None:  # the gradient graph reruns the body on the values read now
+            ins += [v.torch() for v in local]
         # The graph draws from this function's generator: it takes over the caller's stream (the thread's or
         # replica's generator, `dtape.random.get_generator`) for the call, so draws follow the caller's seed.
         stream = _random.get_generator(self.generator.device)
         compiled, generator = self._runner(stream)
-        recording = _tp.could_possibly_record()
         state = None  # the generator's state for the gradient graph (None: the body draws nothing)
         if generator is not None:
             generator.set_state(stream.get_state())
             state = generator.get_state() if recording else None
-        outs = compiled(*ins)
+        if self._targets is None:
+            outs = compiled(*ins)
+            n = len(outs) - len(self.written)
+            for v, new in zip(self.written, outs[n:]):
+                _local(v)._update_value(lambda old, new=new: new, "dtape.function write")
+        else:
+            outs = self._run_in_place(compiled, ins, local, recording)
+            n = len(outs)
         if generator is not None:
             stream.set_state(generator.get_state())
-        n = len(outs) - len(self.written)
-        for v, new in zip(self.written, outs[n:]):
-            _local(v)._update_value(lambda old, new=new: new, "dtape.function write")
         if self.template is _TENSOR:
             result = Tensor(outs[0])
             flat = [result]
@@ -569,6 +580,31 @@ class _Concrete:
         if recording:
             self._record(leaves, tensors, ins, state, [y for y in flat if isinstance(y, Tensor)])
         return result
+
+    def _run_in_place(self, compiled, ins, local, recording):
+        """Runs the graph that writes the variables into their inputs; returns its outputs (the body's).
+
+        As eager writes (`variables.update_together`): under the written variables' locks, into the tensor of
+        each variable that nothing else holds, else into a copy that becomes its value, so a tensor taken from
+        `v.value()` before the call keeps its value, as in eager dtape and TF. `ins` holds the tensor
+        arguments, then (recording: for the gradient graph) the variables' values read before the call.
+        """
+        n = len(ins) - (len(local) if recording else 0)
+        if recording:  # a storage shared with its owner is written in place whoever holds it: keep a copy
+            for i in self._targets:
+                if local[i]._shared:
+                    ins[n + i] = ins[n + i].clone()
+        written = set(self._targets)
+        box = []
+
+        def run(targets):
+            args = ins[:n] + [None if i in written else v.torch() for i, v in enumerate(local)]
+            for i, t in zip(self._targets, targets):
+                args[n + i] = t
+            box.append(compiled(*args))
+        if update_together([local[i] for i in self._targets], run) is None:
+            raise RuntimeError(f"dtape.function {self.owner._name()!r} writes one variable through two names")
+        return box[0]
 
     def _runner(self, stream):
         """(compiled graph, the generator it draws from, or None if it draws nothing) for a caller drawing from
@@ -709,6 +745,51 @@ def _lift_constants(graph, values):
     for target in {node.target for nodes in uses.values() for node in nodes}:
         delattr(graph, target)
     graph.recompile()
+
+
+# Collectives wait for the other replicas: a graph holding them must not run under the variables' locks
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+# modes that run the graph as a CUDA graph, which torch skips for a graph that writes into its inputs
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _write_into_inputs(graph, n_tensors, variables, written, compile_options):
+    """Makes `graph` write the new values of the `written` variables into their inputs (`aten.copy_` into the
+    placeholders, which inductor turns into kernels storing into the variables' buffers) instead of returning
+    them; returns those inputs' positions among the variables, or None where the graph is left returning them.
+
+    Left as it is: a variable written that is not an input, a result or write that may share a written
+    input's memory (its later write would show through), collectives (see `_COLLECTIVE_NAMESPACES`), a
+    CUDA-graph mode.
+    """
+    if compile_options.get("mode") in _CUDA_GRAPH_MODES or not written:
+        return None
+    position = {v: i for i, v in enumerate(variables)}
+    if any(v not in position for v in written):
+        return None
+    nodes = list(graph.graph.nodes)
+    if any(getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES for n in nodes):
+        return None
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = nodes[-1]
+    values = list(output.args[0])
+    n = len(values) - len(written)
+    targets = [placeholders[n_tensors + position[v]] for v in written]
+    storages = [_storage(t) for t in targets]
+    if None in storages or any(_storage(x) in storages for x in values if isinstance(x, torch.fx.Node)):
+        return None
+    with graph.graph.inserting_before(output):
+        for target, value in zip(targets, values[n:]):
+            graph.graph.call_function(torch.ops.aten.copy_.default, (target, value))
+    output.args = (values[:n],)
+    graph.recompile()
+    return [position[v] for v in written]
+
+
+def _storage(node):
+    """An id of the memory of `node`'s value in the trace (views share it), or None if it has no tensor value."""
+    val = node.meta.get("val")
+    return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else None
 
 
 def _creator(owner, tracer):
