@@ -353,13 +353,16 @@ def _metas(xs):
     """[_meta(x) for x in xs], a Tensor's found in the cache without a call (a wrapped module's op has
     one input per parameter)."""
     out = []
-    for x in xs:
-        if type(x) is Tensor:
-            t = x._t
-            m = _meta_cache.get((t.shape, t.dtype, t.device))
-            out.append(_meta(x) if m is None else m)
-        else:
-            out.append(_meta(x))
+    try:
+        for x in xs:
+            if type(x) is Tensor:
+                t = x._t
+                m = _meta_cache.get((t.shape, t.dtype, t.device))
+                out.append(_meta(x) if m is None else m)
+            else:
+                out.append(_meta(x))
+    except TypeError:  # symbolic sizes (a compiled function's None dims, while traced) do not hash
+        return [_meta(x) for x in xs]
     return out
 
 
