@@ -748,7 +748,9 @@ def _lift_constants(graph, values):
 
 
 # Collectives wait for the other replicas: a graph holding them must not run under the variables' locks
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+# (another replica's graph may write a variable both replicas hold, and would wait for that lock forever);
+# every op of the "dtape" namespace is one (torch.ops.dtape.all_reduce_sum / _start / _wait)
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "dtape")
 # modes that run the graph as a CUDA graph, which torch skips for a graph that writes into its inputs
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
