@@ -1,3 +1,4 @@
+import signal
 import sys
 import time
 
@@ -10,6 +11,12 @@ from dtape import tape as _tp
 # How long a test's leftover threads (a replica abandoned by a timeout test, still leaving its job)
 # may keep a tape in the process-global set before the next test starts.
 _LEFTOVER_TAPES_WAIT_S = 30.0
+
+# A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored: the Ctrl-C tests
+# (and the children they start, which inherit the disposition) would see no KeyboardInterrupt. Python's own
+# handler restores what a foreground run has; children get the default disposition back on exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
