@@ -112,9 +112,6 @@ class DistributedDataset:
         for batch in self._dataset:
             yield split_batch(batch, devices)
 
-    def __len__(self):
-        return len(self._dataset)
-
 
 def slice_batch(batch, index, count, device):
     """Part `index` of `count` of a global batch (a nest), each leaf's rows sliced as `split_sizes` says.
