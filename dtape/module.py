@@ -96,6 +96,14 @@ def _walk(module, into_modules=True):
 _DONE = object()
 
 
+def _refresh_trainable(module):
+    """Lets a module whose variables' trainability follows state elsewhere (a TorchModule: its torch
+    parameters' `requires_grad`) update it before its variables are sorted into trainable or not."""
+    refresh = getattr(type(module), "_refresh_trainable", None)
+    if refresh is not None:
+        refresh(module)
+
+
 class _LossState(threading.local):
     """Per-thread: module -> the losses `add_loss` gave it on this thread (replica threads keep their own)."""
 
@@ -170,11 +178,14 @@ class Module:
         Keras's frozen layers, whose weights `layer.trainable = False` takes out of `trainable_weights` so fit
         leaves them. One walk; only frozen modules (rare) walk their own variables again."""
         variables, frozen_modules = [], [self] if getattr(self, "trainable", True) is False else []
+        _refresh_trainable(self)
         for kind, obj in _walk(self):
             if kind == "variable":
                 variables.append(obj)
-            elif getattr(obj, "trainable", True) is False:
-                frozen_modules.append(obj)
+            else:
+                _refresh_trainable(obj)
+                if getattr(obj, "trainable", True) is False:
+                    frozen_modules.append(obj)
         return variables, {id(v) for m in frozen_modules for v in m.variables}
 
     @property

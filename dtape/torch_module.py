@@ -37,8 +37,12 @@ __all__ = ["TorchModule"]
 class TorchModule(Module):
     """A `torch.nn.Module` as a dtape Module: its parameters and buffers are dtape Variables.
 
-    Parameters become trainable Variables (`trainable=p.requires_grad`),
-    buffers non-trainable ones, named `<name>/<torch name>` (e.g.
+    Parameters become trainable Variables (`trainable=p.requires_grad`,
+    followed afterwards: freezing a parameter with `p.requires_grad_(False)`
+    after wrapping, as for fine-tuning, makes its Variable, every component,
+    non-trainable at the next call or `trainable_variables`, so tapes do not
+    watch it, its gradient is None as torch's `p.grad` and optimizers leave
+    it; `requires_grad_(True)` trains it again), buffers non-trainable ones, named `<name>/<torch name>` (e.g.
     `torch_module/features.0.weight`), in `named_parameters()` then
     `named_buffers()` order; tied parameters share one Variable. They are
     created now, through the variable-creator stack: build the TorchModule
@@ -147,6 +151,7 @@ class TorchModule(Module):
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
         self._slots = _param_slots(self._params)
+        self._grad_flags = _grad_flags(module, self._params)
         aggregation = _BUFFER_SYNC[sync_buffers]
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
                                    lambda b, name: _buffer_var(b, name, aggregation))
@@ -158,6 +163,7 @@ class TorchModule(Module):
         scratch = _buffer_values(self._buffers)
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
+        self._refresh_trainable()
         values = _param_values(self._params)  # recorded reads: the op's first inputs
         # One flat tuple (parameter values, then the arguments' leaves) for the fallback: it flattens and
         # rebuilds its arguments on every call, and pytree walks a nested list value by value.
@@ -187,6 +193,17 @@ class TorchModule(Module):
                 raise ValueError(f"{self.name}: forward replaced buffer {name!r} of shape {tuple(old.shape)} by "
                                  f"{_describe(new)}; a TorchModule's buffers keep their shape and cannot be removed")
             var.assign(new)
+
+    def _refresh_trainable(self):
+        """Each parameter's Variable (every component) takes `trainable` = the parameter's current
+        `requires_grad`: torch's freezing (`p.requires_grad_(False)`) after wrapping, or unfreezing, means
+        here what it means in torch (no gradient, the optimizer leaves it), through TF's rule that a tape
+        does not watch a non-trainable variable. Called by each call and by `trainable_variables`."""
+        for p, var in self._grad_flags:
+            want = p.requires_grad
+            if var.trainable is not want:
+                for c in getattr(var, "values", (var,)):  # a distributed variable's components
+                    c._trainable = want
 
     def parameters(self, recurse=True):
         """The wrapped module's parameters (`module.parameters()`): the trainable Variables' own storage."""
@@ -277,6 +294,18 @@ def _share(var, t):
         else:
             share_storage(component, component.torch())
             t.data = component.torch()
+
+
+def _grad_flags(module, params):
+    """[(the module's parameter, its Variable)] per distinct parameter: whose `requires_grad` each Variable
+    follows (`TorchModule._refresh_trainable`). Not the components: the module walk would list them."""
+    by_name = dict(module.named_parameters(remove_duplicate=False))
+    out, seen = [], set()
+    for name, var in params.items():
+        if id(var) not in seen:
+            seen.add(id(var))
+            out.append((by_name[name], var))
+    return out
 
 
 def _param_var(p, name):
