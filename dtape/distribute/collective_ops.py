@@ -234,7 +234,8 @@ def mismatch_message(rank, rows):
     if len({row[:2] + row[3:] for row in groups}) == 1:  # only all_reduce_async's `sources` differ
         return (f"rank {rank}: collectives out of step: {said[0]} while {', '.join(said[1:])}: the workers passed "
                 "tape.gradient different sources (names or shapes) at some position; every replica must ask for "
-                "the same variables in the same order. No value was returned; the group is unusable now: fix the "
+                "the same variables in the same order (variables of one name are told apart by their creation "
+                "order: every worker must create its variables in the same order). No value was returned; the group is unusable now: fix the "
                 "program and restart the workers.")
     shapes = (" Hint: the same call got values of different shapes or dtypes on different workers: every worker "
               "must pass the same shape and dtype (e.g. the same variables, in the same order).") if same_call else ""

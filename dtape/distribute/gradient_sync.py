@@ -46,8 +46,8 @@ Every replica must call `tape.gradient` with the same sources, and
 `apply_gradients` with the same variables, in the same order: they are
 collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix: each bucket's
 all-reduce carries which variable is at each position (`_SourceIds`, built with the layout), compared by
-the replica threads before the sum, and across workers as a digest of the names and shapes in the
-bucket's signature (collective_ops).
+the replica threads before the sum, and across workers as a digest of the names (with each variable's
+`name_ordinal` among same-named ones) and shapes in the bucket's signature (collective_ops).
 
 Source: torch.nn.parallel.DistributedDataParallel's reducer (buckets,
 readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
@@ -324,16 +324,19 @@ class _SourceIds:
     replica may pass its own components or the container), None for anything else (e.g. a replica's own
     tensor). Each bucket's all-reduce among replica threads carries it: the buckets are summed position by
     position, so replicas that list the variables in different orders raise there, before any sum. Workers
-    (MultiWorkerMirroredStrategy) compare `digest` (names and shapes) in their buckets' signature check."""
+    (MultiWorkerMirroredStrategy) compare `digest` (names, ordinals among same-named variables, shapes) in
+    their buckets' signature check."""
 
     __slots__ = ("ids", "containers", "digest")
 
     def __init__(self, sources):
         self.containers = tuple(values.value_container(s) for s in sources)
         self.ids = tuple(id(c) if isinstance(c, values.DistributedVariable) else None for c in self.containers)
-        # across processes ids mean nothing: the sources' names and shapes by position, as one positive int that
-        # a worker's bucket signature carries (collective_ops compares it with every worker's)
-        described = repr([(_name(c), tuple(getattr(c, "shape", ()))) for c in self.containers]).encode()
+        # across processes ids mean nothing: the sources' names (with their ordinal among same-named variables,
+        # so that two of one name and shape are told apart) and shapes by position, as one positive int that a
+        # worker's bucket signature carries (collective_ops compares it with every worker's)
+        described = repr([(_name(c), getattr(c, "name_ordinal", 0), tuple(getattr(c, "shape", ())))
+                          for c in self.containers]).encode()
         self.digest = (zlib.crc32(described) & 0x7FFFFFFF) or 1
 
     def mismatch(self, tags):

@@ -70,16 +70,33 @@ def live_variables(strategy):
     return [v for _, v in items]
 
 
+# strategy -> {name: how many distributed variables of that name it has created}, for `name_ordinal`
+_name_counts = weakref.WeakKeyDictionary()
+
+
 def _register(strategy, variable):
+    name = variable.name
     with _live_lock:
         table = _live.get(strategy)
         if table is None:
             table = _live[strategy] = weakref.WeakValueDictionary()
         table[next(_live_counter)] = variable
+        counts = _name_counts.setdefault(strategy, {})
+        variable.name_ordinal = counts.get(name, 0)
+        counts[name] = variable.name_ordinal + 1
 
 
 class DistributedVariable(DistributedValues):
-    """A variable with one component Variable per replica device."""
+    """A variable with one component Variable per replica device.
+
+    `name_ordinal`: how many variables of the same name the strategy created
+    before this one (0 for a name met first). With the name, it tells apart
+    variables that share a name (two unnamed ones are both "Variable" under
+    MultiWorkerMirroredStrategy; explicit names may repeat), as TF's name
+    scopes number them ("dense/kernel", "dense_1/kernel"), and is the same on
+    every worker that creates its variables in the same order (as SPMD
+    programs do): gradient buckets' cross-worker signatures carry it.
+    """
 
     def __init__(self, strategy, components, aggregation):
         super().__init__(components)

@@ -80,6 +80,13 @@ def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path
             err = _error(res, scenario)
             assert err.startswith(said) and f"of tape.gradient's GradientSync (float32[{size}" in err, err
             assert "the workers passed tape.gradient different sources (names or shapes) at some position" in err
+        # two variables of one name and shape are told apart by their creation order among that name's
+        assert res["same_name_same"] == {"value": [-3.0, -3.0, -30.0, -30.0]}, res["same_name_same"]
+        for scenario, size in (("same_name_swapped", "3]) over sources 0x"), ("unnamed_swapped_one_bucket", "6]) over")):
+            err = _error(res, scenario)
+            assert err.startswith(f"CollectiveMismatchError: rank {r}: collectives out of step: "), err
+            assert f"of tape.gradient's GradientSync (float32[{size}" in err, err
+            assert "variables of one name are told apart by their creation order" in err, err
 
 
 @pytest.mark.multiprocess

@@ -20,6 +20,8 @@ argv: out_dir, mode.
         same step without GradientSync).
       sources_same, sources_swapped(_one_bucket): a GradientSync step with two same-shaped variables, passed to
         tape.gradient in the same order / in another order on rank 1 (two buckets, one).
+      same_name_same, same_name_swapped, unnamed_swapped_one_bucket: the same with two variables of one name
+        ("w"; unnamed: "Variable" on every worker), in one order / swapped on rank 1.
     Writes $OUT/rank<r>.json: {scenario: {"value": ...} or {"error": "Type: message"}}.
   "save_then_exit": rank 0 alone calls checkpoint.save while rank 1 leaves the program.
 """
@@ -143,11 +145,11 @@ def walk_both(strategy):
     return _walk_step(strategy, True, _walk_sync()) + _walk_step(strategy, True, None)
 
 
-def _ordered_sources(strategy, swap, cap_mb):
+def _ordered_sources(strategy, swap, cap_mb, names=("v0", "v1")):
     """One SGD(1.0) step with GradientSync; rank r's loss is (r + 1) * sum(v0) + 10 * (r + 1) * sum(v1) (same
-    shapes); rank 1 passes tape.gradient [v1, v0] when `swap`. Returns the variables."""
+    shapes; named `names`); rank 1 passes tape.gradient [v1, v0] when `swap`. Returns the variables."""
     with strategy.scope():
-        vs = [dtape.Variable([0.0, 0.0], name="v0"), dtape.Variable([0.0, 0.0], name="v1")]
+        vs = [dtape.Variable([0.0, 0.0], name=names[0]), dtape.Variable([0.0, 0.0], name=names[1])]
     opt = dtape.optimizers.SGD(1.0)
 
     def step():
@@ -171,6 +173,18 @@ def sources_swapped_one_bucket(strategy):
     return _ordered_sources(strategy, True, 25.0)
 
 
+def same_name_same(strategy):         # two variables named "w", in one order on both: no false alarm
+    return _ordered_sources(strategy, False, 1e-9, ("w", "w"))
+
+
+def same_name_swapped(strategy):      # ... in another order on rank 1: names and shapes alike, creation order not
+    return _ordered_sources(strategy, True, 1e-9, ("w", "w"))
+
+
+def unnamed_swapped_one_bucket(strategy):  # both unnamed ("Variable" on every worker), one bucket
+    return _ordered_sources(strategy, True, 25.0, (None, None))
+
+
 def attempt(fn, strategy=None, *args):
     strategy = strategy or dd.MultiWorkerMirroredStrategy(seed=0)
     try:
@@ -184,7 +198,8 @@ def attempt(fn, strategy=None, *args):
 if mode == "scenarios":
     for scenario in (save_then_reduce, save_then_step, shapes, dtypes, order, fine, announced_fine,
                      announced_then_large, announced_then_small, announced_both_leave, walk_one, walk_both,
-                     sources_same, sources_swapped, sources_swapped_one_bucket):
+                     sources_same, sources_swapped, sources_swapped_one_bucket, same_name_same, same_name_swapped,
+                     unnamed_swapped_one_bucket):
         attempt(scenario)
 else:
     strategy = dd.MultiWorkerMirroredStrategy(seed=0)
