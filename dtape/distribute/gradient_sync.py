@@ -47,7 +47,7 @@ Every replica must call `tape.gradient` with the same sources, and
 collectives. A mismatch raises ValueError (or TimeoutError), never a silent mix: each bucket's
 all-reduce carries which variable is at each position (`_SourceIds`, built with the layout), compared by
 the replica threads before the sum, and across workers as a digest of the names (with each variable's
-`name_ordinal` among same-named ones) and shapes in the bucket's signature (collective_ops).
+`_name_ordinal` among same-named ones) and shapes in the bucket's signature (collective_ops).
 
 Source: torch.nn.parallel.DistributedDataParallel's reducer (buckets,
 readiness, bucket_cap_mb=25), Horovod's DistributedGradientTape.
@@ -335,7 +335,7 @@ class _SourceIds:
         # across processes ids mean nothing: the sources' names (with their ordinal among same-named variables,
         # so that two of one name and shape are told apart) and shapes by position, as one positive int that a
         # worker's bucket signature carries (collective_ops compares it with every worker's)
-        described = repr([(_name(c), getattr(c, "name_ordinal", 0), tuple(getattr(c, "shape", ())))
+        described = repr([(_name(c), getattr(c, "_name_ordinal", 0), tuple(getattr(c, "shape", ())))
                           for c in self.containers]).encode()
         self.digest = (zlib.crc32(described) & 0x7FFFFFFF) or 1
 

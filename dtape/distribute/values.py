@@ -70,7 +70,7 @@ def live_variables(strategy):
     return [v for _, v in items]
 
 
-# strategy -> {name: how many distributed variables of that name it has created}, for `name_ordinal`
+# strategy -> {name: how many distributed variables of that name it has created}, for `_name_ordinal`
 _name_counts = weakref.WeakKeyDictionary()
 
 
@@ -82,14 +82,14 @@ def _register(strategy, variable):
             table = _live[strategy] = weakref.WeakValueDictionary()
         table[next(_live_counter)] = variable
         counts = _name_counts.setdefault(strategy, {})
-        variable.name_ordinal = counts.get(name, 0)
-        counts[name] = variable.name_ordinal + 1
+        variable._name_ordinal = counts.get(name, 0)
+        counts[name] = variable._name_ordinal + 1
 
 
 class DistributedVariable(DistributedValues):
     """A variable with one component Variable per replica device.
 
-    `name_ordinal`: how many variables of the same name the strategy created
+    `_name_ordinal`: how many variables of the same name the strategy created
     before this one (0 for a name met first). With the name, it tells apart
     variables that share a name (two unnamed ones are both "Variable" under
     MultiWorkerMirroredStrategy; explicit names may repeat), as TF's name
