@@ -1092,7 +1092,11 @@ class TorchOptimizer(Optimizer):
 
     Raises (apply_gradients, build):
       ValueError: a variable that is none of the torch optimizer's
-        parameters; a variable listed twice. Otherwise as `Optimizer`.
+        parameters; a variable listed twice; under MirroredStrategy, a
+        component that the step would overwrite with a copy of replica 0's
+        new value differs from replica 0's (written on its own, bypassing the
+        strategy: TF and dtape's optimizers would keep that write), raised
+        before anything is updated. Otherwise as `Optimizer`.
     """
 
     _checkpoint_by_state_dict = True  # dtape.checkpoint stores state_dict() (torch's state, not dtape variables)
@@ -1113,6 +1117,7 @@ class TorchOptimizer(Optimizer):
         self._grads = {}         # replica index -> (its parameters, their `.grad` buffers) (see _grad_buffers)
         self._plan = None        # the latest variables' _Plan: kept while apply_gradients gets the same ones
         self._stale = False      # the user's optimizer loaded a state dict since the copies were made
+        self._in_sync = {}       # id(copied component) -> its and replica 0's (tensor id, version) when last equal
         torch_optimizer.register_load_state_dict_post_hook(
             functools.partial(_copies_stale, weakref.ref(self)))
         # Until a variable is matched with its slot, the slot holds an empty placeholder and only a weak
@@ -1233,6 +1238,7 @@ class TorchOptimizer(Optimizer):
         plan = self._plan_for([v for _, v in pairs])
         grads = [g for g, _ in pairs]
         with _tp.stop_recording(), uninterrupted():
+            self._check_copied(plan)
             stepped = plan.stepped
             optimizers = self._optimizers(stepped)
             for i in stepped:
@@ -1241,8 +1247,30 @@ class TorchOptimizer(Optimizer):
                 self._step_index(i, optimizers[i], plan, parts)
             for i in plan.copied:  # same memory as index 0: its new values, bit for bit (see _Plan)
                 update_together(plan.components[i], functools.partial(_copy_from, plan.sources(i)))
+            self._note_copied(plan)
             self.iterations.assign_add(1)
         return self.iterations
+
+    # -- copied replica indices: their components must still equal replica 0's ---------------------
+    def _check_copied(self, plan):
+        """Raises ValueError, before anything is updated, if a component that the step would overwrite with
+        replica 0's new value (a copied index) differs from replica 0's: it was written on its own. TF keeps
+        such a write (each component is updated with its own value); a copy would silently discard it, so
+        the step refuses. Only components written since the last step (their tensor or its version moved)
+        are compared; the first step compares all."""
+        for i in plan.copied:
+            for src, comp in zip(plan.sources(i), plan.components[i]):
+                t0, t = src._t, comp._t
+                if self._in_sync.get(id(comp)) != (id(t0), t0._version, id(t), t._version) and \
+                        not _equal(t0, t):
+                    raise _diverged_error(self.name, distribute.value_container(comp), i)
+
+    def _note_copied(self, plan):
+        """After the copies: each copied component equals replica 0's as its tensors stand now."""
+        for i in plan.copied:
+            for src, comp in zip(plan.sources(i), plan.components[i]):
+                t0, t = src._t, comp._t
+                self._in_sync[id(comp)] = (id(t0), t0._version, id(t), t._version)
 
     def _plan_for(self, variables):
         """The _Plan of `variables`: the cached one while they are the very same objects in the same order
@@ -1448,6 +1476,25 @@ def _same_memory(a, b):
 
 def _copy_from(sources, tensors):
     torch._foreach_copy_(tensors, [s.torch() for s in sources])
+
+
+def _equal(a, b):
+    """Bit-for-bit equal values (NaNs in the same places count as equal), on `a`'s device."""
+    b = b.to(a.device)
+    return torch.equal(a, b) or bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all()) \
+        if a.is_floating_point() else torch.equal(a, b)
+
+
+def _diverged_error(name, var, index):
+    return ValueError(
+        f"{name}.apply_gradients: replica {index}'s component of MirroredVariable {var.name!r} differs from "
+        f"replica 0's: it was written on its own since the last step (e.g. var.values[{index}].assign(...), or, "
+        f"for replica 0, in place through the wrapped torch module's parameter, which is replica 0's component: "
+        f"module.load_state_dict(...), torch.nn.init.*_). This step would update replica {index} by copying "
+        f"replica 0's new value, discarding that write (TF updates each component from its own value, and "
+        f"strategy.extended.check_mirrored() reports the difference). Write every replica instead: "
+        f"var.assign(value) in the cross-replica context, or the TorchModule's load_state_dict. Nothing was "
+        f"updated.")
 
 
 def _reuse(buf, param):
