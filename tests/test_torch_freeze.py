@@ -27,8 +27,9 @@ def _batch(step):
 
 
 def _set_frozen(model, frozen):
-    for p in model[0].parameters():  # the fine-tuning habit: freeze the first layer
-        p.requires_grad_(not frozen)
+    """The fine-tuning habit: freeze the first layer (both of torch's spellings)."""
+    model[0].weight.requires_grad_(not frozen)
+    model[0].bias.requires_grad = not frozen
 
 
 def _torch_run(model, phases):
@@ -137,3 +138,35 @@ def test_frozen_parameter_is_left_by_dtape_optimizers_and_listed_as_non_trainabl
     after = list(model.parameters())
     assert torch.equal(after[0], first[0]) and torch.equal(after[1], first[1])
     assert not torch.equal(after[2], first[2])
+
+
+@pytest.mark.parametrize("kind", ["one", "mirrored"])
+def test_torch_optimizer_over_the_parameters_left_trainable_as_torch_feature_extraction(kind):
+    """torchvision's feature-extraction recipe: freeze, then optimize `[p for p in params if p.requires_grad]`."""
+    ref = _model(3)
+    _set_frozen(ref, True)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    model = _model(3)
+    strategy = _strategy(kind)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    _set_frozen(model, True)
+    opt = dtape.optimizers.from_torch(torch.optim.SGD([p for p in tm.parameters() if p.requires_grad], lr=0.1,
+                                                      momentum=0.9))
+
+    def step(x):
+        variables = tm.trainable_variables
+        with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+            loss = dtape.reduce_sum(dtape.square(tm(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    for i in range(3):
+        ref_opt.zero_grad()
+        ref(_batch(i)).square().sum().backward()
+        ref_opt.step()
+        for x in strategy.experimental_distribute_dataset([_batch(i).numpy()]):
+            strategy.run(step, args=(x,))
+    for a, b in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-14)
+    assert torch.equal(model[0].weight, _model(3)[0].weight)
+    _assert_components_equal(tm)
