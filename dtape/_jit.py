@@ -360,7 +360,8 @@ class JitFunction:
 
     def _lookup(self, relaxed, tensors, shapes):
         for c in self._concrete.get(relaxed, ()):
-            if all(_shape_matches(p, tuple(t.shape)) for p, t in zip(c.shapes, tensors)):
+            if all(_shape_matches(p, tuple(t.shape)) for p, t in zip(c.shapes, tensors)) and \
+                    all(p.requires_grad is flag for p, flag in c.requires_grad):
                 return c
         return None
 
@@ -448,7 +449,17 @@ def _classify(leaves):
     return tuple(kinds), tensors, shapes
 
 
+def _requires_grad_guard(variables):
+    """[(torch parameter, its requires_grad)] for the variables whose trainability follows a torch parameter's
+    (a TorchModule's): which of them a trace watched depends on it, so a graph is reused only while every flag
+    is as it was traced (torch.compile guards on requires_grad too); freezing or unfreezing retraces."""
+    params = [getattr(v, "_requires_grad_of", None) for v in variables]
+    return [(p, p.requires_grad) for p in params if p is not None]
+
+
 def _retrace_cause(previous, shapes, traced_before, first_cause):
+    if previous and list(shapes) == list(previous[-1].shapes):
+        return "a TorchModule parameter's requires_grad changed (a layer frozen or unfrozen)"
     if previous:
         return f"tensor shapes {[list(s) for s in shapes]} differ from the traced {[list(s) for s in previous[-1].shapes]}"
     if traced_before:
@@ -474,6 +485,7 @@ class _Concrete:
             int.from_bytes(os.urandom(7), "little"))
         self._vjp = None
         self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
+        self.requires_grad = _requires_grad_guard(self.variables)
         # the positions (among the graph's inputs) of the variables the graph writes into, or None: it returns
         # their new values instead (see `_write_into_inputs`)
         self._targets = _write_into_inputs(self.graph, len(tensors), self.variables, self.written,

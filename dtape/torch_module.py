@@ -305,6 +305,7 @@ def _grad_flags(module, params):
         if id(var) not in seen:
             seen.add(id(var))
             out.append((by_name[name], var))
+            var._requires_grad_of = by_name[name]  # compiled functions guard on it (`_jit`), as torch.compile does
     return out
 
 

@@ -170,3 +170,35 @@ def test_torch_optimizer_over_the_parameters_left_trainable_as_torch_feature_ext
         np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-14)
     assert torch.equal(model[0].weight, _model(3)[0].weight)
     _assert_components_equal(tm)
+
+
+def test_compiled_step_retraces_when_a_parameter_is_frozen_or_unfrozen():
+    """A compiled step's graph watched the parameters trainable when traced: it is reused only while every
+    requires_grad is as traced (torch.compile guards on it too). Reference: torch's SGD, the same freezes."""
+    ref, model = _model(4), _model(4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    tm = dtape.layers.TorchModule(model)
+    opt = dtape.optimizers.SGD(0.1)
+
+    @dtape.function(jit_compile=True, backend=None)
+    def step(x):
+        variables = tm.trainable_variables
+        with dtape.GradientTape() as tape:
+            loss = dtape.reduce_sum(dtape.square(tm(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    i = 0
+    for phase, n in STEPS:
+        _set_frozen(ref, phase == "frozen")
+        _set_frozen(model, phase == "frozen")
+        for _ in range(n):
+            ref_opt.zero_grad()
+            ref(_batch(i)).square().sum().backward()
+            ref_opt.step()
+            step(dtape.constant(_batch(i)))
+            for a, b in zip(model.parameters(), ref.parameters()):
+                np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-14,
+                                           err_msg=f"step {i} ({phase})")
+            i += 1
+    assert step.experimental_get_tracing_count() == 2  # all trainable, frozen; unfreezing finds the first graph
