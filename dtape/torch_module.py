@@ -151,7 +151,7 @@ class TorchModule(Module):
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
         self._slots = _param_slots(self._params)
-        self._grad_flags = _grad_flags(module, self._params)
+        self._requires_grad = _RequiresGrad(module, self._params)
         aggregation = _BUFFER_SYNC[sync_buffers]
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
                                    lambda b, name: _buffer_var(b, name, aggregation))
@@ -199,11 +199,7 @@ class TorchModule(Module):
         `requires_grad`: torch's freezing (`p.requires_grad_(False)`) after wrapping, or unfreezing, means
         here what it means in torch (no gradient, the optimizer leaves it), through TF's rule that a tape
         does not watch a non-trainable variable. Called by each call and by `trainable_variables`."""
-        for p, var in self._grad_flags:
-            want = p.requires_grad
-            if var.trainable is not want:
-                for c in getattr(var, "values", (var,)):  # a distributed variable's components
-                    c._trainable = want
+        self._requires_grad.refresh()
 
     def parameters(self, recurse=True):
         """The wrapped module's parameters (`module.parameters()`): the trainable Variables' own storage."""
@@ -296,17 +292,32 @@ def _share(var, t):
             t.data = component.torch()
 
 
-def _grad_flags(module, params):
-    """[(the module's parameter, its Variable)] per distinct parameter: whose `requires_grad` each Variable
-    follows (`TorchModule._refresh_trainable`). Not the components: the module walk would list them."""
-    by_name = dict(module.named_parameters(remove_duplicate=False))
-    out, seen = [], set()
-    for name, var in params.items():
-        if id(var) not in seen:
-            seen.add(id(var))
-            out.append((by_name[name], var))
-            var._requires_grad_of = by_name[name]  # compiled functions guard on it (`_jit`), as torch.compile does
-    return out
+class _RequiresGrad:
+    """The module's distinct parameters and their Variables' components, whose `_trainable` follows each
+    parameter's `requires_grad` (`refresh`). A plain object: the module walk does not list the components."""
+
+    __slots__ = ("params", "components", "flags")
+
+    def __init__(self, module, params):
+        by_name = dict(module.named_parameters(remove_duplicate=False))
+        self.params, self.components, seen = [], [], set()
+        for name, var in params.items():
+            if id(var) not in seen:
+                seen.add(id(var))
+                self.params.append(by_name[name])
+                self.components.append(tuple(getattr(var, "values", (var,))))
+                var._requires_grad_of = by_name[name]  # compiled functions guard on it (`_jit`), as torch.compile
+        self.flags = [c[0]._trainable for c in self.components]
+
+    def refresh(self):
+        """One list comparison when nothing changed. The flags are noted after the components are set: a
+        replica calling meanwhile sets them itself, so no replica reads before its components follow."""
+        flags = [p.requires_grad for p in self.params]
+        if flags != self.flags:
+            for comps, want in zip(self.components, flags):
+                for c in comps:
+                    c._trainable = want
+            self.flags = flags
 
 
 def _param_var(p, name):
