@@ -102,10 +102,11 @@ def _load():
 
 
 def _build_directory():
-    """Under torch's extension root (`TORCH_EXTENSIONS_DIR`), one per Python and torch version: the library
-    links against this torch's libraries."""
+    """Under torch's extension root (`TORCH_EXTENSIONS_DIR`, else torch's default), one per Python and torch
+    version: the library links against this torch's libraries."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    return os.path.join(cpp_extension.get_default_build_root(), re.sub(r"[^\w.-]", "_", version), _NAME)
+    return os.path.join(root, re.sub(r"[^\w.-]", "_", version), _NAME)
 
 
 def _declare(lib):
