@@ -183,3 +183,36 @@ def test_a_failed_build_falls_back_to_the_warning_naming_the_reason(monkeypatch,
             results = per_replica(strategy.run(forward, args=(xs,)))
     assert [on for *_, on in results] == [False, False]
     assert not [e for e in prof.events() if e.name == "aten::addmm"]  # the replicas' forward is not recorded
+
+
+def test_scheduled_profiler_as_training_scripts_use_it_records_the_active_steps_of_both_replicas(tmp_path):
+    """The tutorials' idiom: schedule(wait, warmup, active), a trace handler, shapes, memory and Python stacks,
+    prof.start() / prof.step() / prof.stop() around the loop. Each run carries the profiler as it is at that
+    step: nothing in the wait and warmup steps, both replicas in the active ones."""
+    strategy, net, opt = _setup()
+    step, xs = _train_step(net, opt), _inputs()
+    traces = []
+
+    def on_trace_ready(prof):
+        traces.append([(e.name, e.thread) for e in prof.events() if e.name in RANGES + ("test.main",)])
+        torch.profiler.tensorboard_trace_handler(str(tmp_path))(prof)
+    prof = torch.profiler.profile(activities=CPU, schedule=torch.profiler.schedule(wait=1, warmup=1, active=2),
+                                  on_trace_ready=on_trace_ready, record_shapes=True, profile_memory=True,
+                                  with_stack=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*replica threads")  # dtape's (torch warns of its own here)
+        prof.start()
+        for _ in range(5):
+            with torch.profiler.record_function("test.main"):
+                pass
+            strategy.run(step, args=(xs,))
+            prof.step()
+        prof.stop()
+    assert len(traces) == 1 and list(tmp_path.glob("*.pt.trace.json"))
+    names = [name for name, _ in traces[0]]
+    assert names.count("test.main") == 2  # the two active steps
+    assert names.count("dtape.gradient") == 4 and names.count("dtape.apply_gradients") == 4  # 2 steps x 2 replicas
+    assert names.count("dtape.all_reduce") == 4 * N_VARS
+    main = {t for name, t in traces[0] if name == "test.main"}
+    replicas = {t for name, t in traces[0] if name == "dtape.gradient"}
+    assert len(replicas) == 2 and not replicas & main
