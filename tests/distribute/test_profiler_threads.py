@@ -4,6 +4,8 @@ profiler state is carried into them for the run (dtape/distribute/profiler_threa
 The first test to profile a run builds the small C++ helper (seconds to a minute on a loaded machine,
 cached on disk after): no timing is asserted anywhere here.
 """
+import pathlib
+import threading
 import warnings
 
 import numpy as np
@@ -171,10 +173,7 @@ def test_replica_threads_get_their_own_state_back_after_a_profiled_run_even_one_
 
 def test_a_failed_build_falls_back_to_the_warning_naming_the_reason(monkeypatch, tmp_path):
     """No ninja (or no compiler): the run still works, unprofiled on the replicas, and says why."""
-    # a library this process has not built (torch skips the build of one it built), in an empty build root
-    monkeypatch.setattr(profiler_threads, "_built", {"lib": None, "error": None})
-    monkeypatch.setattr(profiler_threads, "_NAME", "dtape_thread_state_unbuilt")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    _unbuilt_library(monkeypatch, tmp_path)
     monkeypatch.setenv("PATH", "/nonexistent")  # torch's cpp_extension finds no ninja
     strategy, net, _ = _setup()
     (forward, per_replica), xs = _forward_state(strategy, net), _inputs()
@@ -183,6 +182,29 @@ def test_a_failed_build_falls_back_to_the_warning_naming_the_reason(monkeypatch,
             results = per_replica(strategy.run(forward, args=(xs,)))
     assert [on for *_, on in results] == [False, False]
     assert not [e for e in prof.events() if e.name == "aten::addmm"]  # the replicas' forward is not recorded
+
+
+def _unbuilt_library(monkeypatch, tmp_path):
+    """A library this process has not built (torch skips rebuilding one it built) in an empty build root."""
+    monkeypatch.setattr(profiler_threads, "_built", {"lib": None, "error": None})
+    monkeypatch.setattr(profiler_threads, "_NAME", "dtape_thread_state_unbuilt")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+
+def test_a_build_lock_left_by_a_killed_build_gives_up_after_the_wait_naming_the_file(monkeypatch, tmp_path):
+    """torch's own wait for another process's build lock never ends; dtape's is bounded (LOCK_WAIT_S)."""
+    _unbuilt_library(monkeypatch, tmp_path)
+    monkeypatch.setattr(profiler_threads, "LOCK_WAIT_S", 0.5)
+    lock = pathlib.Path(profiler_threads._build_directory(), "lock")  # under tmp_path
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(profiler_threads.library()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=120)  # generous: only a wait that never ends fails here
+    assert got, "library() still waits on the stale lock"
+    lib, reason = got[0]
+    assert lib is None and "build lock" in reason and str(lock) in reason and "delete it" in reason
 
 
 def test_scheduled_profiler_as_training_scripts_use_it_records_the_active_steps_of_both_replicas(tmp_path):
