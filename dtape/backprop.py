@@ -37,8 +37,8 @@ def profile_range(name):
 
     dtape's backward walks ("dtape.gradient") and collectives
     ("dtape.all_reduce", "dtape.broadcast") show as named ranges in
-    torch.profiler traces, replica threads included when the profiler
-    records all threads (`_ExperimentalConfig(profile_all_threads=True)`).
+    torch.profiler traces, MirroredStrategy's replica threads included
+    (`strategy.run` carries a default profiler into them).
     The test is torch's process-wide "a profiler is running" flag (set on
     whichever thread started it), so without a profiler a range costs a
     module attribute read.

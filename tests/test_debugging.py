@@ -92,7 +92,6 @@ def test_check_mirrored_names_the_first_variable_and_replica_that_differ():
     assert a.values[0].numpy()[0] == 1.0
 
 
-@pytest.mark.filterwarnings("ignore:torch.profiler.profile\\(\\) with its default settings")  # replicas not traced
 def test_gradient_walk_and_collectives_are_named_profiler_ranges():
     strategy = MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():

@@ -51,16 +51,18 @@ def test_profiler_recording_all_threads_shows_replica_ops_and_named_ranges():
     assert len(threads) == 2, threads  # the forward's matmul ran on both replica threads
 
 
-def test_default_profiler_warns_that_replica_threads_are_not_recorded():
-    """torch keeps a default profiler's state in the starting thread's C++ thread-local state: the replica
-    threads cannot be given it, so strategy.run says how to record them."""
+def test_default_profiler_records_replica_threads_without_a_warning():
+    """strategy.run carries a default profiler's thread-local state into its replica threads
+    (tests/distribute/test_profiler_threads.py checks it in depth)."""
     strategy, net, opt = _mirrored_model()
     x = dtape.constant(np.ones((2, 4), np.float32))
-    with pytest.warns(UserWarning, match=r"profile_all_threads=True"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         with torch.profiler.profile(activities=CPU) as prof:
             strategy.run(_train_step(net, opt, x))
-    names = {e.key for e in prof.key_averages()}
-    assert "aten::addmm" not in names  # the replicas' forward is not in a default trace
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("dtape.gradient") == 2 and counts.get("dtape.apply_gradients") == 2
+    assert len({e.thread for e in prof.events() if e.name == "aten::addmm"}) == 2
 
 
 def test_profiler_ranges_of_a_single_process_step():

@@ -11,7 +11,8 @@ state does not cross threads by itself, so each replica job enters:
     once per strategy from the strategy seed and the replica id);
   * the caller's thread-local torch state, captured on the caller thread by
     `capture_caller_state()` when `run` is called: grad mode, inference
-    mode and autocast (enabled, dtype, cache) for the CPU and CUDA.
+    mode and autocast (enabled, dtype, cache) for the CPU and CUDA, and a
+    default torch profiler running on the caller (`profiler_threads`).
     torch's default dtype is process-global, so replicas see it as is;
   * the run's token (`dtape.tape.replica_run_scope`), one per `run` call:
     a tape opened inside one replica does not watch the variable reads of
@@ -30,18 +31,19 @@ import torch
 
 from dtape import _call_context
 from dtape import tape as _tp
+from dtape.distribute import profiler_threads
 from dtape.random import generator_scope
 from dtape.tensor import device as device_scope
 from dtape.tensor import normalize_device
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 # True on the thread that started a thread-local (default) torch.profiler; False elsewhere and for a
-# profiler recording all threads (its state is process-global).
+# profiler recording all threads (its state is process-global: every thread is recorded already).
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _PROFILER_WARNING = (
-    "torch.profiler.profile() with its default settings records only the thread that started it (torch keeps "
-    "its state in C++ thread-local storage that Python threads cannot inherit), so the ops of this "
-    "strategy's replica threads are not in the trace; to see them, record every thread: "
+    "torch.profiler.profile() with its default settings records only the thread that started it, and its "
+    "state could not be carried into this strategy's replica threads ({reason}), so their ops are not in the "
+    "trace; to see them, record every thread: "
     "torch.profiler.profile(..., experimental_config=torch._C._profiler._ExperimentalConfig("
     "profile_all_threads=True))")
 _MAX_SEED = 2**63 - 1
@@ -147,17 +149,20 @@ def _seeded(gen, seed):
 class CallerState:
     """The caller thread's thread-local torch state, to be re-entered on each replica thread."""
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "run", "training")
+    __slots__ = ("grad_enabled", "inference", "autocast", "run", "training", "profiler")
 
-    def __init__(self, grad_enabled, inference, autocast, run=None, training=None):
+    def __init__(self, grad_enabled, inference, autocast, run=None, training=None, profiler=None):
         self.grad_enabled = grad_enabled
         self.inference = inference
         self.autocast = autocast  # ((device_type, dtype, cache_enabled), ...) for enabled types
         self.run = run if run is not None else object()  # this run call's token (replica_run_scope)
         self.training = training  # the layer-call mode (call context) in progress where run was called
+        self.profiler = profiler  # the caller's default profiler (profiler_threads.CapturedProfiler), or None
 
     def enter(self, stack):
         """Enters this state on the current thread, on `stack` (a contextlib.ExitStack)."""
+        if self.profiler is not None:  # first, so it is left last: the job's every op is recorded
+            stack.enter_context(self.profiler.entered())
         if self.inference:
             stack.enter_context(torch.inference_mode(True))
         else:
@@ -175,31 +180,33 @@ def capture_caller_state():
 
     Call it once per `strategy.run` call: its replicas share the token.
 
-    torch's profiler state cannot be carried: a default `torch.profiler.profile()`
-    keeps its state and its op callbacks in the starting thread's C++
-    thread-local state (`at::ThreadLocalState`: the PROFILER_STATE debug info
-    and the RecordFunction callbacks), which torch copies to its own threads
-    (autograd engine, `at::launch`) but exposes to no Python thread; a second
-    profiler started on a replica thread would start and stop the one
-    process-wide kineto trace under the caller's. libtorch's own way for a
-    child thread to join it (`enableProfilerInChildThread`, in libtorch_cpu
-    but bound to no Python name in torch 2.13) keeps one callback handle per
-    profiler: each joining thread overwrites the caller's, whose callback
-    then outlives the profiler and records every later op of the caller
-    twice (seen: 3 events for one op after two sessions). So the replica threads'
-    ops are seen only by a profiler that records every thread
-    (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`,
-    whose state is process-global); with a thread-local one running on the
-    caller (`torch._C._autograd._profiler_enabled()` is True only there) a
-    warning says so.
+    A default `torch.profiler.profile()` running on the caller
+    (`torch._C._autograd._profiler_enabled()` is True only on the thread that
+    started it) is captured too, so the replicas' ops and ranges are in its
+    trace; only the profiler's own state crosses (`profiler_threads`), so a
+    profiled run computes what an unprofiled one does. If dtape's small C++
+    helper for that cannot be built (no compiler or ninja), a warning names
+    the reason and the replica threads are not recorded. A profiler that
+    records every thread (`profile_all_threads=True`) needs nothing carried.
     """
-    if _profiler_enabled():
-        warnings.warn(_PROFILER_WARNING, UserWarning, stacklevel=4)
+    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _caller_autocast(), object(),
+                       _call_context.current_training(), _caller_profiler())
+
+
+def _caller_autocast():
     cache = torch.is_autocast_cache_enabled()
-    autocast = tuple((t, torch.get_autocast_dtype(t), cache)
-                     for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t))
-    return CallerState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, object(),
-                       _call_context.current_training())
+    return tuple((t, torch.get_autocast_dtype(t), cache)
+                 for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t))
+
+
+def _caller_profiler():
+    """The calling thread's default profiler, captured for the replicas; None when none runs here."""
+    if not _profiler_enabled():
+        return None
+    profiler, reason = profiler_threads.capture()
+    if profiler is None:
+        warnings.warn(_PROFILER_WARNING.format(reason=reason), UserWarning, stacklevel=5)
+    return profiler
 
 
 @contextlib.contextmanager
