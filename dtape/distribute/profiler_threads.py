@@ -31,6 +31,11 @@ import weakref
 import torch
 from torch.utils import cpp_extension
 
+try:  # the `ninja` wheel (a dependency); its binary is on PATH only in an activated environment
+    import ninja
+except ImportError:  # pragma: no cover - then torch looks for a ninja on PATH itself
+    ninja = None
+
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_csrc", "thread_state.cpp")
 _NAME = "dtape_thread_state"
 # How long to wait for another process's build lock before giving up. A build
@@ -96,9 +101,27 @@ def _load():
     build_dir = _build_directory()
     os.makedirs(build_dir, exist_ok=True)
     _wait_for_build_lock(os.path.join(build_dir, "lock"))
-    path = cpp_extension.load(_NAME, [_SOURCE], extra_cflags=["-O2"], build_directory=build_dir,
-                              is_python_module=False, verbose=False)
+    with _ninja_on_path():
+        path = cpp_extension.load(_NAME, [_SOURCE], extra_cflags=["-O2"], build_directory=build_dir,
+                                  is_python_module=False, verbose=False)
     return _declare(ctypes.CDLL(path))
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """Puts the ninja wheel's binary first on PATH for the build: a virtual environment's Python run without
+    activating it (`.venv/bin/python`) has the wheel but not its `bin` on PATH, and torch runs `ninja` by name."""
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    old = os.environ.get("PATH")
+    if bin_dir and os.path.isdir(bin_dir):
+        os.environ["PATH"] = bin_dir + os.pathsep + (old or "")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
 
 
 def _build_directory():
