@@ -16,17 +16,21 @@ the same TorchModule at once.
 Source: torch.func.functional_call (parameter substitution); Keras 3's
 `keras.layers.TorchModuleWrapper` is the analogous Keras API.
 """
+import itertools
 import sys
+import threading
 
 import torch
 
 from dtape import _call_context
+from dtape import _replica_info
 from dtape import random as _random
 from dtape import tape as _tp
 from dtape.module import Module
 from dtape.ops._dispatch import SeededRandomFunctions, call_fallback, flatten_args, unflatten_args
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
-from dtape.variables import Variable, VariableAggregation, read_values, share_storage
+from dtape.variables import (Variable, VariableAggregation, current_creator_stack, read_values,
+                             set_creator_stack, share_storage)
 
 # How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
 _BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
@@ -144,6 +148,7 @@ class TorchModule(Module):
 
     def __init__(self, module, name=None, sync_buffers="mean"):
         _check_module(module)
+        generation = _watch_registrations()  # before the walk: a change during it is followed at the next call
         if sync_buffers not in _BUFFER_SYNC:
             raise ValueError(f"TorchModule(sync_buffers={sync_buffers!r}): use 'mean' (the replicas' updates "
                              "averaged) or 'broadcast' (replica 0's, as DDP's broadcast_buffers)")
@@ -155,8 +160,10 @@ class TorchModule(Module):
         aggregation = _BUFFER_SYNC[sync_buffers]
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
                                    lambda b, name: _buffer_var(b, name, aggregation))
+        self._follow = _Follow(generation, current_creator_stack(), aggregation, module, self._params, self._buffers)
 
     def __call__(self, *args, training=None, **kwargs):
+        self._follow_module()
         training = _call_context.resolve_training(training, None)
         mode = self.module.training if training is None else training
         shadow = _shadow(self.module, mode)
@@ -199,6 +206,8 @@ class TorchModule(Module):
         `requires_grad`: torch's freezing (`p.requires_grad_(False)`) after wrapping, or unfreezing, means
         here what it means in torch (no gradient, the optimizer leaves it), through TF's rule that a tape
         does not watch a non-trainable variable. Called by each call and by `trainable_variables`."""
+        if self._follow.generation != _registrations.generation:
+            self._follow_structure()
         self._requires_grad.refresh()
 
     def parameters(self, recurse=True):
@@ -223,6 +232,7 @@ class TorchModule(Module):
           RuntimeError: with `strict`, missing or unexpected names; a tensor
             whose shape differs from its parameter's (nothing is assigned then).
         """
+        self._follow_module()
         variables = {**self._params, **self._buffers}
         missing = [n for n in variables if n not in state_dict]
         unexpected = [n for n in state_dict if n not in variables]
@@ -248,9 +258,50 @@ class TorchModule(Module):
           module's `state_dict`, tied names included; a MirroredVariable
           gives its primary component, read in the cross-replica context).
         """
+        self._follow_module()
         with _tp.stop_recording():
             return {name: var._dtape_read().torch().detach().clone()
                     for name, var in {**self._params, **self._buffers}.items()}
+
+    # -- the view follows its module -------------------------------------------------------------------
+    def _follow_module(self):
+        """Makes the Variables follow the module before they are used: parameters, buffers or submodules
+        registered since the last look (`model.fc = nn.Linear(...)`) get Variables (`_follow_structure`);
+        under a strategy, a parameter or buffer that torch code wrote in place (`torch.nn.init.*_`,
+        `module.load_state_dict`) reaches the other replicas' components (`_Follow.sync`)."""
+        follow = self._follow
+        if follow.generation != _registrations.generation:
+            self._follow_structure()
+        if follow.firsts is not None and follow.written():
+            follow.sync()
+
+    def _follow_structure(self):
+        """Walks the module when torch registered a parameter, buffer or submodule anywhere since the last
+        look; if its tensors changed, makes the Variables again (`_rebuild`). Inside `strategy.run` every
+        replica gets here (none has noted the change yet): one merge_call makes them once, for all."""
+        follow, generation = self._follow, _registrations.generation
+        _check_module(self.module)
+        if follow.same(self.module):
+            follow.generation = generation
+        elif _replica_info.has_strategy() and not _replica_info.in_cross_replica_context():
+            _replica_info.replica_context().merge_call(_rebuild_in_merge, args=(self,))
+        else:
+            self._rebuild()
+
+    def _rebuild(self):
+        """Variables for the module's parameters and buffers as they are now: a tensor seen before keeps its
+        Variable, a new one gets a new Variable made as at wrap time (through the creator stack of then: under
+        a strategy, a MirroredVariable); the Variables of tensors gone are dropped."""
+        follow, generation = self._follow, _registrations.generation
+        known = follow.known(self._params, self._buffers)
+        with set_creator_stack(follow.creators), _tp.stop_recording():
+            params = _variables(self.name, self.module.named_parameters(remove_duplicate=False), _param_var, known)
+            buffers = _variables(self.name, self.module.named_buffers(remove_duplicate=False),
+                                 lambda b, name: _buffer_var(b, name, follow.aggregation), known)
+        self._slots = _param_slots(params)
+        self._requires_grad = _RequiresGrad(self.module, params)
+        self._params, self._buffers = params, buffers
+        follow.reset(generation, self.module, params, buffers)
 
 
 # -- construction ------------------------------------------------------------------
@@ -268,9 +319,10 @@ def _check_module(module):
                             "parametrize.remove_parametrizations(..., leave_parametrized=True) first")
 
 
-def _variables(prefix, named_tensors, make):
-    """{torch name: Variable}, each a view of its tensor (`_share`); names of one tensor (tied weights) share one."""
-    by_tensor, out = {}, {}
+def _variables(prefix, named_tensors, make, known=None):
+    """{torch name: Variable}, each a view of its tensor (`_share`); names of one tensor (tied weights) share one.
+    `known`: id(tensor) -> its Variable already made (kept), filled with the new ones."""
+    by_tensor, out = {} if known is None else known, {}
     for name, t in named_tensors:
         var = by_tensor.get(id(t))
         if var is None:
@@ -479,3 +531,90 @@ def _as_input(x):
 
 def _describe(x):
     return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+
+# -- following the module ------------------------------------------------------------------------
+
+class _Registrations:
+    """A number that moves whenever torch registers a parameter, buffer or submodule on any module
+    (`module.fc = ...`, `module.weight = nn.Parameter(...)`, `register_buffer`; torch's global registration
+    hooks, installed by the first TorchModule): a TorchModule whose noted number differs walks its module
+    again. One compare per call; a module built anywhere costs each TorchModule one walk."""
+
+    generation = 0
+
+
+_registrations = _Registrations()
+_generations = itertools.count(1)
+_hooks_lock = threading.Lock()
+_hook_handles = []
+
+
+def _registered(module, name, value):
+    _registrations.generation = next(_generations)  # a fresh number: a racing bump never restores an old one
+
+
+def _watch_registrations():
+    """Installs torch's global registration hooks once; returns the current generation."""
+    with _hooks_lock:
+        if not _hook_handles:
+            mm = torch.nn.modules.module
+            _hook_handles.extend([mm.register_module_module_registration_hook(_registered),
+                                  mm.register_module_parameter_registration_hook(_registered),
+                                  mm.register_module_buffer_registration_hook(_registered)])
+    return _registrations.generation
+
+
+def _rebuild_in_merge(strategy, torch_module):
+    torch_module._rebuild()
+
+
+class _Follow:
+    """What a TorchModule last saw of its module: the registration generation, the (name, tensor) pairs of
+    its parameters and buffers, and under a strategy each mirrored Variable's components (`views`), whose
+    first (replica 0's) is the module's own tensor (`firsts`). A plain object: the module walk skips it."""
+
+    __slots__ = ("generation", "creators", "aggregation", "tensors", "views", "firsts", "lock")
+
+    def __init__(self, generation, creators, aggregation, module, params, buffers):
+        self.creators, self.aggregation, self.lock = creators, aggregation, threading.Lock()
+        self.reset(generation, module, params, buffers)
+
+    def reset(self, generation, module, params, buffers):
+        self.tensors = _named_tensors(module)
+        unique = {id(v): v for v in (*params.values(), *buffers.values())}.values()
+        self.views = [tuple(v.values) for v in unique if len(getattr(v, "values", ())) > 1]
+        self.firsts = [comps[0] for comps in self.views] or None  # None: nothing to copy (one replica here)
+        self.generation = generation
+
+    def same(self, module):
+        now = _named_tensors(module)
+        return len(now) == len(self.tensors) and \
+            all(a == b and s is t for (a, s), (b, t) in zip(now, self.tensors))
+
+    def known(self, params, buffers):
+        """id(module tensor) -> its Variable, for the tensors seen last (kept alive by `tensors` meanwhile)."""
+        variables = {**params, **{f"buffer:{n}": v for n, v in buffers.items()}}
+        return {id(t): variables[n] for n, t in self.tensors}
+
+    def written(self):
+        """Indices into `views` of the Variables whose module tensor torch code wrote since dtape's last write
+        (its version counter moved past the one dtape noted: `Variable._own_version`)."""
+        return [k for k, c in enumerate(self.firsts) if c._t._version != c._own_version]
+
+    def sync(self):
+        """Copies each written module tensor (replica 0's component: the view's truth) into the other
+        replicas' components, then notes its version as seen. Replica threads may notice one write at once:
+        under the lock, the first copies and the others find nothing left."""
+        with self.lock, _tp.stop_recording():
+            for k in self.written():
+                first, *others = self.views[k]
+                for c in others:
+                    c.assign(first._t)
+                first._own_version = first._t._version
+
+
+def _named_tensors(module):
+    """[(name, tensor)]: the parameters' then the buffers' (prefixed `buffer:`), duplicates (tied) included."""
+    return [*module.named_parameters(remove_duplicate=False),
+            *((f"buffer:{n}", b) for n, b in module.named_buffers(remove_duplicate=False))]

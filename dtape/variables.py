@@ -253,6 +253,15 @@ def share_storage(variable, tensor):
             tensor.copy_(variable._t)
         variable._t = tensor
         variable._shared = True
+        variable._own_version = tensor._version
+
+
+def _note_own_write(variable, before):
+    """After dtape wrote `variable`'s shared tensor (its torch version counter was `before`): the counter's
+    new value is dtape's own, unless the other owner had written it since dtape's last write (`before` is
+    not the noted one); then that write stays noticeable (the counter stays past the noted one)."""
+    if before == variable._own_version:
+        variable._own_version = variable._t._version
 
 
 def update_together(variables, inplace):
@@ -284,12 +293,15 @@ def update_together(variables, inplace):
                 tracer.write(v, t)
             return tensors
         tensors = [v._t if v._shared or _sole_owner(v._t) else v._t.clone() for v in variables]
+        before = [v._t._version if v._shared else None for v in variables]
         inplace(tensors)
-        for v, t in zip(variables, tensors):
+        for v, t, version in zip(variables, tensors, before):
             if v._shared and t is not v._t:  # a storage shared with its owner stays the variable's value
                 v._t.copy_(t)
             else:
                 v._t = t
+            if v._shared:
+                _note_own_write(v, version)
         return [v._t for v in variables]
     finally:
         for v in taken:
@@ -428,6 +440,9 @@ class Variable(metaclass=_VariableMeta):
     _distributed_container = None
     # The value's storage is shared with another owner (`share_storage`): every write goes into it.
     _shared = False
+    # A shared value's torch version counter after dtape's last write of it: a counter past it means the other
+    # owner wrote the storage itself (e.g. `torch.nn.init.*_` on a module's parameter), which dtape did not see.
+    _own_version = None
 
     def _after_write(self):
         with self._lock:
@@ -478,7 +493,9 @@ class Variable(metaclass=_VariableMeta):
                 raise ValueError(f"{what} of variable {self._name!r} produced shape {tuple(new.shape)}, "
                                  f"expected the variable's shape {tuple(self._t.shape)}")
             if self._shared:
+                before = self._t._version
                 self._t.copy_(new)
+                _note_own_write(self, before)
             else:
                 self._t = new.to(device=self._t.device, dtype=self._t.dtype)
             return self._t
@@ -499,7 +516,10 @@ class Variable(metaclass=_VariableMeta):
         try:
             if not (self._shared or _sole_owner(self._t)):
                 return False
+            before = self._t._version
             inplace(self._t)
+            if self._shared:
+                _note_own_write(self, before)
             return True
         finally:
             self._writing = False
