@@ -19,6 +19,7 @@ Source: torch.func.functional_call (parameter substitution); Keras 3's
 import itertools
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -35,7 +36,7 @@ from dtape.variables import (Variable, VariableAggregation, current_creator_stac
 # How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
 _BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
 
-__all__ = ["TorchModule"]
+__all__ = ["TorchModule", "follow_torch_writes"]
 
 
 class TorchModule(Module):
@@ -161,9 +162,11 @@ class TorchModule(Module):
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
                                    lambda b, name: _buffer_var(b, name, aggregation))
         self._follow = _Follow(generation, current_creator_stack(), aggregation, module, self._params, self._buffers)
+        self._note_replicas()
 
     def __call__(self, *args, training=None, **kwargs):
-        self._follow_module()
+        if self._follow.generation != _registrations.generation:  # torch registered something somewhere
+            self._follow_structure()
         training = _call_context.resolve_training(training, None)
         mode = self.module.training if training is None else training
         shadow = _shadow(self.module, mode)
@@ -266,9 +269,10 @@ class TorchModule(Module):
     # -- the view follows its module -------------------------------------------------------------------
     def _follow_module(self):
         """Makes the Variables follow the module before they are used: parameters, buffers or submodules
-        registered since the last look (`model.fc = nn.Linear(...)`) get Variables (`_follow_structure`);
-        under a strategy, a parameter or buffer that torch code wrote in place (`torch.nn.init.*_`,
-        `module.load_state_dict`) reaches the other replicas' components (`_Follow.sync`)."""
+        registered since the last look (`model.fc = nn.Linear(...)`) get Variables (`_follow_structure`; a
+        call does this part only); under a strategy, a parameter or buffer that torch code wrote in place
+        (`torch.nn.init.*_`, `module.load_state_dict`) reaches the other replicas' components
+        (`_Follow.sync`; `follow_torch_writes` before each `MirroredStrategy.run`)."""
         follow = self._follow
         if follow.generation != _registrations.generation:
             self._follow_structure()
@@ -302,6 +306,11 @@ class TorchModule(Module):
         self._requires_grad = _RequiresGrad(self.module, params)
         self._params, self._buffers = params, buffers
         follow.reset(generation, self.module, params, buffers)
+        self._note_replicas()
+
+    def _note_replicas(self):
+        if self._follow.firsts is not None:
+            _with_replicas[id(self)] = self
 
 
 # -- construction ------------------------------------------------------------------
@@ -563,6 +572,20 @@ def _watch_registrations():
                                   mm.register_module_parameter_registration_hook(_registered),
                                   mm.register_module_buffer_registration_hook(_registered)])
     return _registrations.generation
+
+
+# TorchModules whose Variables have components on several replicas of this process (weak)
+_with_replicas = weakref.WeakValueDictionary()
+
+
+def follow_torch_writes():
+    """Copies what torch code wrote in place into a TorchModule's module (`torch.nn.init.*_`,
+    `module.load_state_dict`, `p.mul_` under no_grad: replica 0's components, the module's own storage) into
+    the other replicas' components; new parameters and submodules get their Variables too. Called by
+    `MirroredStrategy.run` before the replicas start, in the cross-replica context: one check per
+    TorchModule and step (each Variable's version counter against dtape's last write)."""
+    for torch_module in list(_with_replicas.values()):
+        torch_module._follow_module()
 
 
 def _rebuild_in_merge(strategy, torch_module):
