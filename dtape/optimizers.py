@@ -1489,8 +1489,9 @@ def _diverged_error(name, var, index):
     return ValueError(
         f"{name}.apply_gradients: replica {index}'s component of MirroredVariable {var.name!r} differs from "
         f"replica 0's: it was written on its own since the last step (e.g. var.values[{index}].assign(...), or, "
-        f"for replica 0, in place through the wrapped torch module's parameter, which is replica 0's component: "
-        f"module.load_state_dict(...), torch.nn.init.*_). This step would update replica {index} by copying "
+        f"for replica 0, in place through the wrapped torch module's parameter, which is replica 0's component, "
+        f"inside strategy.run: module.load_state_dict(...), torch.nn.init.*_; made between steps, such a write "
+        f"reaches every replica at the next strategy.run). This step would update replica {index} by copying "
         f"replica 0's new value, discarding that write (TF updates each component from its own value, and "
         f"strategy.extended.check_mirrored() reports the difference). Write every replica instead: "
         f"var.assign(value) in the cross-replica context, or the TorchModule's load_state_dict. Nothing was "

@@ -65,6 +65,17 @@ class TorchModule(Module):
     place: a read taken before an update sees the new value, as with torch's
     parameters.
 
+    The view follows the module. A submodule, parameter or buffer registered
+    after wrapping (`model.fc = nn.Linear(512, 10)`, `model.head.weight =
+    nn.Parameter(...)`) gets a new Variable at the next call or
+    `trainable_variables`, made as at wrap time (under a strategy, mirrored;
+    inside `strategy.run`, in one merge_call); torch's global registration
+    hooks move a counter each call compares. Under MirroredStrategy a write
+    made through torch between steps (`torch.nn.init.*_`,
+    `module.load_state_dict`, an in-place op under `torch.no_grad()`) changes
+    replica 0's component, the module's storage; the next `strategy.run`
+    copies it to the other replicas first (`follow_torch_writes`).
+
     Calling it runs `module.forward(*args, **kwargs)` once, on torch
     tensors, with the variables' current values substituted, and records it
     as one op on the active tapes; `tape.gradient` with respect to
