@@ -204,3 +204,89 @@ def test_torch_write_then_a_dtape_write_before_the_next_call_keeps_the_module_s_
     out = strategy.run(lambda: tm(torch.ones(1, 2, dtype=f64)))
     assert [float(t.numpy().item()) for t in strategy.experimental_local_results(out)] == [5.0, 5.0]
     assert [c.numpy().tolist() for c in var.values] == [[[2.0, 3.0]], [[2.0, 3.0]]]
+
+
+class Tiny(nn.Module):
+    """Position embedding, a causal-mask buffer (nanoGPT's shapes) and a Sequential classifier (VGG's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wpe = nn.Embedding(8, 3)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)))
+        self.classifier = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5))
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = self.mask[:t, :t]
+        return self.classifier((mask / mask.sum(-1, keepdim=True)) @ (x + self.wpe.weight[:t]))
+
+
+def _recipes(model):
+    """Feature extraction (freeze all, new head through Sequential's __setitem__), then nanoGPT's
+    crop_block_size (a parameter and a buffer replaced by slices of themselves)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(4)
+    model.classifier[2] = nn.Linear(4, 2).double()
+    model.wpe.weight = nn.Parameter(model.wpe.weight[:4])
+    model.mask = model.mask[:4, :4]
+
+
+@pytest.mark.parametrize("kind", ["one", "mirrored"])
+def test_fine_tuning_and_crop_recipes_after_wrapping_train_as_torch(kind):
+    def make():
+        torch.manual_seed(0)
+        return Tiny().double()
+    xs = [torch.randn(2, 4, 3, dtype=f64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = make()
+    _recipes(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for x in xs:
+        ref_opt.zero_grad()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        want.append([t.detach().clone() for t in ref.state_dict().values()])
+
+    model, strategy = make(), _strategy(kind)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    _recipes(model)
+    opt = dtape.optimizers.from_torch(torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9))
+    names = [v.name.split("/", 1)[1] for v in tm.trainable_variables]
+    assert names == ["wpe.weight", "classifier.2.weight", "classifier.2.bias"]
+    assert tuple(tm.state_dict()["mask"].shape) == (4, 4)
+
+    def step(x):
+        variables = tm.trainable_variables
+        with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+            loss = dtape.reduce_sum(dtape.square(tm(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    got = []
+    for x in xs:
+        for part in strategy.experimental_distribute_dataset([x.numpy()]):
+            strategy.run(step, args=(part,))
+        got.append([t.detach().clone() for t in model.state_dict().values()])
+        _assert_view(tm)
+    _assert_close(got, want)
+
+
+def test_torch_side_write_reaches_every_replica_of_a_compiled_step():
+    """A compiled step replays its graph without calling the wrapper: the write is copied at strategy.run."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    strategy = mirrored(2)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    x = torch.randn(4, 3, dtype=f64)
+
+    @dtape.function(jit_compile=True)
+    def outputs(x):
+        return tm(x)
+    strategy.run(outputs, args=(x,))
+    with torch.no_grad():
+        model.weight.mul_(-2.0)
+        model.bias.add_(1.0)
+    got = strategy.experimental_local_results(strategy.run(outputs, args=(x,)))
+    for y in got:
+        np.testing.assert_allclose(y.numpy(), model(x).detach().numpy(), rtol=1e-12)
