@@ -290,3 +290,34 @@ def test_torch_side_write_reaches_every_replica_of_a_compiled_step():
     got = strategy.experimental_local_results(strategy.run(outputs, args=(x,)))
     for y in got:
         np.testing.assert_allclose(y.numpy(), model(x).detach().numpy(), rtol=1e-12)
+
+
+def test_module_grown_after_wrapping_is_followed_inside_strategy_run():
+    """Wrapped with nothing mirrored yet, the layer appended after wrapping is first seen inside
+    strategy.run: the replicas make its MirroredVariables in one merge_call, then train as torch."""
+    ref = nn.Sequential()
+    torch.manual_seed(2)
+    ref.append(nn.Linear(3, 2).double())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, strategy = nn.Sequential(), mirrored(2)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+        opt = dtape.optimizers.SGD(0.1)
+    torch.manual_seed(2)
+    model.append(nn.Linear(3, 2).double())  # Sequential.append: add_module
+
+    def step(x):
+        with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+            loss = dtape.reduce_sum(dtape.square(tm(x)))
+        variables = tm.trainable_variables
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    for i in range(2):
+        x = _batch(i)
+        ref_opt.zero_grad()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        for part in strategy.experimental_distribute_dataset([x.numpy()]):
+            strategy.run(step, args=(part,))
+        _assert_view(tm)
+        _assert_close([list(model.state_dict().values())], [list(ref.state_dict().values())])
+    assert all(isinstance(v, ds.MirroredVariable) for v in tm.trainable_variables)
