@@ -173,6 +173,8 @@ class TorchModule(Module):
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
                                    lambda b, name: _buffer_var(b, name, aggregation))
         self._follow = _Follow(generation, current_creator_stack(), aggregation, module, self._params, self._buffers)
+        self._view_version = 0
+        self._mark_views()
         self._note_replicas()
 
     def __call__(self, *args, training=None, **kwargs):
@@ -317,7 +319,22 @@ class TorchModule(Module):
         self._requires_grad = _RequiresGrad(self.module, params)
         self._params, self._buffers = params, buffers
         follow.reset(generation, self.module, params, buffers)
+        self._view_version += 1
+        self._mark_views()
         self._note_replicas()
+
+    def view_version(self):
+        """A number that changes whenever the Variables are made again because the module's tensors changed
+        (follows the module first). Compiled functions guard on it: a graph traced with the old Variables
+        would silently keep training them."""
+        if self._follow.generation != _registrations.generation:
+            self._follow_structure()
+        return self._view_version
+
+    def _mark_views(self):
+        owner = weakref.WeakMethod(self.view_version)
+        for var in {id(v): v for v in (*self._params.values(), *self._buffers.values())}.values():
+            var._view_of = owner  # `_jit` guards its graphs on the owner's `view_version`
 
     def _note_replicas(self):
         if self._follow.firsts is not None:

@@ -321,3 +321,38 @@ def test_module_grown_after_wrapping_is_followed_inside_strategy_run():
         _assert_view(tm)
         _assert_close([list(model.state_dict().values())], [list(ref.state_dict().values())])
     assert all(isinstance(v, ds.MirroredVariable) for v in tm.trainable_variables)
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored"])
+def test_compiled_step_traced_before_a_replacement_retraces_and_trains_the_new_parameters(kind):
+    """A graph traced with the old Variables would keep reading and training them (the new head silently
+    untrained): the compiled step retraces once the module's parameters are replaced."""
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    want = _torch_steps(ref, ref_opt, 0, 2)
+    _replace(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    want += _torch_steps(ref, ref_opt, 2, 2)
+
+    model, strategy = _net(), _strategy(kind)
+    run = _Dtape(model, strategy)
+    with strategy.scope():
+        opt = dtape.optimizers.SGD(0.05)
+
+    @dtape.function(jit_compile=True, backend="aot_eager")
+    def step(x):
+        variables = run.tm.trainable_variables
+        with dtape.GradientTape() as tape:  # apply_gradients all-reduces inside the graph
+            loss = dtape.reduce_sum(dtape.square(run.tm(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    got = []
+    for i in range(4):
+        if i == 2:
+            _replace(model)
+        for x in strategy.experimental_distribute_dataset([_batch(i).numpy()]):
+            strategy.run(step, args=(x,))
+        got.append([t.detach().clone() for t in model.state_dict().values()])
+        _assert_view(run.tm)
+    _assert_close(got, want)
+    assert step.experimental_get_tracing_count() == 2
