@@ -282,12 +282,16 @@ def _launch(ext, bucket, grads_by_index, ledger=None, tag=None):
 def _ledger(ext, buckets, b):
     """How bucket b's all-reduce is checked across workers (strategies that check collectives,
     `ext._announces`): the first announces the step's later buckets (their sizes end with the presence
-    flags, 0 or 1), so they skip their own signature exchange; {} elsewhere."""
-    if not getattr(ext, "_announces", False) or len(buckets) < 2:
+    flags, 0 or 1), so they skip their own signature exchange, and is itself flagged: the checked collective
+    before it (a step's loss reduction) may announce it once it has followed that one in earlier steps
+    (collective_ops); {} elsewhere."""
+    if not getattr(ext, "_announces", False):
         return {}
     if b > 0:
         return {"announced": True}
-    return {"announce": [(bucket.dtype, bucket.size()) for bucket in buckets[1:]]}
+    if len(buckets) < 2:
+        return {"flagged": True}
+    return {"announce": [(bucket.dtype, bucket.size()) for bucket in buckets[1:]], "flagged": True}
 
 
 def _float_items(values_and_refs, order=None):
