@@ -77,6 +77,12 @@ def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path
         assert err.startswith(said), err
         assert ("rank 0 entered all_reduce #8 (float32[5]) (announced by an earlier checked all-reduce) while rank 1 "
                 "entered all_reduce #8 of strategy.reduce (float32[3000])") in err, err
+        # through GradientSync: a step's bucket, then its loss; the loss announces the next bucket from step 4 on;
+        # the other reduction before step 5's bucket (both workers) costs a poison and its own check, and the
+        # bucket is announced again from step 7 (step 1 also creates SGD's iterations: a broadcast). Every step:
+        # v0 -= 1 + 2, v1 -= 10 + 20
+        assert res["predicted_steps"] == {"value": [3, 2, 2, 1, 3, 2, 1, 3.0] + [-21.0] * 2 + [-210.0] * 2}, \
+            res["predicted_steps"]
         # the same through GradientSync: rank 1's backward walk alone issues a collective between the buckets
         err = _error(res, "walk_one")
         assert err.startswith(said) and "of tape.gradient's GradientSync (float32[" in err, err
