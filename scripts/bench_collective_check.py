@@ -5,7 +5,9 @@ fixed-size float64 all-gather) and launches its payload only when every
 worker's matches (`dtape.distribute.collective_ops`); a step's gradient
 buckets are checked together by the first one's exchange. This measures, inside
 one launch and under the same machine load, the same work with the check on
-and off, the two taking turns step by step:
+and off, the two taking turns bench_multiworker.BLOCK steps at a time (a loop's
+consecutive steps: from its third step a step's loss reduction announces the
+next step's first bucket):
 
   * one-element `strategy.reduce` calls (the per-collective cost: one extra
     small round trip);
@@ -92,17 +94,19 @@ def _worker(steps):
     cases = [(name, check) for name in work for check in (True, False)]
     times = {c: [] for c in cases}
     launches, exchanges = {}, {}
-    for k in range(steps):
-        for name, check in cases[k % len(cases):] + cases[:k % len(cases)]:  # rotate: none always first
+    for k in range(0, steps, mw.BLOCK):   # each case mw.BLOCK consecutive steps (a loop's repeating collectives)
+        b = k // mw.BLOCK
+        for name, check in cases[b % len(cases):] + cases[:b % len(cases)]:  # rotate: none always first
             comm.check = check   # the same on both workers, at the same point: they never disagree
-            dist.barrier()
-            before, checks, t0 = comm._seq, getattr(comm, "exchanges", 0), time.perf_counter()
-            work[name](k)
-            dist.barrier()
-            times[(name, check)].append(time.perf_counter() - t0)
-            launches[name] = comm._seq - before
-            if check:
-                exchanges[name] = getattr(comm, "exchanges", 0) - checks
+            for j in range(k, min(k + mw.BLOCK, steps)):
+                dist.barrier()
+                before, checks, t0 = comm._seq, getattr(comm, "exchanges", 0), time.perf_counter()
+                work[name](j)
+                dist.barrier()
+                times[(name, check)].append(time.perf_counter() - t0)
+                launches[name] = comm._seq - before
+                if check:
+                    exchanges[name] = getattr(comm, "exchanges", 0) - checks
     comm.check = True
     out = {name: {"on_s": statistics.median(times[(name, True)][steps // 5:]),
                   "off_s": statistics.median(times[(name, False)][steps // 5:]),

@@ -30,7 +30,8 @@ and charlm and the GPT at W = 2, with this checkout's dtape. Inside one launch t
 (dtape with GradientSync: the all-reduce overlapped with the walk, as in
 scripts/train.py's step and in DDP; dtape without it: apply_gradients
 reduces after the walk; and DDP) share the process group and
-take turns step by step (the order rotating every step), so every ratio
+take turns, BLOCK (6) steps at a time (the order rotating every turn; a
+training loop's consecutive steps, whose collectives repeat), so every ratio
 compares steps taken under the same machine load; on a shared, noisy
 machine, separate launches for dtape and DDP gave ratios that moved by 0.3
 between runs. Times are medians of per-step wall times on rank 0 after
@@ -62,6 +63,10 @@ CHARLM_BATCH = 32  # sequences of 64 characters per global batch (charlm's defau
 # charlm step: vocabulary (65, Shakespeare's characters), context, width, heads, layers; sequences per global batch.
 GPT_SHAPE = dict(vocab=65, context=64, width=64, heads=2, layers=2)
 GPT_BATCH = 32
+# Consecutive steps each case takes in its turn: a training loop's steps follow one another, so its collectives
+# repeat step after step (dtape's collective checks learn that pattern: a step's loss reduction announces the next
+# step's gradient bucket, see dtape.distribute.collective_ops); cases alternating every step would break it.
+BLOCK = 6
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -470,14 +475,16 @@ def _worker(model, steps):
     first = {name: calls[name][0] for name in names}
     compiled = _compile_counters()
     times, cpu = {name: [] for name in names}, {name: [] for name in names}
-    for k in range(1, steps + 1):
-        for name in names[k % len(names):] + names[:k % len(names)]:  # rotate: no case always goes first
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            cases[name][0](k)
-            cpu[name].append(time.process_time() - c0)  # this process, its communication threads included
-            dist.barrier()
-            times[name].append(time.perf_counter() - t0)
+    for k in range(1, steps + 1, BLOCK):
+        b = k // BLOCK
+        for name in names[b % len(names):] + names[:b % len(names)]:  # rotate: no case always goes first
+            for j in range(k, min(k + BLOCK, steps + 1)):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                cases[name][0](j)
+                cpu[name].append(time.process_time() - c0)  # this process, its communication threads included
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
     out = {}
     for name in names:
         out[name] = {"first_loss": first[name], "step_s": statistics.median(times[name][steps // 5:]),

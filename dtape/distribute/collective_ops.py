@@ -42,8 +42,14 @@ Failure handling (DESIGN.md "Collectives"; API.md "No deadlocks"):
   (a step's gradient buckets: `all_reduce_async(announce=...)`); those skip
   their own exchange, and a worker that enters anything else instead first
   sends a poison of each announced size, so a peer inside one raises
-  CollectiveMismatchError at its wait (see `_POISON`). The caller is named
-  by `labelled` (outermost wins).
+  CollectiveMismatchError at its wait (see `_POISON`). A checked collective
+  that announces nothing itself predicts from the (checked, identical)
+  history: once the same gradient bucket (`all_reduce_async(flagged=True)`,
+  with the buckets it announces) has followed it _PREDICT_AFTER times in a
+  row, it announces them (a step's loss reduction announces the next step's
+  buckets), so a step's buckets go out with no check round trip of their
+  own; a prediction that misses costs one poison per predicted all-reduce
+  and is learned again. The caller is named by `labelled` (outermost wins).
   DTAPE_CHECK_COLLECTIVES=0 turns the check off (for benchmarks).
 
 Process-wide state: `_active` (the communicator of the process's strategy),
@@ -120,6 +126,10 @@ _PLAN_LEFT = -1   # plan count of a worker whose announced all-reduce met a pois
 # size (gloo aborts a process whose peer sends another size); floating all-reduces of up to _INLINE_MAX
 # elements ride in it. (An all-gather: one exchange, where gloo's all-reduce of the same bytes takes two.)
 _INLINE_MAX = 16
+# A checked collective announces the buckets that followed it only after they followed it this many times in a row
+# (a periodic other collective, e.g. a checkpoint every N steps, then costs one miss per period, not one per step).
+_PREDICT_AFTER = 2
+_FOLLOWS_MAX = 1024   # predictors remembered (distinct checked collectives that announce nothing themselves)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # The dtape calls that issue collectives, known on every worker (a peer's label is named even when
@@ -192,8 +202,13 @@ def _plan(seq, label, specs):
     each) announced to follow collective #seq, with the same label."""
     entries = [([seq + 1 + i, *_signature_tail("all_reduce", 0, label, dtype, (numel,))[0], 0, 0, 0], dtype, numel)
                for i, (dtype, numel) in enumerate(specs)]
+    return _plan_fields(entries), entries
+
+
+def _plan_fields(entries):
+    """[count, two digests] of announced `entries` ([(signature, dtype, numel)]): what every worker compares."""
     text = repr([e[0][1:12] for e in entries]).encode()
-    return [len(entries), zlib.crc32(text) & 0x7FFFFFFF, zlib.adler32(text) & 0x7FFFFFFF], entries
+    return [len(entries), zlib.crc32(text) & 0x7FFFFFFF, zlib.adler32(text) & 0x7FFFFFFF]
 
 
 @functools.lru_cache(maxsize=4096)   # a training loop has a few distinct collectives: computed once each
@@ -316,6 +331,12 @@ class Communicator:
         self._signed = None      # the latest one's signature
         self._announced = collections.deque()  # [(signature, dtype, numel)] announced and still to come
         self._plans = True       # whether announcements are taken (off once every worker left one at once)
+        # predictions (see the module docstring): signature key of a checked collective that announced nothing ->
+        # [what followed it (a flagged all-reduce and what it announced) or None, times in a row]
+        self._follows = {}
+        self._after = None       # the latest collective's key when it may predict the next one, else None
+        self._planned = []       # what the collective being checked announces: taken once its check passes
+        self._predictor = None   # key of the collective whose prediction `_announced` holds (None: announced)
         self.exchanges = 0       # signature exchanges made (benchmarks: checks per collective)
         self._failed = None      # the error this worker reported, once it has one
         self._published = False  # whether this worker published the group's first error
@@ -368,7 +389,8 @@ class Communicator:
                                                                                   rounding_mode="floor")
         return out.to(t.device)
 
-    def all_reduce_async(self, t, scratch=False, label=None, announce=None, announced=False, sources=0):
+    def all_reduce_async(self, t, scratch=False, label=None, announce=None, announced=False, sources=0,
+                         flagged=False):
         """Launches the SUM of `t` over every worker; returns a pending result whose `wait()` gives it.
 
         Launch order must match on every worker (as every collective);
@@ -388,9 +410,13 @@ class Communicator:
         `sources`: 0, or a positive int below 2**31 naming what the values
         stand for (a gradient bucket's sources): part of the signature, so
         workers that differ there raise CollectiveMismatchError.
+        `flagged`: `t` is 1-D and its last element is 0 or 1 on every worker,
+        as for `announced`: a prediction may announce it (then it skips its
+        check; see the module docstring).
         """
         out = t.detach() if scratch and _in_place_ok(t, self.device) else self._staged(t)
-        what, unchecked = self._enter("all_reduce", out, label, src=sources, announce=announce, announced=announced)
+        what, unchecked = self._enter("all_reduce", out, label, src=sources, announce=announce, announced=announced,
+                                      flagged=flagged)
         try:
             work = dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as e:
@@ -449,35 +475,85 @@ class Communicator:
         return t.detach().to(self.device, copy=True).contiguous()
 
     # -- the ledger -------------------------------------------------------------------
-    def _enter(self, kind, t, label, src=0, check=True, announce=None, announced=False):
+    def _enter(self, kind, t, label, src=0, check=True, announce=None, announced=False, flagged=False):
         """Enters the next collective: its number, and (checking) the signature check with every worker.
 
         Returns (its description, e.g. "all_reduce #12 of checkpoint.save (float32[1])", and whether an
         earlier check announced it: then nothing is exchanged). `check=False`: the caller exchanges the
-        signature itself (`_sum`). `announce`, `announced`: see `all_reduce_async`.
+        signature itself (`_sum`). `announce`, `announced`, `flagged`: see `all_reduce_async`.
 
         Raises:
           CollectiveMismatchError: on every worker, when any signature differs.
         """
         what = f"{kind} #{self._seq + 1}"
         self._raise_if_failed(what)
-        signed, what = _signed(self._seq + 1, kind, t, src, current_label(label))
+        label = current_label(label)
+        signed, what = _signed(self._seq + 1, kind, t, src, label)
+        after, self._after = self._after, None
+        follower = (tuple(signed[1:12]), t.dtype, t.numel(), label, tuple(announce or ())) if flagged else None
         if self._announced:
-            if announced and signed == self._announced[0][0]:
+            if (announced or flagged) and self._is_next(signed, label, announce):
                 self._announced.popleft()
+                if not self._announced:
+                    self._predictor = None
+                self._learn(after, follower)
+                what = describe_signature(signed) if signed[12] else what
                 self._seq, self._signed, self._entered = self._seq + 1, signed, what
                 return what, True
             self._poison_announced(what)   # then this collective's own check pairs with every worker's
+            signed[12:] = [0, 0, 0]        # (plan fields `_is_next` may have filled)
         self._seq += 1
-        self._signed, self._entered = signed, what
-        entries = []
+        self._signed, self._entered, self._planned = signed, what, []
+        if self.check:
+            self._learn(after, follower)
         if announce and self.check and self._plans:
-            self._signed[12:], entries = _plan(self._seq, current_label(label), announce)
+            self._signed[12:], self._planned = _plan(self._seq, label, announce)
+        elif self.check:
+            self._after = tuple(signed[1:12])   # announcing nothing itself: it may predict what follows it
+            self._predict()
+        if self._signed[12]:
             what = self._entered = describe_signature(self._signed)
         if self.check and check:
             self._exchange_signatures(what, [])
-            self._announced.extend(entries)
         return what, False
+
+    def _is_next(self, signed, label, announce):
+        """Whether `signed` (its plan fields filled from `announce` here) is the next announced all-reduce."""
+        head = self._announced[0][0]
+        if signed[:12] != head[:12]:
+            return False
+        if announce and self._plans:
+            signed[12:] = _plan(signed[0], label, announce)[0]
+        return signed == head
+
+    def _learn(self, after, follower):
+        """Notes that `follower` (a flagged all-reduce's key, or None: anything else) came right after the
+        collective keyed `after` (None: nothing to learn). Every worker learns the same: it sees only
+        signatures that every worker checked or announced."""
+        if after is None:
+            return
+        known = self._follows.get(after)
+        if known is not None and known[0] == follower and follower is not None:
+            known[1] += 1
+            return
+        if len(self._follows) >= _FOLLOWS_MAX:
+            self._follows.clear()
+        self._follows[after] = [follower, 1]
+
+    def _predict(self):
+        """Announces, in the current (checked, announcing nothing) collective's plan fields, the flagged
+        all-reduce that followed it the latest _PREDICT_AFTER times, and the all-reduces that one announces."""
+        known = self._follows.get(self._after)
+        if not self._plans or known is None or known[0] is None or known[1] < _PREDICT_AFTER:
+            return
+        tail, dtype, numel, label, specs = known[0]
+        first = [self._seq + 1, *tail, 0, 0, 0]
+        rest = []
+        if specs:
+            first[12:], rest = _plan(self._seq + 1, label, list(specs))
+        self._planned = [(first, dtype, numel)] + rest
+        self._signed[12:] = _plan_fields(self._planned)
+        self._predictor = self._after
 
     def _poison_announced(self, what):
         """Before entering `what` instead of an announced all-reduce: one poison per announced one still to come,
@@ -488,15 +564,20 @@ class Communicator:
             self._launch_and_wait(what, lambda p=poison: dist.all_reduce(p, dist.ReduceOp.SUM, group=self.group,
                                                                           async_op=True))
         # every worker that poisons checks what it enters next; the checks pass only where every worker left the
-        # plan at the same point for the same collective: then stop announcing (it would cost poisons every step)
-        self._plans = False
+        # plan at the same point for the same collective: then stop announcing (it would cost poisons every step),
+        # or, for a prediction, learn again what follows its predictor
+        if self._predictor is None:
+            self._plans = False
+        else:
+            self._follows.get(self._predictor, [None, 0])[1] = 0
+            self._predictor = None
 
     def _announced_poisoned(self, signed, what):
         """A peer entered something else where this worker's announced all-reduce `signed` was: poisons the
         announced ones still to come, then names every worker's call in one check (it always differs)."""
         self._raise_if_failed(what)
         self._poison_announced(what)
-        self._signed = signed[:12] + [_PLAN_LEFT, 0, 0]
+        self._signed, self._planned = signed[:12] + [_PLAN_LEFT, 0, 0], []
         self._exchange_signatures(what, [])
         self._fail(CollectiveMismatchError(f"rank {self.rank}: collectives out of step: a peer entered another "
                                            f"collective where {what} was announced; no value was returned"))
@@ -515,6 +596,8 @@ class Communicator:
         if any(row[:_SIG_LEN] != self._signed for row in rows):   # floats == ints: exact below 2**53
             table = [[int(x) for x in row[:_SIG_LEN]] for row in rows]
             self._fail(CollectiveMismatchError(mismatch_message(self.rank, table)))
+        self._announced.extend(self._planned)   # every worker announced the same
+        self._planned = []
         return rows
 
     def _sum(self, kind, out, label):

@@ -57,6 +57,7 @@ import threading
 import zlib
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dtape import _config
 from dtape import tape as _tp
@@ -184,10 +185,21 @@ class GradientSync:
 class _Bucket:
     """Members (index, offset, numel, shape, dtype) laid out in one flat buffer, then one presence flag each."""
 
-    __slots__ = ("dtype", "device", "members", "numel", "cap")
+    __slots__ = ("dtype", "device", "members", "numel", "cap", "_common")
 
     def __init__(self, dtype, device):
         self.dtype, self.device, self.members, self.numel, self.cap = dtype, device, [], 0, None
+        self._common = None
+
+    def common(self):
+        """(every member's dtype is the bucket's, meta tensors of the members' shapes, presence flags all 1):
+        what the common step (every gradient present, in the bucket's dtype) flattens and unflattens with
+        one call each. Built once, after the members are all added."""
+        if self._common is None:
+            same = all(m[4] == self.dtype for m in self.members)
+            shapes = [torch.empty(m[3], device="meta") for m in self.members]
+            self._common = (same, shapes, torch.ones(len(self.members), dtype=self.dtype, device=self.device))
+        return self._common
 
     def add(self, index, shape, dtype):
         n = 1
@@ -247,6 +259,10 @@ def _unpack(bucket, reduced):
     """
     if len(reduced) == 1:
         present = reduced[0][bucket.numel:].tolist()  # one host read per bucket, after the reduction
+        same, shapes, _ = bucket.common()
+        if same and all(present):   # every member present, in the bucket's dtype: its views, made in one call
+            return {m[0]: Tensor(v) for m, v in
+                    zip(bucket.members, _unflatten_dense_tensors(reduced[0][:bucket.numel], shapes))}
         parts = reduced[0][:bucket.numel].split([m[2] for m in bucket.members])  # one call for every view
     else:
         present, parts = reduced[-1].tolist(), reduced[:-1]
@@ -268,6 +284,10 @@ def _launch(ext, bucket, grads_by_index, ledger=None, tag=None):
     torch.profiler traces.
     """
     with profile_range("dtape.all_reduce"):  # one named range per bucket, as DDP's one collective per bucket
+        if ext._flat_buckets:
+            flat = _flat_common(bucket, grads_by_index)
+            if flat is not None:
+                return ext._all_reduce_flat_async(ReduceOp.SUM, [flat], scratch=True, tag=tag, **(ledger or {}))
         parts, flags = [], []
         for member in bucket.members:
             g = grads_by_index.get(member[0])
@@ -279,15 +299,40 @@ def _launch(ext, bucket, grads_by_index, ledger=None, tag=None):
         return ext._all_reduce_flat_async(ReduceOp.SUM, [torch.cat(parts)], scratch=True, tag=tag, **(ledger or {}))
 
 
+def _flat_common(bucket, grads_by_index):
+    """The bucket's flat buffer (values, then presence flags 1) made by one call, when every member's gradient
+    is a torch or dtape tensor of its size in the bucket's dtype and device (a training step's); else None
+    (`_flat` each)."""
+    same, _, ones = bucket.common()
+    if not same:
+        return None
+    tensors = []
+    for index, _, n, _, _ in bucket.members:
+        t = grads_by_index.get(index)
+        if type(t) is not torch.Tensor:   # the walk's gradients; a dtape Tensor (apply_gradients') is unwrapped
+            if type(t) is not Tensor:
+                return None
+            t = t._t
+        if t.dtype != bucket.dtype or t.device != bucket.device or t.numel() != n:
+            return None
+        tensors.append(t)
+    tensors.append(ones)
+    return _flatten_dense_tensors(tensors)
+
+
 def _ledger(ext, buckets, b):
     """How bucket b's all-reduce is checked across workers (strategies that check collectives,
     `ext._announces`): the first announces the step's later buckets (their sizes end with the presence
-    flags, 0 or 1), so they skip their own signature exchange; {} elsewhere."""
-    if not getattr(ext, "_announces", False) or len(buckets) < 2:
+    flags, 0 or 1), so they skip their own signature exchange, and is itself flagged: the checked collective
+    before it (a step's loss reduction) may announce it once it has followed that one in earlier steps
+    (collective_ops); {} elsewhere."""
+    if not getattr(ext, "_announces", False):
         return {}
     if b > 0:
         return {"announced": True}
-    return {"announce": [(bucket.dtype, bucket.size()) for bucket in buckets[1:]]}
+    if len(buckets) < 2:
+        return {"flagged": True}
+    return {"announce": [(bucket.dtype, bucket.size()) for bucket in buckets[1:]], "flagged": True}
 
 
 def _float_items(values_and_refs, order=None):

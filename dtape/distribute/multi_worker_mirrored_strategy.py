@@ -560,7 +560,8 @@ class _WorkerExtended(StrategyExtended):
 
     _announces = True  # _all_reduce_flat_async takes `announce`: one check for a step's buckets
 
-    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False, tag=None):
+    def _all_reduce_flat_async(self, reduce_op, tensors, scratch=False, announce=None, announced=False, tag=None,
+                               flagged=False):
         """Launches one all-reduce per tensor across the workers (async_op); returns a handle at once.
 
         StrategyExtended's flat interface (gradient buckets, collectives on the
@@ -569,9 +570,10 @@ class _WorkerExtended(StrategyExtended):
         float32. `handle.wait()` fails fast naming a failed rank, as every
         collective. `scratch=True` (tensors given away, e.g. gradient
         buckets): reduced in place, saving a copy of every bucket.
-        `announce` [(dtype, numel)], `announced`: one tensor, as
+        `announce` [(dtype, numel)], `announced`, `flagged`: one tensor, as
         Communicator.all_reduce_async's (the next flat launches are checked
-        with this one's signatures). `tag`: a gradient bucket's sources; the
+        with this one's signatures; a flagged one may be announced by the
+        collective before it, see collective_ops). `tag`: a gradient bucket's sources; the
         signature of each bucket that is checked carries its `digest` (the
         sources' names and shapes by position), so workers that passed
         tape.gradient different variables at some position raise
@@ -586,7 +588,7 @@ class _WorkerExtended(StrategyExtended):
             wide = _widen(t)
             # a widened copy is ours to reduce in place; the caller's tensor only if given away
             pending.append(comm.all_reduce_async(wide, scratch=scratch or wide is not t, announce=announce,
-                                                 announced=announced, sources=sources))
+                                                 announced=announced, sources=sources, flagged=flagged))
         scale = 1.0 / self._strategy.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else None
         return _FlatHandle(pending, tensors, scale)
 

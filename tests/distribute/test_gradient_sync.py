@@ -9,7 +9,8 @@ import torch
 
 import dtape
 from dtape.distribute import GradientSync, ReduceOp
-from dtape.distribute.gradient_sync import plan_buckets, reduce_gradients
+from dtape.distribute import gradient_sync
+from dtape.distribute.gradient_sync import _flat as flat_member, plan_buckets, reduce_gradients
 
 from _strategies import mirrored as _strategy
 
@@ -465,6 +466,42 @@ def test_bucket_layouts_launch_as_the_devices_want_and_reduce_the_same(monkeypat
         local = [g.torch() for g in strategy.experimental_local_results(grads[k])]
         for got in strategy.experimental_local_results(reduced[k]):
             np.testing.assert_allclose(got.numpy(), (local[0] + local[1]).numpy(), rtol=1e-15)
+
+
+@pytest.mark.parametrize("case", ["all_present", "one_missing", "missing_everywhere", "float16"])
+def test_flat_buckets_sum_each_member_in_place_whether_flattened_in_one_call_or_one_by_one(monkeypatch, case):
+    """A flat bucket (as across workers) whose gradients are all present in its dtype is flattened and
+    unflattened in one call each; a missing gradient (zeros, presence flag 0) or a float16 one (summed in
+    float32) go member by member. Either way every variable gets the exact sum of its replicas' gradients,
+    None where no replica has one."""
+    strategy = _strategy()
+    monkeypatch.setattr(type(strategy.extended), "_flat_buckets", True)
+    dtype = torch.float16 if case == "float16" else torch.float32
+    with strategy.scope():
+        vs = [dtape.Variable(torch.ones(2, 3, dtype=dtype)), dtape.Variable(torch.ones(3, dtype=dtype)),
+              dtape.Variable(torch.ones(4, dtype=dtype))]
+    one_by_one = []
+    monkeypatch.setattr(gradient_sync, "_flat", lambda *a: one_by_one.append(1) or flat_member(*a))
+
+    def fn():
+        r = _rid()
+        with dtape.GradientTape(gradient_sync=GradientSync(25.0, order="reverse")) as tape:
+            # replica 1 (every replica) never uses vs[2]: its gradient is None there
+            used = vs[:2] if case == "missing_everywhere" or case == "one_missing" and r == 1 else vs
+            loss = dtape.add_n([(k + 1) * (r + 2) * dtape.reduce_sum(v * v) for k, v in enumerate(used)])
+        grads = tape.gradient(loss, vs)
+        return [g for g, _ in reduce_gradients(list(zip(grads, vs)))]
+    reduced = strategy.run(fn)
+    # d/dv of (k + 1)(r + 2) sum(v^2) at v = 1: 2 (k + 1)(r + 2); summed over r = 0, 1: 10 (k + 1)
+    expect = [10.0, 20.0, {"one_missing": 12.0, "missing_everywhere": None}.get(case, 30.0)]  # 12: 2 * 3 * 2
+    for k, v in enumerate(vs):
+        if expect[k] is None:
+            assert reduced[k] is None
+            continue
+        for got in strategy.experimental_local_results(reduced[k]):
+            assert got.dtype == dtype and tuple(got.shape) == tuple(v.shape)
+            np.testing.assert_array_equal(got.numpy(), np.full(tuple(v.shape), expect[k]))
+    assert (len(one_by_one) == 0) == (case == "all_present"), one_by_one   # (zeros for each None)
 
 
 # -- the learned order after a failed first step ----------------------------------------

@@ -65,6 +65,24 @@ def test_mismatched_collectives_raise_on_every_worker_naming_both_calls(tmp_path
                     f"checked all-reduce) while rank 1 entered all_reduce #3 of strategy.reduce ({other})") in err, err
         # both workers enter the same other collective between the announced ones: it is checked, all values right
         assert res["announced_both_leave"] == {"value": sums + [3.0]}, res["announced_both_leave"]
+        # a checked collective that announces nothing announces the flagged all-reduce that followed it twice in a
+        # row: from the third round the loss reduction's check covers the bucket (one exchange per round, not two)
+        bucket = [3.0, 3.0, 3.0, 3.0, 2.0]
+        assert res["predicted_fine"] == {"value": [2, 2, 1, 1] + ([3.0] + bucket) * 4}, res["predicted_fine"]
+        # both workers reduce something else where the bucket was announced (round 4): poisoned, checked, the
+        # right values; the bucket is learned again (checked in round 5) and announced from round 6
+        values = ([3.0] + bucket) * 3 + [3.0, 3.0] + bucket + ([3.0] + bucket) * 3
+        assert res["predicted_both_leave"] == {"value": [2, 2, 1, 3, 2, 1, 1] + values}, res["predicted_both_leave"]
+        err = _error(res, "predicted_one_leaves")
+        assert err.startswith(said), err
+        assert ("rank 0 entered all_reduce #8 (float32[5]) (announced by an earlier checked all-reduce) while rank 1 "
+                "entered all_reduce #8 of strategy.reduce (float32[3000])") in err, err
+        # through GradientSync: a step's bucket, then its loss; the loss announces the next bucket from step 4 on;
+        # the other reduction before step 5's bucket (both workers) costs a poison and its own check, and the
+        # bucket is announced again from step 7 (step 1 also creates SGD's iterations: a broadcast). Every step:
+        # v0 -= 1 + 2, v1 -= 10 + 20
+        assert res["predicted_steps"] == {"value": [3, 2, 2, 1, 3, 2, 1, 3.0] + [-21.0] * 2 + [-210.0] * 2}, \
+            res["predicted_steps"]
         # the same through GradientSync: rank 1's backward walk alone issues a collective between the buckets
         err = _error(res, "walk_one")
         assert err.startswith(said) and "of tape.gradient's GradientSync (float32[" in err, err

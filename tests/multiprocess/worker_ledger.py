@@ -14,6 +14,11 @@ argv: out_dir, mode.
         announced_then_large / announced_then_small: rank 1 enters a strategy.reduce of a [3000] (a scalar)
           value instead of the second announced one, which rank 0 is already inside;
         announced_both_leave: both enter a strategy.reduce between the announced ones (legitimate).
+      predicted_*:      rounds of a strategy.reduce then a flagged all-reduce (a loss, then the next step's
+        gradient bucket), which the reduction announces from the third round on;
+        predicted_fine: 4 rounds; predicted_both_leave: 7 rounds, in the 4th both reduce something else before
+        the bucket (the announced one); predicted_one_leaves: in the 4th rank 1 alone reduces a [3000] value;
+        predicted_steps: the same through GradientSync training steps and their loss reductions.
       walk_one, walk_both: a training step with GradientSync (one bucket per variable: the first announces the
         other two) whose backward walk issues a collective between buckets (the gradient of a
         ReplicaContext.all_reduce made by both) on rank 1 only / on both (then: the variables, then those of the
@@ -117,6 +122,60 @@ def announced_both_leave(strategy):
     return _announced(strategy, lambda: strategy.reduce("SUM", dtape.constant(float(rank + 1))))
 
 
+def _predicted(strategy, other=None, at=3, steps=4):
+    """`steps` rounds of a checked strategy.reduce then a flagged bucket (a training step's loss reduction, then
+    the next step's gradient bucket): from the third round the reduction announces the bucket, which then skips
+    its check. Round `at` (from 0) runs `other` (if given) before its bucket, on the ranks it returns a value for.
+    Returns [exchanges per round, then each round's values]."""
+    comm = strategy.communicator
+    rounds, values = [], []
+    for k in range(steps):
+        before = comm.exchanges
+        values.append(float(strategy.reduce("SUM", dtape.constant(float(rank + 1))).numpy()))
+        if k == at and other is not None:
+            values.append(float(dtape.convert_to_tensor(other()).numpy().sum()))
+        values += comm.all_reduce_async(_bucket(5), flagged=True).wait().tolist()
+        rounds.append(comm.exchanges - before)
+    return rounds + values
+
+
+def predicted_fine(strategy):
+    return _predicted(strategy)
+
+
+def predicted_both_leave(strategy):     # both reduce something else where the bucket was announced, then go on
+    return _predicted(strategy, lambda: strategy.reduce("SUM", dtape.constant(float(rank + 1))), steps=7)
+
+
+def predicted_one_leaves(strategy):     # rank 1 alone reduces a [3000] value where rank 0 is in the bucket
+    return _predicted(strategy, (lambda: strategy.reduce("SUM", dtape.ones([3000]))) if rank == 1 else None)
+
+
+def predicted_steps(strategy):
+    """7 SGD(1.0) steps with GradientSync (one bucket), each followed by its loss reduction (the loss announces
+    the next step's bucket once learned); both workers reduce something else before step 5's bucket (where the
+    bucket was announced). Returns [exchanges per step (the other reduction's in step 5's), the other
+    reduction's value, the variables]."""
+    comm = strategy.communicator
+    with strategy.scope():
+        vs = [dtape.Variable([0.0, 0.0], name="v0"), dtape.Variable([0.0, 0.0], name="v1")]
+    opt, sync = dtape.optimizers.SGD(1.0), dd.GradientSync(order="reverse")
+
+    def step():
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = (rank + 1) * dtape.reduce_sum(vs[0]) + 10 * (rank + 1) * dtape.reduce_sum(vs[1])
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs))
+        return loss
+    rounds, other = [], None
+    for k in range(7):
+        before = comm.exchanges
+        if k == 4:
+            other = float(strategy.reduce("SUM", dtape.constant(float(rank + 1))).numpy())
+        strategy.reduce("SUM", strategy.run(step))
+        rounds.append(comm.exchanges - before)
+    return rounds + [other] + [x for v in vs for x in v.numpy().tolist()]
+
+
 def _walk_step(strategy, in_walk, sync):
     with strategy.scope():
         vs = [dtape.Variable([1.0, 2.0]), dtape.Variable([3.0]), dtape.Variable([4.0, 5.0, 6.0])]
@@ -197,7 +256,8 @@ def attempt(fn, strategy=None, *args):
 
 if mode == "scenarios":
     for scenario in (save_then_reduce, save_then_step, shapes, dtypes, order, fine, announced_fine,
-                     announced_then_large, announced_then_small, announced_both_leave, walk_one, walk_both,
+                     announced_then_large, announced_then_small, announced_both_leave, predicted_fine,
+                     predicted_both_leave, predicted_one_leaves, predicted_steps, walk_one, walk_both,
                      sources_same, sources_swapped, sources_swapped_one_bucket, same_name_same, same_name_swapped,
                      unnamed_swapped_one_bucket):
         attempt(scenario)
