@@ -361,7 +361,8 @@ class JitFunction:
     def _lookup(self, relaxed, tensors, shapes):
         for c in self._concrete.get(relaxed, ()):
             if all(_shape_matches(p, tuple(t.shape)) for p, t in zip(c.shapes, tensors)) and \
-                    all(p.requires_grad is flag for p, flag in c.requires_grad):
+                    all(p.requires_grad is flag for p, flag in c.requires_grad) and \
+                    all(version() == seen for version, seen in c.views):
                 return c
         return None
 
@@ -457,9 +458,23 @@ def _requires_grad_guard(variables):
     return [(p, p.requires_grad) for p in params if p is not None]
 
 
+def _view_guard(variables):
+    """[(view_version method, its value)] of the TorchModules whose Variables the graph reads: a module whose
+    parameters, buffers or submodules were replaced after the trace (`model.fc = nn.Linear(...)`) has new
+    Variables, which the old graph would not read (it would silently train the old ones); so it retraces."""
+    owners = {}
+    for v in variables:
+        method = getattr(v, "_view_of", None)
+        method = method() if method is not None else None
+        if method is not None:
+            owners.setdefault(id(method.__self__), method)
+    return [(method, method()) for method in owners.values()]
+
+
 def _retrace_cause(previous, shapes, traced_before, first_cause):
     if previous and list(shapes) == list(previous[-1].shapes):
-        return "a TorchModule parameter's requires_grad changed (a layer frozen or unfrozen)"
+        return ("a TorchModule parameter's requires_grad changed (a layer frozen or unfrozen), or its module's "
+                "parameters, buffers or submodules were replaced")
     if previous:
         return f"tensor shapes {[list(s) for s in shapes]} differ from the traced {[list(s) for s in previous[-1].shapes]}"
     if traced_before:
@@ -486,6 +501,7 @@ class _Concrete:
         self._vjp = None
         self.graph, self.template, self.written = self._trace_forward(leaves, tensors)
         self.requires_grad = _requires_grad_guard(self.variables)
+        self.views = _view_guard(self.variables)
         # the positions (among the graph's inputs) of the variables the graph writes into, or None: it returns
         # their new values instead (see `_write_into_inputs`)
         self._targets = _write_into_inputs(self.graph, len(tensors), self.variables, self.written,
