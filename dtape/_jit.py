@@ -208,7 +208,9 @@ class JitFunction:
       backend: `torch.compile`'s backend ("inductor", "aot_eager", "eager", ...);
         None runs the traced aten graph as it is (no `torch.compile`: no
         compile time, for debugging and tests).
-      compile_options: extra keyword arguments of `torch.compile` (e.g. `mode`).
+      compile_options: extra keyword arguments of `torch.compile` (e.g. `mode`);
+        inductor on the CPU without a `mode` gets `options={"cpp_wrapper": True}`
+        unless they set it.
 
     Calls return what the body returns (Tensors as new Tensors of the graph's
     outputs, Python values as the trace returned them). The body runs as
