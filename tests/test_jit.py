@@ -327,6 +327,27 @@ def test_inductor_step_equals_eager_with_a_fraction_of_the_python_calls():
     assert counts[1] < 0.35 * counts[0], counts
 
 
+
+def test_cpu_inductor_graphs_run_the_cpp_wrapper_unless_the_options_choose():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def options(device, **kwargs):
+        return _jit._device_options(dtape.function(lambda x: x, jit_compile=True, **kwargs), device)
+    assert options(cpu) == {"options": {"fallback_random": True, "cpp_wrapper": True}}
+    assert options(cpu, compile_options={"options": {"cpp_wrapper": False}})["options"]["cpp_wrapper"] is False
+    assert options(cpu, compile_options={"mode": "max-autotune-no-cudagraphs"}) == {
+        "mode": "max-autotune-no-cudagraphs"}
+    assert options(cuda) == {"options": {"fallback_random": True}}
+    assert options(cpu, backend="aot_eager") == {}
+
+
+def test_inductor_cpp_wrapper_step_with_dropout_equals_eager():
+    eager = _digits_run(False, 4, 0.3, None)
+    compiled = _digits_run(True, 4, 0.3, "inductor")  # on the CPU: the C++ wrapper
+    np.testing.assert_allclose(compiled[0], eager[0], rtol=1e-5)
+    for a, b in zip(compiled[1], eager[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
 def _digits_optimizer_run(jit, make_optimizer, steps):
     data = digits.load_data(0)
     torch.manual_seed(0)

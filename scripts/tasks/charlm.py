@@ -70,6 +70,8 @@ class Block(dtape.Module):
         self.fc2 = layers.Dense(WIDTH, input_dim=4 * WIDTH, seed=seed + 3)
         self.drop = layers.Dropout(dropout)
 
+    # Composed, not F.scaled_dot_product_attention: compiled (forward and dtape's gradient), this form ran
+    # 6.4 ms per block against 7.7 ms for SDPA's causal CPU flash kernels (t=64, head size 16, one thread).
     def attention(self, h):
         b, t = h.shape[0], h.shape[1]
         q, k, v = (dtape.transpose(dtape.reshape(z, (b, t, HEADS, WIDTH // HEADS)), [0, 2, 1, 3])
