@@ -11,10 +11,13 @@ A random function (dropout, attention with dropout) runs on a private
 stream seeded from the calling replica's generator, so replicas draw
 reproducibly whatever the thread schedule.
 """
+import itertools
+import operator
 import threading
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
@@ -116,7 +119,7 @@ def graph_vjp(op, dys, raw, needs):
         if _has_reentrant_checkpoint(outs):
             grads = _grads_by_backward(outs, leaves, grad_outs, retain)
         else:
-            grads = torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True, retain_graph=retain)
+            grads = _grad(outs, leaves, grad_outs, retain)
     except RuntimeError as e:
         raise _named(e, op) from e
     if not retain:
@@ -127,25 +130,51 @@ def graph_vjp(op, dys, raw, needs):
     return tuple(full)
 
 
+_next_edges = operator.attrgetter("next_functions")
+_edge_node = operator.itemgetter(0)
+
+
 def _has_reentrant_checkpoint(outs):
     """True if torch's graph behind `outs` holds a reentrant `torch.utils.checkpoint` node.
 
     Such a node refuses `torch.autograd.grad` (it only runs under a plain
     `backward()`), so the walk must take that path; the search is over the
     op's own graph, which ends at its private input aliases. It runs on every
-    walk of a kept graph (a whole module's, for a TorchModule), so each node
-    is visited once and compared by type only.
+    walk of a kept graph (a whole module's, for a TorchModule), so it goes
+    breadth first a level at a time, each level's nodes, types and edges
+    gathered by builtins (a few calls a level, not a few per node: a small
+    GPT's graph is ~100 nodes in ~20 levels); each node is visited once.
     """
-    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if type(node) is _REENTRANT_CHECKPOINT:
+    level = {o.grad_fn for o in outs}
+    level.discard(None)
+    seen = set(level)
+    while level:
+        if _REENTRANT_CHECKPOINT in set(map(type, level)):
             return True
-        for fn, _ in node.next_functions:
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.append(fn)
+        level = set(map(_edge_node, itertools.chain.from_iterable(map(_next_edges, level))))
+        level -= seen
+        level.discard(None)
+        seen |= level
     return False
+
+
+_PLAIN = frozenset([torch.Tensor])
+
+
+def _grad(outs, leaves, grad_outs, retain):
+    """`torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True, retain_graph=retain)`, straight to
+    torch's engine (as `grad` calls it) when its Python-side work is a no-op: plain tensors (no
+    `__torch_function__` override), each upstream gradient of its output's shape and dtype (what `grad`
+    checks; callers convert the dtype), not while dynamo traces. `grad`'s per-tensor checks cost more
+    Python calls than a small graph's whole backward."""
+    if set(map(type, outs)) <= _PLAIN and set(map(type, leaves)) <= _PLAIN and not torch.compiler.is_compiling():
+        for o, g in zip(outs, grad_outs):
+            if o.shape != g.shape or o.dtype != g.dtype or o.is_nested:
+                break
+        else:
+            return _engine_run_backward(tuple(outs), tuple(grad_outs), retain, False, tuple(leaves), True,
+                                        accumulate_grad=False)
+    return torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True, retain_graph=retain)
 
 
 def _grads_by_backward(outs, leaves, grad_outs, retain):
