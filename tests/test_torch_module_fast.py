@@ -97,3 +97,114 @@ def test_module_gradients_through_the_engine_equal_torch_autograd():
         expected = torch.autograd.grad(ref(xt), list(ref.parameters()) + [xt], dy)
         for a, e in zip(got, expected):
             np.testing.assert_allclose(a.numpy(), e.numpy(), rtol=1e-12, atol=1e-14)
+
+
+class Swappable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_submodule_replaced_between_calls_is_the_one_the_next_forward_runs():
+    """Each call copies the module tree as it is now: an activation swapped after wrapping (GELU -> Tanh ->
+    a frozen Linear's composition) gives the new structure's torch gradients on the next call."""
+    torch.manual_seed(2)
+    module = Swappable().to(f64)
+    tm = dtape.layers.TorchModule(module)
+    x = torch.randn(5, 3, dtype=f64)
+    for act in (nn.GELU(), nn.Tanh(), nn.Sequential(nn.Tanh(), nn.Softsign())):
+        module.act = act
+        got = _dtape_grads(tm, x)
+        expected = _torch_grads(module, x)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_frozen_parameter_gets_no_gradient_unless_watched_and_then_torch_s():
+    """A parameter frozen at wrapping (requires_grad=False) is a non-trainable Variable: no gradient from an
+    automatic watch; watched explicitly, torch's gradient (the one torch gives once it requires grad)."""
+    torch.manual_seed(3)
+    module = Swappable().to(f64)
+    module.fc1.weight.requires_grad_(False)
+    tm = dtape.layers.TorchModule(module)
+    frozen = next(v for v in tm.variables if v.name.endswith("fc1.weight"))
+    assert not frozen.trainable and all(v is not frozen for v in tm.trainable_variables)
+    x = torch.randn(5, 3, dtype=f64)
+    with dtape.GradientTape() as tape:
+        y = dtape.reduce_sum(tm(dtape.constant(x)) ** 2)
+    assert tape.gradient(y, [frozen]) == [None]
+    with dtape.GradientTape() as tape:
+        tape.watch(frozen)
+        y = dtape.reduce_sum(tm(dtape.constant(x)) ** 2)
+    (g,) = tape.gradient(y, [frozen])
+    module.fc1.weight.requires_grad_(True)
+    expected = _torch_grads(module, x)[0]
+    np.testing.assert_allclose(g.numpy(), expected.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_watched_variables_keep_first_watch_order_across_a_module_s_bulk_watch():
+    """The module's reads watch its variables in one bulk update: variables watched before keep their
+    position, new ones follow in read order (TF's first-watch order)."""
+    tm = dtape.layers.TorchModule(Swappable().to(f64))
+    a, b = tm.trainable_variables[2], tm.trainable_variables[0]
+    with dtape.GradientTape() as tape:
+        dtape.reduce_sum(a) + dtape.reduce_sum(b)
+        tm(dtape.constant(torch.ones(2, 3, dtype=f64)))
+    order = [v.name for v in tape.watched_variables()]
+    rest = [v.name for v in tm.trainable_variables if v is not a and v is not b]
+    assert order == [a.name, b.name] + rest
+
+
+def test_gradient_of_mixed_sources_keeps_each_source_s_structure_dtype_and_unconnected_choice():
+    """The walk's own-handle path (every source a Tensor or plain Variable) gives: a nested source structure
+    back, a float64 variable its float64 gradient through a float32 computation, None or zeros for an
+    unconnected one, None (with a warning) for an integer one."""
+    w = dtape.Variable(torch.tensor([1.0, 2.0], dtype=f64))
+    c = dtape.Variable(torch.tensor([0.5, -1.0]))
+    n = dtape.Variable(torch.tensor([1, 2]))
+    unused = dtape.Variable(torch.tensor([3.0]))
+    x = dtape.constant([2.0, 3.0])
+    with dtape.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = dtape.reduce_sum(dtape.cast(w, torch.float32) * x * c)
+    gw, (gx, gc) = tape.gradient(y, [w, (x, c)])
+    assert gw.dtype == f64
+    np.testing.assert_allclose(gw.numpy(), [1.0, -3.0])
+    np.testing.assert_allclose(gx.numpy(), [0.5, -2.0])
+    np.testing.assert_allclose(gc.numpy(), [2.0, 6.0])
+    with pytest.warns(UserWarning, match="must be floating"):
+        assert tape.gradient(y, [n, unused, w])[:2] == [None, None]
+    zeros = tape.gradient(y, [unused], unconnected_gradients=dtape.UnconnectedGradients.ZERO)[0]
+    np.testing.assert_allclose(zeros.numpy(), [0.0])
+
+
+def test_update_together_refuses_a_repeated_variable_and_releases_its_locks_after_an_error():
+    a, b = dtape.Variable([1.0, 2.0]), dtape.Variable([3.0])
+    calls = []
+    assert dtape.optimizers.update_together([a, b, a], calls.append) is None and calls == []
+
+    def fail(tensors):
+        raise RuntimeError("kernel failed")
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        dtape.optimizers.update_together([b, a], fail)
+    assert not a._writing and not b._writing
+    assert a._lock.acquire(blocking=False) and b._lock.acquire(blocking=False)  # released
+    a._lock.release()
+    b._lock.release()
+
+    def add_one(tensors):
+        for t in tensors:
+            t.add_(1.0)
+    dtape.optimizers.update_together([b, a], add_one)
+    np.testing.assert_allclose(a.numpy(), [2.0, 3.0])
+    np.testing.assert_allclose(b.numpy(), [4.0])
+
+
+def test_from_torch_sees_per_replica_gradients_among_plain_ones():
+    """Whether any gradient is distributed is decided per gradient type: a PerReplica among Tensors counts."""
+    from dtape.distribute import PerReplica
+    assert dtape.optimizers._any_distributed([dtape.constant(1.0), PerReplica((dtape.constant(1.0),))])
+    assert not dtape.optimizers._any_distributed([dtape.constant(1.0), dtape.constant(2.0)])

@@ -252,17 +252,12 @@ def _recorded_vjp(op, pairs, wrt, n):
 
 
 def _unwrap_leaves(flat):
-    leaves, tensors, positions = [], [], []
-    for i, leaf in enumerate(flat):
-        if type(leaf) is not Tensor and is_variable(leaf):
-            leaf = leaf._dtape_read()
-        if type(leaf) is Tensor:
-            tensors.append(leaf)
-            positions.append(i)
-            leaves.append(None)
-        else:
-            leaves.append(leaf)
-    return leaves, tensors, positions
+    """(leaves with each tensor replaced by None, the Tensors, their positions); a variable leaf is read
+    (recorded) into a Tensor. Comprehensions: no call per Tensor leaf (a wrapped module has one per
+    parameter)."""
+    flat = [leaf if type(leaf) is Tensor or not is_variable(leaf) else leaf._dtape_read() for leaf in flat]
+    positions = [i for i, leaf in enumerate(flat) if type(leaf) is Tensor]
+    return [None if type(leaf) is Tensor else leaf for leaf in flat], [flat[i] for i in positions], positions
 
 
 # Torch functions that draw from torch's global generators. Each call runs on
