@@ -145,16 +145,14 @@ def _has_reentrant_checkpoint(outs):
     gathered by builtins (a few calls a level, not a few per node: a small
     GPT's graph is ~100 nodes in ~20 levels); each node is visited once.
     """
-    level = {o.grad_fn for o in outs}
-    level.discard(None)
-    seen = set(level)
+    seen = {None}  # an edge to an input that needs no gradient has no node
+    level = {o.grad_fn for o in outs} - seen
     while level:
         if _REENTRANT_CHECKPOINT in set(map(type, level)):
             return True
+        seen |= level
         level = set(map(_edge_node, itertools.chain.from_iterable(map(_next_edges, level))))
         level -= seen
-        level.discard(None)
-        seen |= level
     return False
 
 
@@ -255,7 +253,7 @@ def _unwrap_leaves(flat):
     """(leaves with each tensor replaced by None, the Tensors, their positions); a variable leaf is read
     (recorded) into a Tensor. Comprehensions: no call per Tensor leaf (a wrapped module has one per
     parameter)."""
-    flat = [leaf if type(leaf) is Tensor or not is_variable(leaf) else leaf._dtape_read() for leaf in flat]
+    flat = [leaf if type(leaf) in _LEAF_TYPES or not is_variable(leaf) else leaf._dtape_read() for leaf in flat]
     positions = [i for i, leaf in enumerate(flat) if type(leaf) is Tensor]
     return [None if type(leaf) is Tensor else leaf for leaf in flat], [flat[i] for i in positions], positions
 
