@@ -57,7 +57,8 @@ class TorchFallback(_tp.RecordOp):
     raw_saved = True       # nothing saved to rebuild: the rule reads only torch's graph
 
     def __init__(self, func, spec, leaves, positions, seed=None):
-        self.name = getattr(func, "__name__", repr(func))
+        name = getattr(func, "__name__", None)  # repr only without one (getattr's default is always built)
+        self.name = repr(func) if name is None else name
         self.func = func
         self.spec = spec
         self.leaves = leaves          # flat args/kwargs with tensors replaced by None
