@@ -187,7 +187,8 @@ def _backward_record(rec, dys, grads, reach, raw):
     op, in_ids = rec.op, rec.in_ids
     n = len(in_ids)
     inputs, outputs = rec.split()
-    _tp.check_saved_versions(rec, inputs, outputs)
+    if op.saves_inputs or op.saves_outputs:  # else the record holds no tensor (metadata only): nothing to check
+        _tp.check_saved_versions(rec, inputs, outputs)
     if not (raw and op.raw_saved):
         inputs, outputs = _rebuilt(inputs, in_ids), _rebuilt(outputs, rec.out_ids)
     cplx = dys[0].dtype.is_complex
@@ -216,7 +217,7 @@ def _backward_record(rec, dys, grads, reach, raw):
             g = _unbroadcast(g, shape, rec, argnum)
         if rec.amp is not None:  # autocast cast this input for the op: the gradient comes back in its dtype
             g = _to_input_dtype(g, inputs[argnum], raw)
-        prev = grads.get(i)
+        prev = grads[i] if i in grads else None  # no call: a module's op has one input per parameter
         if prev is None:
             grads[i] = g
         elif raw and prev.numel() >= _IN_PLACE_MIN and _sole_sum(prev, g):
@@ -231,7 +232,11 @@ def _pass_through(rec, grads, keep, reach, raw):
     real part for a real input), but an output without a gradient gives its input none (not zeros)."""
     inputs, outputs = rec.split()
     for x, m, i, o in zip(inputs, outputs, rec.in_ids, rec.out_ids):
-        g = grads.get(o) if o in keep else grads.pop(o, None)
+        if o not in grads:  # operators, not dict methods: a module's read record has one item per parameter
+            continue
+        g = grads[o]
+        if o not in keep:
+            del grads[o]
         if g is None or i not in reach:
             continue
         if g.dtype is not m.dtype:  # m: the output's metadata, of its input's dtype
@@ -241,8 +246,7 @@ def _pass_through(rec, grads, keep, reach, raw):
                 g = g.real
             if rec.amp is not None:
                 g = _to_input_dtype(g, x, raw)
-        prev = grads.get(i)
-        grads[i] = g if prev is None else prev + g
+        grads[i] = grads[i] + g if i in grads and grads[i] is not None else g
 
 
 def _to_input_dtype(g, x, raw):
@@ -390,7 +394,7 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
         ready = None if on_ready is None else _Readiness(records, source_ids, grads, on_ready)
         with _tp.walk_scope(free):
             _walk(records, reach, grads, set(source_ids), raw, ready, free)
-    out = [grads.get(i) for i in source_ids]
+    out = [grads[i] if i in grads else None for i in source_ids]  # no call per source
     if raw:
         for k, g in enumerate(out):
             if g is not None:  # Tensor(g), without the Python-level __init__ call
@@ -652,6 +656,9 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     pairs = [(t, None if dys is None else d) for t, d in zip(targets, dys or targets)]
     pairs = [(t, d) for t, d in pairs if _check_dtype(t, "target")]
     targets, dys = [t for t, _ in pairs], [d for _, d in pairs]
+    if _own_handles(sources):  # each source its own handle: positions are sources, no expansion, no sums
+        raw = imperative_grad(tape, targets, sources, dys, on_ready, free) if targets else [None] * len(sources)
+        return _finish_own(sources, raw, unconnected)
     expanded = _expand_sources(sources)
     flat = [h for hs in expanded for h in hs]
     hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
@@ -674,15 +681,38 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     return out
 
 
+def _finish_own(sources, raw, unconnected):
+    """The gradients of sources that are their own handles (`_own_handles`) from the walk's `raw` ones: a
+    gradient in its source's dtype and device as it is (no call), else `_finish` (casts, zeros, warnings)."""
+    out = list(raw)
+    for k, (src, g) in enumerate(zip(sources, raw)):
+        if type(g) is Tensor:
+            s, t = src._t, g._t  # the source's value (Tensor and Variable hold it in `_t`)
+            dtype = s.dtype
+            if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == s.device:
+                continue
+        out[k] = _finish(src, () if g is None else (g,), unconnected)
+    return out
+
+
 def _flat_list(structure):
     """`structure` as a list when it is a list or tuple (not a subclass) of leaves (`nest.flatten` would
     give the same list, and `pack_sequence_as` rebuild it as `type(structure)(values)`), else None."""
     if type(structure) is not list and type(structure) is not tuple:
         return None
-    for x in structure:
-        if isinstance(x, (list, tuple, dict)):  # nest.is_nested
+    for kind in set(map(type, structure)):  # each type once (a model's sources are one or two types)
+        if issubclass(kind, (list, tuple, dict)):  # nest.is_nested
             return None
     return list(structure)
+
+
+def _own_handles(sources):
+    """True when every source is a Tensor or of a variable class whose `_handle()` is itself (a plain
+    Variable; decided per class, not per source: a model's sources are one or two classes)."""
+    for kind in set(map(type, sources)):
+        if kind is not Tensor and not vars(kind).get("_handle_is_self", False):
+            return False
+    return True
 
 
 def _expand_sources(sources):

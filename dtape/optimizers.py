@@ -540,7 +540,8 @@ def _check_gradients(pairs):
     comparison of the shapes and dtypes of all at once, and the per-pair checks (with their messages) only
     when that finds a difference or another kind of gradient."""
     got = [(g._t.shape, g._t.dtype) if type(g) is Tensor else None for g, _ in pairs]
-    firsts = [v.values[0] if isinstance(v, distribute.DistributedValues) else v for _, v in pairs]
+    firsts = [v if type(v) is Variable else v.values[0] if isinstance(v, distribute.DistributedValues) else v
+              for _, v in pairs]
     want = [(v._t.shape, v._t.dtype) if type(v) is Variable else (tuple(v.shape), v.dtype) for v in firsts]
     if None in got or got != want:
         for g, v in pairs:
@@ -1463,8 +1464,9 @@ class _Plan:
 
 
 def _any_distributed(values):
-    for x in values:
-        if isinstance(x, distribute.DistributedValues):
+    # by type, each type once: a model's gradients are a few types (one call per value adds up every step)
+    for kind in set(map(type, values)):
+        if issubclass(kind, distribute.DistributedValues):
             return True
     return False
 

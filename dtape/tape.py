@@ -352,18 +352,12 @@ def _save(op, inputs, outputs):
 def _metas(xs):
     """[_meta(x) for x in xs], a Tensor's found in the cache without a call (a wrapped module's op has
     one input per parameter)."""
-    out = []
+    cache = _meta_cache
     try:
-        for x in xs:
-            if type(x) is Tensor:
-                t = x._t
-                m = _meta_cache.get((t.shape, t.dtype, t.device))
-                out.append(_meta(x) if m is None else m)
-            else:
-                out.append(_meta(x))
-    except TypeError:  # symbolic sizes (a compiled function's None dims, while traced) do not hash
-        return [_meta(x) for x in xs]
-    return out
+        return [cache[k] if type(x) is Tensor and (k := (x._t.shape, x._t.dtype, x._t.device)) in cache
+                else _meta(x) for x in xs]
+    except (TypeError, KeyError):  # symbolic sizes (a compiled function's None dims, while traced) do not
+        return [_meta(x) for x in xs]  # hash; another thread cleared the cache between `in` and `[]`
 
 
 _AMP_DEVICES = ("cpu", "cuda")
@@ -536,16 +530,15 @@ class Tape:
 
     def _watch_accessed_all(self, accessed):
         """`_watch_accessed(v._id, resolve_watched(v))` for each variable of `accessed`, under one lock."""
-        resolved = []
-        for v in accessed:
-            for w in _resolve_watched(v):
-                resolved.append((w, w._handle()._id))
-        with self._lock:
-            for w, i in resolved:
-                self._watched_vars.setdefault(id(w), w)
-                self._watched.add(i)
-            for v in accessed:
-                self._accessed.add(v._id)
+        resolved = [w for v in accessed for w in _resolve_watched(v)]
+        if _handles_are_self(resolved):
+            handles = [w._id for w in resolved]
+        else:
+            handles = [w._handle()._id for w in resolved]
+        with self._lock:  # in bulk: `update` keeps a watched variable's first-watch position, as setdefault
+            self._watched_vars.update(zip(map(id, resolved), resolved))
+            self._watched.update(handles)
+            self._accessed.update([v._id for v in accessed])
 
     def watched_variables(self):
         """Variables watched so far, in first-watch order, without duplicates."""
@@ -555,11 +548,10 @@ class Tape:
     # -- records -------------------------------------------------------------
     def _more_refs(self, outputs, out_ids):
         """Weak references to the outputs after the first (whose reference is the record itself)."""
-        refs = []
-        for o, i in zip(outputs[1:], out_ids[1:]):
-            r = _Ref(o, self._on_death)
+        cb = self._on_death
+        refs = [_Ref(o, cb) for o in outputs[1:]]
+        for r, i in zip(refs, out_ids[1:]):
             r.tid = i
-            refs.append(r)
         return refs
 
     def _drain(self):
@@ -571,31 +563,29 @@ class Tape:
         GradientTape::DeleteTrace, iterative: chains can be 100,000 long).
         """
         usage, producer, watched, pending = self._usage, self._producer, self._watched, self._pending
-        stack = []
-        while pending:
-            stack.append(pending.pop().tid)
-            while stack:
-                i = stack.pop()
-                n = usage.get(i)
-                if n is None:
-                    continue
-                if n > 1:
-                    usage[i] = n - 1
-                    continue
-                del usage[i]
-                rec = producer.pop(i, None)
-                if rec is None:
-                    continue
-                watched.discard(i)
-                for o in rec.out_ids:
-                    if o in usage:
-                        break  # another output of the same op is still alive or used
-                else:
-                    for j in rec.in_ids:
-                        if j is not None:
-                            stack.append(j)
-                    rec.drop()
-                    self._nrec -= 1
+        stack = []  # ids whose use a deleted record dropped; dead outputs come straight from `pending`
+        while stack or pending:  # one call per dead output in the common case (a use left): a module's
+            i = stack.pop() if stack else pending.pop().tid  # parameter reads die together, every step
+            if i not in usage:
+                continue
+            n = usage[i]
+            if n > 1:
+                usage[i] = n - 1
+                continue
+            del usage[i]
+            rec = producer.pop(i, None)
+            if rec is None:
+                continue
+            watched.discard(i)
+            for o in rec.out_ids:
+                if o in usage:
+                    break  # another output of the same op is still alive or used
+            else:
+                for j in rec.in_ids:
+                    if j is not None:
+                        stack.append(j)
+                rec.drop()
+                self._nrec -= 1
         if len(self._recs) > 256 and len(self._recs) > 2 * self._nrec:
             self._recs = [r for r in self._recs if r.op is not None]
 
@@ -658,6 +648,15 @@ class Tape:
                     st = x.untyped_storage()
                     seen[(x.device, st.data_ptr())] = st.nbytes()
         return sum(seen.values())
+
+
+def _handles_are_self(variables):
+    """True when each of `variables` is of a class whose `_handle()` is the variable itself (decided per
+    class: a module's variables are one or two classes)."""
+    for kind in set(map(type, variables)):
+        if not vars(kind).get("_handle_is_self", False):
+            return False
+    return True
 
 
 def _attr_tensors(attrs):
@@ -987,7 +986,8 @@ def record(op, in_ids, inputs, outputs, attrs, saved=None):
       outputs: tuple of Tensors.
       attrs: dict of non-tensor arguments (given back to `op.backward`), or None.
       saved: what the record keeps, as `_save(op, inputs, outputs)` would give it, when the caller
-        built it already (None: built here).
+        built it already (None: built here); for an op that saves neither inputs nor outputs, no torch
+        tensor (metadata, variables, scalars), as `_save` gives.
     """
     state = _thread_state
     if state.stopped or not _grad_enabled() and _grad_mode_stops():
@@ -1016,12 +1016,13 @@ def record(op, in_ids, inputs, outputs, attrs, saved=None):
                 saved = _save(op, inputs, outputs)
             n_saved = len(saved)
             ver = 0  # inline (no call): every recorded op runs this
-            try:
-                for x in saved:
-                    if isinstance(x, torch.Tensor):
-                        ver += x._version
-            except RuntimeError:  # an inference tensor has no version counter
-                ver = _version_sum(saved)
+            if op.saves_inputs or op.saves_outputs:  # else only metadata, variables and scalars: no version
+                try:
+                    for x in saved:
+                        if isinstance(x, torch.Tensor):
+                            ver += x._version
+                except RuntimeError:  # an inference tensor has no version counter
+                    ver = _version_sum(saved)
             amp = autocast_state() if _any_autocast() else None
         with tape._lock:
             # reset() may have replaced the sets since the unlocked check: re-check, so a
@@ -1042,18 +1043,18 @@ def record(op, in_ids, inputs, outputs, attrs, saved=None):
                 rec.set_saved(saved)
             tape._recs.append(rec)
             usage, producer = tape._usage, tape._producer
-            for i in in_ids:
+            for i in in_ids:  # operators, not dict methods: a module's op has one input per parameter
                 if i is not None:
-                    usage[i] = usage.get(i, 0) + 1
+                    usage[i] = usage[i] + 1 if i in usage else 1
             if len(outputs) == 1:
                 o = out_ids[0]
-                usage[o] = usage.get(o, 0) + 1
+                usage[o] = usage[o] + 1 if o in usage else 1
                 producer[o] = rec
                 tape._watched.add(o)
             else:
                 rec.refs = tape._more_refs(outputs, out_ids)
                 for o in out_ids:
-                    usage[o] = usage.get(o, 0) + 1
+                    usage[o] = usage[o] + 1 if o in usage else 1
                     producer[o] = rec
                 tape._watched.update(out_ids)
             tape._nrec += 1

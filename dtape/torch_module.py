@@ -168,6 +168,7 @@ class TorchModule(Module):
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
         self._slots = _param_slots(self._params)
+        self._unique = _unique(self._params)
         self._requires_grad = _RequiresGrad(module, self._params)
         aggregation = _BUFFER_SYNC[sync_buffers]
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
@@ -187,12 +188,14 @@ class TorchModule(Module):
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
         self._refresh_trainable()
-        values = _param_values(self._params)  # recorded reads: the op's first inputs
+        # recorded reads: the op's first inputs; each once (a tied Variable's gradient sums its uses), all
+        # read at once (`read_values`: one record for the module's parameters, not one per parameter)
+        values = read_values(self._unique)
         # One flat tuple (parameter values, then the arguments' leaves) for the fallback: it flattens and
         # rebuilds its arguments on every call, and pytree walks a nested list value by value.
         leaves, spec = flatten_args(args, kwargs)
         run = _ForwardCall(shadow, self._slots, len(values), spec)
-        out = call_fallback(run, (*values.values(), *[_as_input(x) for x in leaves]), {})
+        out = call_fallback(run, (*values, *[_as_input(x) for x in leaves]), {})
         self._write_back(shadow, before, mode)
         return out
 
@@ -316,6 +319,7 @@ class TorchModule(Module):
             buffers = _variables(self.name, self.module.named_buffers(remove_duplicate=False),
                                  lambda b, name: _buffer_var(b, name, follow.aggregation), known)
         self._slots = _param_slots(params)
+        self._unique = _unique(params)
         self._requires_grad = _RequiresGrad(self.module, params)
         self._params, self._buffers = params, buffers
         follow.reset(generation, self.module, params, buffers)
@@ -442,9 +446,11 @@ def _copy_tree(module, training, compiled):
     state["_parameters"] = dict(module._parameters)
     state["_buffers"] = dict(module._buffers)
     modules = state["_modules"] = {}
-    for k, m in module._modules.items():
-        modules[k] = None if m is None else _copy_tree(m, training, compiled)
     state["training"] = training
+    children = module._modules  # keys, not items(): no call per submodule on every call
+    for k in children:
+        m = children[k]
+        modules[k] = None if m is None else _copy_tree(m, training, compiled)
     if compiled is not None and isinstance(module, compiled):  # its compiled forward must call the copy
         state["_orig_mod"] = modules["_orig_mod"]
         copy._initialize()
@@ -475,7 +481,7 @@ def _install_parameters(shadow, slots, values):
     """Puts `values[k]` in the shadow's parameter slot of each (path, name, k) of `slots`."""
     owners = {(): shadow}
     for path, leaf, k in slots:
-        owner = owners.get(path)
+        owner = owners[path] if path in owners else None  # no call per parameter
         if owner is None:
             owner = shadow
             for part in path:
@@ -491,18 +497,16 @@ def _install(shadow, variables, values, slot):
 
 
 def _param_slots(params):
-    """[(submodule path, slot name, k)] per torch name: its value is the k-th of `_param_values(params)`."""
+    """[(submodule path, slot name, k)] per torch name: its value is that of the k-th distinct Variable."""
     index = {}
     for var in params.values():
         index.setdefault(id(var), len(index))
     return [(*_split_name(name), index[id(var)]) for name, var in params.items()]
 
 
-def _param_values(params):
-    """id(var) -> its value read once (recorded: a tied Variable's gradient sums its uses), all read at once
-    (`read_values`: one record for the module's parameters, not one per parameter)."""
-    unique = list({id(var): var for var in params.values()}.values())
-    return dict(zip([id(v) for v in unique], read_values(unique)))
+def _unique(params):
+    """The distinct Variables of {torch name: Variable}, in first-name order (tied weights once)."""
+    return list({id(var): var for var in params.values()}.values())
 
 
 def _buffer_values(buffers):

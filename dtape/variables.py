@@ -275,14 +275,15 @@ def update_together(variables, inplace):
     Every variable gets the same kernel on the same values whoever holds
     what, so the results are bit-identical either way.
     """
-    ordered = sorted(set(variables), key=id)
-    if len(ordered) != len(variables):
+    by_id = dict(zip(map(id, variables), variables))  # by id, not hash: no Python __hash__ call per variable
+    if len(by_id) != len(variables):
         return None
-    taken = []
+    ordered = [by_id[i] for i in sorted(by_id)]
+    n_taken = 0
     try:
         for v in ordered:
             v._lock.acquire()
-            taken.append(v)
+            n_taken += 1
         for v in ordered:
             v._writing = True  # before the checks: see Variable._writing
         tracer = _trace.tracer
@@ -304,7 +305,7 @@ def update_together(variables, inplace):
                 _note_own_write(v, version)
         return [v._t for v in variables]
     finally:
-        for v in taken:
+        for v in ordered[:n_taken]:
             v._writing = False
             v._lock.release()
 
@@ -358,6 +359,9 @@ class Variable(metaclass=_VariableMeta):
         self._aggregation = aggregation
 
     # -- identity -----------------------------------------------------------
+    # The walk may take a source of exactly this class as its own handle without calling `_handle`.
+    _handle_is_self = True
+
     def _handle(self):
         return self
 
@@ -575,20 +579,17 @@ def read_values(variables):
     """
     if _trace.tracer is not None or _read_hook.fn is not None:
         return [v.read_value() for v in variables]
-    comps = []
-    for v in variables:
-        c = v if type(v) is Variable else v._handle() if getattr(type(v), "_reads_handle", False) else None
+    comps = [v if type(v) is Variable else v._handle() if getattr(type(v), "_reads_handle", False) else None
+             for v in variables]
+    for c in comps:
         if type(c) is not Variable:
             return [v.read_value() for v in variables]
-        comps.append(c)
-    outs = []
-    for c in comps:
+    outs = [Tensor.__new__(Tensor) for _ in comps]  # Tensor(t) without the Python-level __init__ call
+    for c, out in zip(comps, outs):
         t = c._t  # before `_writing`, as `read_value` (see Variable._writing)
         if c._writing:
             t = c._after_write()
-        out = Tensor.__new__(Tensor)  # Tensor(t) without the Python-level __init__ call
         out._t, out._id = t, next_id()
-        outs.append(out)
     if _tp.active_tapes:
         _tp.variables_read(comps, outs, _READS_OP, _READ_OP)
     elif _tp.capturing_reads():
