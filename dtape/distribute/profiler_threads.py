@@ -24,17 +24,13 @@ import ctypes
 import os
 import re
 import sys
+import sysconfig
 import threading
 import time
 import weakref
 
 import torch
 from torch.utils import cpp_extension
-
-try:  # the `ninja` wheel (a dependency); its binary is on PATH only in an activated environment
-    import ninja
-except ImportError:  # pragma: no cover - then torch looks for a ninja on PATH itself
-    ninja = None
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_csrc", "thread_state.cpp")
 _NAME = "dtape_thread_state"
@@ -107,13 +103,19 @@ def _load():
     return _declare(ctypes.CDLL(path))
 
 
+def _ninja_wheel_bin():
+    """The environment's scripts folder if the `ninja` wheel (a dependency) put its binary there, else None."""
+    scripts = sysconfig.get_path("scripts")
+    return scripts if scripts and os.path.isfile(os.path.join(scripts, "ninja")) else None
+
+
 @contextlib.contextmanager
 def _ninja_on_path():
     """Puts the ninja wheel's binary first on PATH for the build: a virtual environment's Python run without
     activating it (`.venv/bin/python`) has the wheel but not its `bin` on PATH, and torch runs `ninja` by name."""
-    bin_dir = getattr(ninja, "BIN_DIR", None)
+    bin_dir = _ninja_wheel_bin()
     old = os.environ.get("PATH")
-    if bin_dir and os.path.isdir(bin_dir):
+    if bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + (old or "")
     try:
         yield

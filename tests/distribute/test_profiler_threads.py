@@ -175,7 +175,7 @@ def test_a_failed_build_falls_back_to_the_warning_naming_the_reason(monkeypatch,
     """No ninja (or no compiler): the run still works, unprofiled on the replicas, and says why."""
     _unbuilt_library(monkeypatch, tmp_path)
     monkeypatch.setenv("PATH", "/nonexistent")  # torch's cpp_extension finds no ninja
-    monkeypatch.setattr(profiler_threads, "ninja", None)  # nor is the ninja wheel's binary put on PATH
+    monkeypatch.setattr(profiler_threads, "_ninja_wheel_bin", lambda: None)  # nor the ninja wheel's binary
     strategy, net, _ = _setup()
     (forward, per_replica), xs = _forward_state(strategy, net), _inputs()
     with pytest.warns(UserWarning, match=r"could not be carried .*Ninja is required.*profile_all_threads=True"):
