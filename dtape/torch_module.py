@@ -487,7 +487,17 @@ def _install_parameters(shadow, slots, values):
             for part in path:
                 owner = owner._modules[part]
             owners[path] = owner
-        owner._parameters[leaf] = values[k]
+        slot = owner._parameters
+        if slot.get(leaf) is None:  # torch calls no registration hook for a removal: never a stale value here
+            raise _removed_error(path, leaf)
+        slot[leaf] = values[k]
+
+
+def _removed_error(path, leaf):
+    name = ".".join((*path, leaf))
+    return ValueError(f"TorchModule: parameter {name!r} was removed from the module after wrapping (set to None "
+                      "or deleted), which torch announces to no hook, so the TorchModule would still use its "
+                      "Variable; wrap the module again (dtape.layers.TorchModule(module)) after removing it")
 
 
 def _install(shadow, variables, values, slot):

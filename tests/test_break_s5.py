@@ -281,3 +281,35 @@ def test_profiled_run_that_raises_in_one_replica_leaves_the_next_profile_and_aut
     plain = strategy.run(marked, args=(x,))  # no profiler, no autocast: float32, nothing recorded anywhere
     assert [v.dtype for v in plain.values] == [dtape.float32] * 2
     np.testing.assert_array_equal(plain.values[1].numpy(), np.full((2, 2), 2.0, np.float32))
+
+
+@pytest.mark.parametrize("how", ["none", "del"])
+@pytest.mark.parametrize("kind", ["one", "mirrored"])
+def test_parameter_removed_after_wrapping_is_refused_not_used_stale(kind, how):
+    """`layer.bias = None` (or `del layer.bias`) registers nothing, so torch's hooks never tell the TorchModule;
+    the forward used to put the old bias back in the call's copy of the module and train it, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    strategy = _strategy(kind)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+        opt = dtape.optimizers.SGD(0.1)
+    if how == "none":
+        model[2].bias = None
+    else:
+        del model[2].bias
+    with pytest.raises(ValueError, match=r"parameter '2\.bias' was removed from the module after wrapping"):
+        _train(strategy, tm, opt, [_batch(0)])
+    if how == "del":  # Linear's forward then fails in torch itself (no attribute 'bias')
+        return
+    # wrapped again, it trains as torch without the bias
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    ref[2].bias = None
+    _torch_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), [_batch(0), _batch(1)])
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+        opt = dtape.optimizers.SGD(0.1)
+    _train(strategy, tm, opt, [_batch(0), _batch(1)])
+    assert len(tm.trainable_variables) == 3
+    _assert_replicas(tm, ref)
