@@ -333,6 +333,9 @@ class TorchModule(Module):
         would silently keep training them."""
         if self._follow.generation != _registrations.generation:
             self._follow_structure()
+        removed = self._follow.removed()
+        if removed is not None:  # a replay would still use (and train) the removed parameter's Variable
+            raise _removed_error(*_split_name(removed))
         return self._view_version
 
     def _mark_views(self):
@@ -487,7 +490,17 @@ def _install_parameters(shadow, slots, values):
             for part in path:
                 owner = owner._modules[part]
             owners[path] = owner
-        owner._parameters[leaf] = values[k]
+        slot = owner._parameters
+        if slot.get(leaf) is None:  # torch calls no registration hook for a removal: never a stale value here
+            raise _removed_error(path, leaf)
+        slot[leaf] = values[k]
+
+
+def _removed_error(path, leaf):
+    name = ".".join((*path, leaf))
+    return ValueError(f"TorchModule: parameter {name!r} was removed from the module after wrapping (set to None "
+                      "or deleted), which torch announces to no hook, so the TorchModule would still use its "
+                      "Variable; wrap the module again (dtape.layers.TorchModule(module)) after removing it")
 
 
 def _install(shadow, variables, values, slot):
@@ -629,7 +642,7 @@ class _Follow:
     its parameters and buffers, and under a strategy each mirrored Variable's components (`views`), whose
     first (replica 0's) is the module's own tensor (`firsts`). A plain object: the module walk skips it."""
 
-    __slots__ = ("generation", "creators", "aggregation", "tensors", "views", "firsts", "lock")
+    __slots__ = ("generation", "creators", "aggregation", "tensors", "views", "firsts", "lock", "slots")
 
     def __init__(self, generation, creators, aggregation, module, params, buffers):
         self.creators, self.aggregation, self.lock = creators, aggregation, threading.Lock()
@@ -641,6 +654,17 @@ class _Follow:
         self.views = [tuple(v.values) for v in unique if len(getattr(v, "values", ())) > 1]
         self.firsts = [comps[0] for comps in self.views] or None  # None: nothing to copy (one replica here)
         self.generation = generation
+        # (owner's parameter dict, slot, torch name) of each parameter: a removal registers nothing
+        self.slots = [(m._parameters, leaf, f"{prefix}.{leaf}" if prefix else leaf)
+                      for prefix, m in module.named_modules(remove_duplicate=False)
+                      for leaf, p in m._parameters.items() if p is not None]
+
+    def removed(self):
+        """The torch name of a parameter set to None or deleted since the last walk, or None."""
+        for params, leaf, name in self.slots:
+            if params.get(leaf) is None:
+                return name
+        return None
 
     def same(self, module):
         now = _named_tensors(module)
