@@ -36,7 +36,7 @@ from dtape.variables import (Variable, VariableAggregation, current_creator_stac
 # How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
 _BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
 
-__all__ = ["TorchModule", "follow_torch_writes"]
+__all__ = ["TorchModule", "check_torch_writes_in_run", "follow_torch_writes"]
 
 
 class TorchModule(Module):
@@ -631,6 +631,32 @@ def follow_torch_writes():
     TorchModule and step (each Variable's version counter against dtape's last write)."""
     for torch_module in list(_with_replicas.values()):
         torch_module._follow_module()
+
+
+def check_torch_writes_in_run():
+    """Raises if torch code inside the `MirroredStrategy.run` that just ended wrote a TorchModule's module
+    tensors in place (`p.mul_` under no_grad, `nn.init.*_`): they are replica 0's components, shared by every
+    replica's thread, so a write made by each replica lands on them once per replica (a decay applied twice)
+    while the other components miss it. Called by `run` after the replicas finish; dtape's own writes
+    (assign, optimizers, from_torch) note their versions and pass.
+
+    Raises:
+      ValueError: naming the module's tensors written and where to write instead.
+    """
+    for torch_module in list(_with_replicas.values()):
+        follow = torch_module._follow
+        if follow.firsts is None:
+            continue
+        written = follow.written()
+        if written:
+            names = [follow.views[k][0].name for k in written]
+            raise ValueError(
+                f"torch code inside strategy.run wrote {names} in place (an in-place op on the wrapped module's "
+                "tensors, e.g. p.mul_ under torch.no_grad): under MirroredStrategy they are replica 0's "
+                "components, written once per replica that ran it, while the other replicas' components "
+                "missed it. Write them between steps, outside strategy.run (the next run copies the module's "
+                "values to every replica), or through dtape in the step (var.assign, an optimizer). The next "
+                "strategy.run gives every replica the module's values as they are now")
 
 
 def _rebuild_in_merge(strategy, torch_module):

@@ -149,9 +149,6 @@ def test_init_through_data_between_steps_reaches_every_replica():
     _assert_replicas(tm, ref)
 
 
-@pytest.mark.xfail(strict=True, reason="a torch write made by every replica inside strategy.run (a torch loop's "
-                   "manual weight decay after the step) lands on replica 0's component once per replica (the "
-                   "module's tensor): the decay is applied twice with two replicas, and nothing is refused")
 @pytest.mark.parametrize("optimizer", ["dtape", "from_torch"])
 def test_torch_write_by_every_replica_inside_the_step_is_torch_s_or_refused(optimizer):
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from dtape import _config, _jit
-from dtape.torch_module import follow_torch_writes
+from dtape.torch_module import check_torch_writes_in_run, follow_torch_writes
 from dtape import tape as _tp
 from dtape.distribute import context, mirrored_run, replica_scope
 from dtape.distribute.distribute_lib import Strategy, StrategyExtended
@@ -280,6 +280,7 @@ class MirroredStrategy(Strategy):
         with self.scope():
             follow_torch_writes()  # a wrapped module written through torch since the last step: every replica
             results = mirrored_run.run_on_replicas(self, pool, fn, args, kwargs or {}, self._timeout)
+            check_torch_writes_in_run()  # an in-place torch write by each replica would land on one tensor
         return _group_results(results)
 
 
