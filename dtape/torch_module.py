@@ -168,7 +168,7 @@ class TorchModule(Module):
         self.module = module  # not walked for variables (not a dtape Module)
         self._params = _variables(self.name, module.named_parameters(remove_duplicate=False), _param_var)
         self._slots = _param_slots(self._params)
-        self._unique = _unique(self._params)
+        self._unique = _unique(self._params.values())
         self._requires_grad = _RequiresGrad(module, self._params)
         aggregation = _BUFFER_SYNC[sync_buffers]
         self._buffers = _variables(self.name, module.named_buffers(remove_duplicate=False),
@@ -179,15 +179,14 @@ class TorchModule(Module):
         self._note_replicas()
 
     def __call__(self, *args, training=None, **kwargs):
-        if self._follow.generation != _registrations.generation:  # torch registered something somewhere
-            self._follow_structure()
+        self._follow_registrations()
         training = _call_context.resolve_training(training, None)
         mode = self.module.training if training is None else training
         shadow = _shadow(self.module, mode)
         scratch = _buffer_values(self._buffers)
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
-        self._refresh_trainable()
+        self._requires_grad.refresh()  # the registrations were followed above
         # recorded reads: the op's first inputs; each once (a tied Variable's gradient sums its uses), all
         # read at once (`read_values`: one record for the module's parameters, not one per parameter)
         values = read_values(self._unique)
@@ -224,9 +223,8 @@ class TorchModule(Module):
         """Each parameter's Variable (every component) takes `trainable` = the parameter's current
         `requires_grad`: torch's freezing (`p.requires_grad_(False)`) after wrapping, or unfreezing, means
         here what it means in torch (no gradient, the optimizer leaves it), through TF's rule that a tape
-        does not watch a non-trainable variable. Called by each call and by `trainable_variables`."""
-        if self._follow.generation != _registrations.generation:
-            self._follow_structure()
+        does not watch a non-trainable variable. Called by `trainable_variables` (a call refreshes too)."""
+        self._follow_registrations()
         self._requires_grad.refresh()
 
     def parameters(self, recurse=True):
@@ -289,11 +287,16 @@ class TorchModule(Module):
         call does this part only); under a strategy, a parameter or buffer that torch code wrote in place
         (`torch.nn.init.*_`, `module.load_state_dict`) reaches the other replicas' components
         (`_Follow.sync`; `follow_torch_writes` before each `MirroredStrategy.run`)."""
+        self._follow_registrations()
         follow = self._follow
-        if follow.generation != _registrations.generation:
-            self._follow_structure()
         if follow.firsts is not None and follow.written():
             follow.sync()
+
+    def _follow_registrations(self):
+        """One integer compare: when torch registered a parameter, buffer or submodule anywhere since the
+        last look, `_follow_structure`."""
+        if self._follow.generation != _registrations.generation:
+            self._follow_structure()
 
     def _follow_structure(self):
         """Walks the module when torch registered a parameter, buffer or submodule anywhere since the last
@@ -319,7 +322,7 @@ class TorchModule(Module):
             buffers = _variables(self.name, self.module.named_buffers(remove_duplicate=False),
                                  lambda b, name: _buffer_var(b, name, follow.aggregation), known)
         self._slots = _param_slots(params)
-        self._unique = _unique(params)
+        self._unique = _unique(params.values())
         self._requires_grad = _RequiresGrad(self.module, params)
         self._params, self._buffers = params, buffers
         follow.reset(generation, self.module, params, buffers)
@@ -331,8 +334,7 @@ class TorchModule(Module):
         """A number that changes whenever the Variables are made again because the module's tensors changed
         (follows the module first). Compiled functions guard on it: a graph traced with the old Variables
         would silently keep training them."""
-        if self._follow.generation != _registrations.generation:
-            self._follow_structure()
+        self._follow_registrations()
         removed = self._follow.removed()
         if removed is not None:  # a replay would still use (and train) the removed parameter's Variable
             raise _removed_error(*_split_name(removed))
@@ -340,7 +342,7 @@ class TorchModule(Module):
 
     def _mark_views(self):
         owner = weakref.WeakMethod(self.view_version)
-        for var in {id(v): v for v in (*self._params.values(), *self._buffers.values())}.values():
+        for var in _unique((*self._params.values(), *self._buffers.values())):
             var._view_of = owner  # `_jit` guards its graphs on the owner's `view_version`
 
     def _note_replicas(self):
@@ -517,9 +519,9 @@ def _param_slots(params):
     return [(*_split_name(name), index[id(var)]) for name, var in params.items()]
 
 
-def _unique(params):
-    """The distinct Variables of {torch name: Variable}, in first-name order (tied weights once)."""
-    return list({id(var): var for var in params.values()}.values())
+def _unique(variables):
+    """The distinct Variables of `variables`, in first-seen order (tied weights once)."""
+    return list({id(var): var for var in variables}.values())
 
 
 def _buffer_values(buffers):
@@ -676,8 +678,7 @@ class _Follow:
 
     def reset(self, generation, module, params, buffers):
         self.tensors = _named_tensors(module)
-        unique = {id(v): v for v in (*params.values(), *buffers.values())}.values()
-        self.views = [tuple(v.values) for v in unique if len(getattr(v, "values", ())) > 1]
+        self.views = [tuple(v.values) for v in _unique((*params.values(), *buffers.values())) if len(getattr(v, "values", ())) > 1]
         self.firsts = [comps[0] for comps in self.views] or None  # None: nothing to copy (one replica here)
         self.generation = generation
         # (owner's parameter dict, slot, torch name) of each parameter: a removal registers nothing
