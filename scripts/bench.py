@@ -18,7 +18,9 @@ against 2 with torch DistributedDataParallel, for the MLP and charlm steps
 (scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden; and the
 GPT of scripts/tasks/torch_gpt.py through TorchModule + from_torch(AdamW): 2 workers against DDP, and
 MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch),
-(j) that GPT step in one process (one intra-op thread) against plain torch with the same AdamW.
+(j) that GPT step in one process (one intra-op thread) against plain torch with the same AdamW, with each
+side's minor page faults per step; then again in a child process whose glibc keeps its heap (fixed malloc
+thresholds, both sides alike: see gpt_fixed_heap_rows).
 (k) the cost of checking every collective's signature across the 2 workers (check on / off:
 one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
 (l) `--jit-only`: compiled steps, dtape.function(jit_compile=True, inductor), against eager dtape, torch
@@ -39,6 +41,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -642,6 +645,23 @@ def _cpu_time(fn):
     return time.process_time() - t0
 
 
+def _minor_faults(fn):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def _faults_per_step(fd, ft, reps):
+    """Mean minor page faults of a dtape and a torch step taken in turn: where glibc's heap trimming
+    lands (which step frees into the top of the heap past its threshold, and which grows it again)
+    moves with the layout of the shared heap, and a step that pays it spends milliseconds in the kernel."""
+    counts = ([], [])
+    for r in range(reps):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            counts[i].append(_minor_faults((fd, ft)[i]))
+    return statistics.mean(counts[0]), statistics.mean(counts[1])
+
+
 def gpt_rows(run, quick):
     """(j), with one intra-op thread on both sides (as each torchrun worker of (i) has)."""
     threads = torch.get_num_threads()
@@ -652,9 +672,32 @@ def gpt_rows(run, quick):
         rows = [("(j) GPT step, TorchModule+from_torch(AdamW), 1 thread", *interleave(run, fd, ft, reps, 3), reps)]
         # the process's CPU time per step (one thread): steadier than wall time on a loaded machine
         rows.append(("(j) the same, CPU time", *interleave(_cpu_time, fd, ft, reps, 1), reps))
+        faults = _faults_per_step(fd, ft, reps)
+        print(f"(j) minor page faults per step, mean of {reps} interleaved steps: dtape {faults[0]:.0f}, "
+              f"torch {faults[1]:.0f} (glibc returning heap to the system and taking it back: ~1,000 a step "
+              "cost ~3 ms)")
         return rows
     finally:
         torch.set_num_threads(threads)
+
+
+# glibc's malloc tunables (read at process start): fixed thresholds, which also stop glibc moving them as it
+# frees, so the heap is neither handed back to the system nor taken again from step to step.
+FIXED_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+
+
+def gpt_fixed_heap_rows(quick):
+    """(j) again in a child process whose glibc keeps its heap (FIXED_HEAP_ENV, on both sides alike): the
+    same steps without the page faults that glibc's trimming puts on whichever step it lands; PyTorch's CPU
+    tuning guide advises an allocator that keeps its memory (jemalloc, tcmalloc) for the same reason."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--gpt-heap-child"] + (["--quick"] if quick else [])
+    out = subprocess.run(cmd, env=dict(os.environ, **FIXED_HEAP_ENV), check=True, capture_output=True, text=True,
+                         timeout=1800).stdout
+    *notes, last = out.strip().splitlines()
+    for line in notes:
+        print(f"[glibc heap kept] {line}")
+    rows = json.loads(last)
+    return [(f"{name} [glibc heap kept]", d, t, r) for name, d, t, r in rows]
 
 
 # -- (i) 2 torchrun workers: dtape against DistributedDataParallel ---------------------
@@ -794,7 +837,10 @@ def main():
                     help="only (l)'s compiled charlm replica step in 2 torchrun workers and 2 MirroredStrategy "
                          "replicas vs DDP over torch.compile (also run by --jit-only unless --no-multiworker)")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
+    ap.add_argument("--gpt-heap-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gpt_heap_child:
+        return print(json.dumps(gpt_rows(timer(torch.device("cpu")), args.quick)))
     if args.rss_child:
         torch.set_num_threads(os.cpu_count())
         return rss_child(args.rss_child)
@@ -840,7 +886,7 @@ def main():
     reps = 7 if q else 31
     rows.append(("(h) charlm step (Adam) vs torch.nn.Module", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
     if cpu:
-        rows += gpt_rows(run, q)
+        rows += gpt_rows(run, q) + gpt_fixed_heap_rows(q)
 
     extra = {}
     if cpu:
@@ -889,7 +935,7 @@ def main():
 
 def gpt_only(run, args, load):
     """`--gpt-only`: case (j) and the GPT launch of (i), with the machine's load before and after."""
-    rows = gpt_rows(run, args.quick)
+    rows = gpt_rows(run, args.quick) + gpt_fixed_heap_rows(args.quick)
     for name, d, t, r in rows:
         print(f"{name}: dtape {d * 1e3:.2f} ms, torch {t * 1e3:.2f} ms, {d / t:.3f}x ({r} reps, medians)")
     multi = None if args.no_multiworker else multiworker_case(args.quick, launches=(("gpt", 2),))
