@@ -668,7 +668,7 @@ def gpt_rows(run, quick):
     torch.set_num_threads(1)
     try:
         fd, ft = gpt_case(torch.device("cpu"))
-        reps = 9 if quick else 41
+        reps = 9 if quick else 121  # ~50 ms steps: many repetitions are cheap, and steady the medians
         rows = [("(j) GPT step, TorchModule+from_torch(AdamW), 1 thread", *interleave(run, fd, ft, reps, 3), reps)]
         # the process's CPU time per step (one thread): steadier than wall time on a loaded machine
         rows.append(("(j) the same, CPU time", *interleave(_cpu_time, fd, ft, reps, 1), reps))
