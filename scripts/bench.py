@@ -701,11 +701,13 @@ def gpt_fixed_heap_rows(quick):
 
 
 # -- (i) 2 torchrun workers: dtape against DistributedDataParallel ---------------------
-def multiworker_case(quick, launches=None):
-    """scripts/bench_multiworker.py's launches (3 sets of 60 steps; --quick: 1 of 20); prints its ratios."""
+def multiworker_case(quick, launches=None, env=None, label=""):
+    """scripts/bench_multiworker.py's launches (3 sets of 60 steps; --quick: 1 of 20), the workers' environment
+    updated by `env`; prints its ratios."""
     repeat, steps = (1, 20) if quick else (3, 60)
-    print(f"(i) 2 torchrun workers (gloo), dtape vs DistributedDataParallel: {repeat} set(s) of {steps} steps")
-    out = bench_multiworker.measure(steps, repeat, verbose=False, launches=launches or bench_multiworker.LAUNCHES)
+    print(f"(i) 2 torchrun workers (gloo), dtape vs DistributedDataParallel{label}: {repeat} set(s) of {steps} steps")
+    out = bench_multiworker.measure(steps, repeat, verbose=False, launches=launches or bench_multiworker.LAUNCHES,
+                                    env=env)
     bench_multiworker.print_summary(out["ratios"], repeat)
     return out
 
@@ -938,12 +940,15 @@ def gpt_only(run, args, load):
     rows = gpt_rows(run, args.quick) + gpt_fixed_heap_rows(args.quick)
     for name, d, t, r in rows:
         print(f"{name}: dtape {d * 1e3:.2f} ms, torch {t * 1e3:.2f} ms, {d / t:.3f}x ({r} reps, medians)")
-    multi = None if args.no_multiworker else multiworker_case(args.quick, launches=(("gpt", 2),))
+    multi = kept = None
+    if not args.no_multiworker:
+        multi = multiworker_case(args.quick, launches=(("gpt", 2),))
+        kept = multiworker_case(args.quick, launches=(("gpt", 2),), env=FIXED_HEAP_ENV, label=" [glibc heap kept]")
     load_end = os.getloadavg()
     print(f"load average at start {load}, at end {load_end}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load_start": load, "load_end": load_end, "multiworker": multi,
+            json.dump({"load_start": load, "load_end": load_end, "multiworker": multi, "multiworker_heap_kept": kept,
                        "results": [dict(case=n, dtape_s=d, torch_s=t, ratio=d / t, reps=r) for n, d, t, r in rows]},
                       f, indent=2)
 

@@ -502,14 +502,15 @@ def _worker(model, steps):
     return out
 
 
-def _launch(model, world, steps):
+def _launch(model, world, steps, env=None):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", model, "--steps", str(steps), "--out", out.name]
         # the workers run this file from scripts/: without the checkout first on their path they
         # would import whatever dtape is installed (e.g. another checkout's), not this one
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)), PYTHONPATH=path)
+        env = dict(os.environ, **(env or {}), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
+                   PYTHONPATH=path)
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=900)
         return json.load(open(out.name))
 
@@ -613,12 +614,12 @@ def _set_ratios(runs):
     return res, ratios
 
 
-def measure(steps=60, repeat=3, verbose=True, launches=LAUNCHES):
-    """`repeat` sets of `launches` (see LAUNCHES); returns
+def measure(steps=60, repeat=3, verbose=True, launches=LAUNCHES, env=None):
+    """`repeat` sets of `launches` (see LAUNCHES), the workers' environment updated by `env`; returns
     {"runs": [{"results", "ratios"} per set], "ratios": {name: (median, min, max) over the sets}}."""
     sets = []
     for i in range(repeat):
-        runs = {(m, w): _launch(m, w, steps) for m, w in launches}
+        runs = {(m, w): _launch(m, w, steps, env) for m, w in launches}
         files = {cases.pop("dtape_file") for cases in runs.values()}
         later = {f"{m}_{w}": cases.pop("compiles_after_first_calls") for (m, w), cases in runs.items()}
         res, ratios = _set_ratios(runs)
