@@ -493,7 +493,7 @@ def _install_parameters(shadow, slots, values):
                 owner = owner._modules[part]
             owners[path] = owner
         slot = owner._parameters
-        if slot.get(leaf) is None:  # torch calls no registration hook for a removal: never a stale value here
+        if slot[leaf] is None if leaf in slot else True:  # torch calls no hook for a removal: never a stale value
             raise _removed_error(path, leaf)
         slot[leaf] = values[k]
 

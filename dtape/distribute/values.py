@@ -118,6 +118,24 @@ class DistributedVariable(DistributedValues):
     def _handle(self):
         return self._component()
 
+    @classmethod
+    def _handles_of(cls, variables):
+        """`[v._handle() for v in variables]` for variables of this class, with this thread's mode looked up
+        once (a wrapped module reads all its parameters at once, every call)."""
+        if cls._component is not DistributedVariable._component:  # a subclass's own rule
+            return [v._component() for v in variables]
+        mode = context.current_mode()
+        if mode.update_index is not None:
+            return [v._values[mode.update_index] for v in variables]
+        rctx = mode.replica_context
+        if rctx is None:
+            return [v._values[0] for v in variables]
+        strategy, replica = rctx._strategy, rctx._replica_id
+        return [v._values[replica if v._distribute_strategy is strategy else 0] for v in variables]
+
+    # never its own handle (a component is): `tape.gradient` resolves such sources per list
+    _handle_is_self = False
+
     @property
     def name(self):
         return self._values[0].name.rsplit("/replica_", 1)[0]
@@ -346,6 +364,57 @@ def resolve_watched(variable):
     if _local_index(container) is not None and context.update_index() is None:
         return (container,)
     return container.values
+
+
+def resolve_watched_all(variables):
+    """(`[resolve_watched(v) for v in variables]`, each watched variable's concrete handle, a tuple per variable)
+    with this thread's mode looked up once: the tape's list form of the resolver (`tape.resolve_watched_all`),
+    for the dozens of variables a wrapped module reads and `tape.gradient` resolves on every step. Decided per
+    class, not per variable (a module's variables are one or two classes): containers, plain variables (with
+    `_distributed_container`: a component names its container), other variables."""
+    mode = context.current_mode()
+    rctx = mode.replica_context if mode.update_index is None else None
+    strategy = None if rctx is None else rctx._strategy
+    kinds = {kind: (_KIND_CONTAINER if issubclass(kind, DistributedVariable) else
+                    _KIND_PLAIN if hasattr(kind, "_distributed_container") else _KIND_OTHER,
+                    vars(kind).get("_handle_is_self", False)) for kind in set(map(type, variables))}
+    if strategy is not None and kinds and all([k is not _KIND_OTHER for k, _ in kinds.values()]):
+        # a training step's: containers (`tape.gradient`'s sources) or their components (a module's reads) in
+        # a replica context of their strategy, each watching its container, whose handle is this replica's
+        # component; looked up per list
+        containers = [v if kinds[type(v)][0] is _KIND_CONTAINER else v._distributed_container for v in variables]
+        if all([c is not None and c._distribute_strategy is strategy for c in containers]):
+            classes = set(map(type, containers))
+            comps = classes.pop()._handles_of(containers) if len(classes) == 1 else \
+                [c._component() for c in containers]
+            return [(c,) for c in containers], [(h,) for h in comps]
+    watched, handles = [], []
+    for v in variables:
+        kind, own = kinds[type(v)]
+        if kind is _KIND_CONTAINER:
+            container = v
+        elif kind is _KIND_PLAIN:  # a component's container (set by DistributedVariable only), else None
+            container = v._distributed_container
+        else:
+            container = value_container(v)
+            container = container if container is not v and isinstance(container, DistributedVariable) else None
+        if container is None:
+            watched.append((v,))
+            handles.append((v if own else v._handle(),))
+        elif container._distribute_strategy is strategy:  # its own replica context: the container
+            watched.append((container,))
+            comps = container._values
+            # its handle, `container._component()`: one component (a worker's) is it, whatever the replica id
+            handles.append((comps[0] if len(comps) == 1 else container._component(),))
+        else:  # cross-replica (or another strategy's replica context, or an update): every component
+            comps = container._values
+            watched.append(comps)
+            handles.append(tuple([c if vars(type(c)).get("_handle_is_self", False) else c._handle()
+                                  for c in comps]))
+    return watched, handles
+
+
+_KIND_CONTAINER, _KIND_PLAIN, _KIND_OTHER = "container", "plain", "other"
 
 
 def select_replica(replica_id, structure):
