@@ -274,7 +274,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         collective_ops.set_active(self._comm)
         _install_excepthook()
         seed = self._shared_seed(seed)
-        self._generator = replica_scope.ReplicaGenerator(dev, resolver.rank)
+        self._generator = replica_scope.ReplicaGenerator(dev, resolver.rank, alone_in_process=True)
         self._generator.manual_seed(replica_scope.derive_seed(seed, resolver.rank))
 
     def _shared_seed(self, seed):
