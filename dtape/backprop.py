@@ -353,18 +353,14 @@ class _Readiness:
         left = self._left
         for rec in records:
             yield rec
-            done = None
-            for i in rec.in_ids:  # the walk is done with rec: its inputs have one consumer less
-                n = left[i] if i in left else 0
-                if n:
-                    left[i] = n - 1
-                    if n == 1:
-                        if done is None:
-                            done = [i]
-                        else:
-                            done.append(i)
-            if done is not None:
-                self._fire(done)
+            hit = [i for i in rec.in_ids if i in left]
+            if hit:  # the walk is done with rec: its source inputs have one consumer less
+                for i in hit:
+                    left[i] -= 1
+                # those with none left (the counts are of these very records: each reaches 0 at its last one)
+                done = [i for i in dict.fromkeys(hit) if not left[i]]
+                if done:
+                    self._fire(done)
 
     def _fire(self, ids):
         grads, positions = self._grads, self._positions
@@ -676,25 +672,32 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     flat = [h for hs in expanded for h in hs]
     hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
     raw = imperative_grad(tape, targets, flat, dys, hook, free) if targets else [None] * len(flat)
-    out, pos = [], 0
     # the kinds of handle whose value is in `_t`: a source with one such handle has its dtype and device
     valued = {kind for kind in set(map(type, flat)) if kind is Tensor or vars(kind).get("_handle_is_self", False)}
+    if len(flat) == len(sources):  # every source has one handle (each has at least one): positions are sources
+        return _finish_single(sources, flat, raw, valued, unconnected)
+    out, pos = [], 0
     for src, hs in zip(sources, expanded):
         if len(hs) == 1:
-            g = raw[pos]
-            if type(g) is Tensor:  # the common case, without a call: one part, in the source's dtype and device
-                h = hs[0]  # (those of its one handle: itself, or the component it stands for)
-                ref = h._t if type(h) in valued else src
-                t, dtype = g._t, ref.dtype
-                if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == ref.device:
-                    pos += 1
-                    out.append(g)
-                    continue
-            parts = () if g is None else (g,)
-        else:
-            parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
+            out += _finish_single((src,), hs, raw[pos:pos + 1], valued, unconnected)
+        else:  # the components' gradients summed
+            out.append(_finish(src, [g for g in raw[pos:pos + len(hs)] if g is not None], unconnected))
         pos += len(hs)
-        out.append(_finish(src, parts, unconnected))
+    return out
+
+
+def _finish_single(sources, handles, raw, valued, unconnected):
+    """The gradients of sources with one handle each from the walk's `raw` ones: a gradient in its source's
+    dtype and device (its one handle's: itself, or the component it stands for, read from `_t` for the
+    `valued` kinds) as it is (the common case, without a call), else `_finish` (casts, zeros, warnings)."""
+    out = list(raw)
+    for k, (src, h, g) in enumerate(zip(sources, handles, raw)):
+        if type(g) is Tensor:
+            ref = h._t if type(h) in valued else src
+            t, dtype = g._t, ref.dtype
+            if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == ref.device:
+                continue
+        out[k] = _finish(src, () if g is None else (g,), unconnected)
     return out
 
 
@@ -750,10 +753,10 @@ def _expand_sources(sources):
 
 def _single_handle_hook(expanded, on_ready):
     """Maps walk positions to source indices, for sources with one handle (the others: none early); when
-    every source has one handle, positions are source indices: `on_ready` itself."""
-    owner = [j if len(hs) == 1 else None for j, hs in enumerate(expanded) for _ in hs]
-    if len(owner) == len(expanded) and None not in owner:
+    every source has one handle (each has at least one), positions are source indices: `on_ready` itself."""
+    if sum(map(len, expanded)) == len(expanded):
         return on_ready
+    owner = [j if len(hs) == 1 else None for j, hs in enumerate(expanded) for _ in hs]
 
     def hook(ks, gs):
         js, kept = [], []

@@ -469,14 +469,11 @@ class _Session:
 
     def reduced(self, js, timeout):
         """The reduced gradients of sources `js` (a list), waiting for each bucket once."""
-        where, results, out = self._where, self._results, []
-        for j in js:
-            b = where[j]
-            result = results[b]
-            if result is None:
-                result = results[b] = _unpack(self._buckets[b], self._handles[b].wait(timeout))
-            out.append(result[j])
-        return out
+        where, results = self._where, self._results
+        for b in sorted({where[j] for j in js}):  # each bucket's reduction waited for once, in bucket order
+            if results[b] is None:
+                results[b] = _unpack(self._buckets[b], self._handles[b].wait(timeout))
+        return [results[where[j]][j] for j in js]
 
 
 def _registry():
