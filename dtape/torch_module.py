@@ -495,7 +495,7 @@ def _install_parameters(shadow, slots, values):
                 owner = owner._modules[part]
             owners[path] = owner
         slot = owner._parameters
-        if slot[leaf] is None if leaf in slot else True:  # torch calls no hook for a removal: never a stale value
+        if leaf not in slot or slot[leaf] is None:  # torch calls no hook for a removal: never a stale value
             raise _removed_error(path, leaf)
         slot[leaf] = values[k]
 

@@ -15,8 +15,10 @@ How the overlap works (DDP's reducer, on the tape):
   only on the sources' shapes and that agreed order, so every replica
   builds the same buckets.
 * The backward walk tells the session when a source's gradient is final
-  (the walk has processed its last consumer record; `backprop._Readiness`).
-  The session notes it in its bucket; once every member of a bucket is in,
+  (the walk has processed its last consumer record; `backprop._Readiness`),
+  in one call for all the sources a record finishes (a wrapped torch
+  module's parameters, read in one record, all at once).
+  The session notes them in their buckets; once every member of a bucket is in,
   and every earlier bucket has been launched, it launches that bucket's
   all-reduce asynchronously (`strategy.extended._all_reduce_flat_async`:
   across processes the bucket's gradients are copied into one flat buffer,
