@@ -379,39 +379,48 @@ def resolve_watched_all(variables):
                     _KIND_PLAIN if hasattr(kind, "_distributed_container") else _KIND_OTHER,
                     vars(kind).get("_handle_is_self", False)) for kind in set(map(type, variables))}
     if strategy is not None and kinds and all([k is not _KIND_OTHER for k, _ in kinds.values()]):
-        # a training step's: containers (`tape.gradient`'s sources) or their components (a module's reads) in
-        # a replica context of their strategy, each watching its container, whose handle is this replica's
-        # component; looked up per list
-        containers = [v if kinds[type(v)][0] is _KIND_CONTAINER else v._distributed_container for v in variables]
-        if all([c is not None and c._distribute_strategy is strategy for c in containers]):
-            classes = set(map(type, containers))
-            comps = classes.pop()._handles_of(containers) if len(classes) == 1 else \
-                [c._component() for c in containers]
-            return [(c,) for c in containers], [(h,) for h in comps]
+        local = _resolved_locally(variables, kinds, strategy)
+        if local is not None:
+            return local
     watched, handles = [], []
     for v in variables:
-        kind, own = kinds[type(v)]
-        if kind is _KIND_CONTAINER:
-            container = v
-        elif kind is _KIND_PLAIN:  # a component's container (set by DistributedVariable only), else None
-            container = v._distributed_container
-        else:
-            container = value_container(v)
-            container = container if container is not v and isinstance(container, DistributedVariable) else None
-        if container is None:
-            watched.append((v,))
-            handles.append((v if own else v._handle(),))
-        elif container._distribute_strategy is strategy:  # its own replica context: the container
-            watched.append((container,))
-            comps = container._values
-            # its handle, `container._component()`: one component (a worker's) is it, whatever the replica id
-            handles.append((comps[0] if len(comps) == 1 else container._component(),))
-        else:  # cross-replica (or another strategy's replica context, or an update): every component
-            comps = container._values
-            watched.append(comps)
-            handles.append(tuple([c if vars(type(c)).get("_handle_is_self", False) else c._handle()
-                                  for c in comps]))
+        w, h = _resolved(v, kinds[type(v)], strategy)
+        watched.append(w)
+        handles.append(h)
     return watched, handles
+
+
+def _resolved_locally(variables, kinds, strategy):
+    """A training step's case, per list: containers (`tape.gradient`'s sources) or their components (a
+    module's reads) all in a replica context of their `strategy`, each watching its container, whose handle
+    is this replica's component; None when some variable is not such."""
+    containers = [v if kinds[type(v)][0] is _KIND_CONTAINER else v._distributed_container for v in variables]
+    if not all([c is not None and c._distribute_strategy is strategy for c in containers]):
+        return None
+    classes = set(map(type, containers))
+    comps = classes.pop()._handles_of(containers) if len(classes) == 1 else [c._component() for c in containers]
+    return [(c,) for c in containers], [(h,) for h in comps]
+
+
+def _resolved(v, kind, strategy):
+    """(resolve_watched(v), their handles), `kind` = (v's class kind, whether its handle is itself), `strategy`
+    that of the replica context (None: cross-replica or inside an update)."""
+    kind, own = kind
+    if kind is _KIND_CONTAINER:
+        container = v
+    elif kind is _KIND_PLAIN:  # a component's container (set by DistributedVariable only), else None
+        container = v._distributed_container
+    else:
+        container = value_container(v)
+        container = container if container is not v and isinstance(container, DistributedVariable) else None
+    if container is None:
+        return (v,), (v if own else v._handle(),)
+    comps = container._values
+    if container._distribute_strategy is strategy:  # its own replica context: the container
+        # its handle, `container._component()`: one component (a worker's) is it, whatever the replica id
+        return (container,), (comps[0] if len(comps) == 1 else container._component(),)
+    # cross-replica (or another strategy's replica context, or an update): every component
+    return comps, tuple([c if vars(type(c)).get("_handle_is_self", False) else c._handle() for c in comps])
 
 
 _KIND_CONTAINER, _KIND_PLAIN, _KIND_OTHER = "container", "plain", "other"
