@@ -320,44 +320,52 @@ def _walk_is_raw(records, target_ids, dys):
 
 
 class _Readiness:
-    """Calls `on_ready(position, grad)` as soon as a source's gradient is final.
+    """Calls `on_ready(positions, grads)` as soon as sources' gradients are final.
 
     A source's gradient is final once the walk has processed its last
     consumer among the pruned records (sources with none: before the walk).
-    `grad` is the walk's value (torch.Tensor on the raw path, else a
-    dtape.Tensor) or None. The hook gradient all-reduce overlap uses.
+    One call per record that finishes some (a wrapped module's one record
+    finishes all its parameters at once), with the sources' positions in the
+    order of the record's inputs and their gradients: the walk's values
+    (torch.Tensor on the raw path, else dtape.Tensor) or None. The hook
+    gradient all-reduce overlap uses.
     """
 
     __slots__ = ("_left", "_positions", "_grads", "_on_ready")
 
     def __init__(self, records, source_ids, grads, on_ready):
-        self._positions = {}
-        for k, i in enumerate(source_ids):
-            self._positions.setdefault(i, []).append(k)
+        self._positions = {i: (k,) for k, i in enumerate(source_ids)}
+        if len(self._positions) != len(source_ids):  # a source listed more than once: each of its positions
+            self._positions = {}
+            for k, i in enumerate(source_ids):
+                self._positions.setdefault(i, []).append(k)
         self._left = dict.fromkeys(self._positions, 0)
         for rec in records:
             for i in rec.in_ids:
                 if i in self._left:
                     self._left[i] += 1
         self._grads, self._on_ready = grads, on_ready
-        for i, n in list(self._left.items()):
-            if n == 0:
-                self._fire(i)
+        unused = [i for i, n in self._left.items() if n == 0]
+        if unused:
+            self._fire(unused)
 
     def iterate(self, records):
+        left = self._left
         for rec in records:
             yield rec
-            for i in rec.in_ids:  # the walk is done with rec: its inputs have one consumer less
-                n = self._left.get(i)
-                if n:
-                    self._left[i] = n - 1
-                    if n == 1:
-                        self._fire(i)
+            hit = [i for i in rec.in_ids if i in left]
+            if hit:  # the walk is done with rec: its source inputs have one consumer less
+                for i in hit:
+                    left[i] -= 1
+                # those with none left (the counts are of these very records: each reaches 0 at its last one)
+                done = [i for i in dict.fromkeys(hit) if not left[i]]
+                if done:
+                    self._fire(done)
 
-    def _fire(self, i):
-        g = self._grads.get(i)
-        for k in self._positions[i]:
-            self._on_ready(k, g)
+    def _fire(self, ids):
+        grads, positions = self._grads, self._positions
+        self._on_ready([k for i in ids for k in positions[i]],
+                       [grads[i] if i in grads else None for i in ids for _ in positions[i]])
 
 
 def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None, free=False):
@@ -368,8 +376,9 @@ def imperative_grad(tape, targets, sources, output_gradients=None, on_ready=None
       targets: flat list of Tensors.
       sources: flat list of Tensors or concrete variables (with `_id`).
       output_gradients: flat list (None entries allowed) of Tensors matching targets.
-      on_ready: optional `f(source_position, grad)`, called once per source as
-        soon as its gradient is final, during the walk (see `_Readiness`).
+      on_ready: optional `f(source_positions, grads)` (lists), told of each
+        source once, as soon as its gradient is final, during the walk (see
+        `_Readiness`).
       free: drop each record's saved tensors once used (the tape's last walk).
 
     Returns:
@@ -646,8 +655,8 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
 
     Integer/bool targets are dropped with a warning (with their output
     gradient); variable sources are expanded through the watch resolver and
-    the gradients of their components summed (seed 2). `on_ready(j, grad)`
-    hears during the walk of each source j that stands for one handle.
+    the gradients of their components summed (seed 2). `on_ready(js, grads)`
+    hears during the walk of the sources j that stand for one handle (lists).
     `free`: the tape's last walk (see `imperative_grad`).
     """
     if dys is not None and len(dys) != len(targets):
@@ -663,21 +672,32 @@ def tape_gradients(tape, targets, sources, dys=None, unconnected=UnconnectedGrad
     flat = [h for hs in expanded for h in hs]
     hook = None if on_ready is None else _single_handle_hook(expanded, on_ready)
     raw = imperative_grad(tape, targets, flat, dys, hook, free) if targets else [None] * len(flat)
+    # the kinds of handle whose value is in `_t`: a source with one such handle has its dtype and device
+    valued = {kind for kind in set(map(type, flat)) if kind is Tensor or vars(kind).get("_handle_is_self", False)}
+    if len(flat) == len(sources):  # every source has one handle (each has at least one): positions are sources
+        return _finish_single(sources, flat, raw, valued, unconnected)
     out, pos = [], 0
     for src, hs in zip(sources, expanded):
         if len(hs) == 1:
-            g = raw[pos]
-            if type(g) is Tensor:  # the common case, without a call: one part, in the source's dtype and device
-                t, dtype = g._t, src.dtype
-                if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == src.device:
-                    pos += 1
-                    out.append(g)
-                    continue
-            parts = () if g is None else (g,)
-        else:
-            parts = [g for g in raw[pos:pos + len(hs)] if g is not None]
+            out += _finish_single((src,), hs, raw[pos:pos + 1], valued, unconnected)
+        else:  # the components' gradients summed
+            out.append(_finish(src, [g for g in raw[pos:pos + len(hs)] if g is not None], unconnected))
         pos += len(hs)
-        out.append(_finish(src, parts, unconnected))
+    return out
+
+
+def _finish_single(sources, handles, raw, valued, unconnected):
+    """The gradients of sources with one handle each from the walk's `raw` ones: a gradient in its source's
+    dtype and device (its one handle's: itself, or the component it stands for, read from `_t` for the
+    `valued` kinds) as it is (the common case, without a call), else `_finish` (casts, zeros, warnings)."""
+    out = list(raw)
+    for k, (src, h, g) in enumerate(zip(sources, handles, raw)):
+        if type(g) is Tensor:
+            ref = h._t if type(h) in valued else src
+            t, dtype = g._t, ref.dtype
+            if t.dtype is dtype and (dtype.is_floating_point or dtype.is_complex) and t.device == ref.device:
+                continue
+        out[k] = _finish(src, () if g is None else (g,), unconnected)
     return out
 
 
@@ -716,23 +736,36 @@ def _own_handles(sources):
 
 
 def _expand_sources(sources):
-    """`_source_handles` of each source (checked), a Tensor or a variable that is its own handle directly."""
-    expanded = []
-    for s in sources:
-        if type(s) is Tensor or getattr(type(s), "_dtape_variable", False) and s._handle() is s:  # is_variable
-            expanded.append((s,))
-        else:
-            expanded.append(_source_handles(_check_source(s)))
+    """`_source_handles` of each source (checked), a Tensor or a variable that is its own handle directly;
+    variables of classes that are never their own handle (distributed variables) resolved as one list
+    (`resolve_watched_all`: the distribution context looked up once, not per source)."""
+    resolved = {kind for kind in set(map(type, sources))
+                if getattr(kind, "_dtape_variable", False) and getattr(kind, "_handle_is_self", None) is False}
+    expanded = [None if type(s) in resolved else (s,) if type(s) is Tensor else
+                (s,) if getattr(type(s), "_dtape_variable", False) and s._handle() is s else  # is_variable
+                _source_handles(_check_source(s)) for s in sources]
+    if resolved:
+        pending = [k for k, s in enumerate(sources) if type(s) in resolved]
+        for k, hs in zip(pending, _tp.resolve_watched_all([sources[k] for k in pending])[1]):
+            expanded[k] = hs
     return expanded
 
 
 def _single_handle_hook(expanded, on_ready):
-    """Maps walk positions to source indices, for sources with one handle (the others: none early)."""
+    """Maps walk positions to source indices, for sources with one handle (the others: none early); when
+    every source has one handle (each has at least one), positions are source indices: `on_ready` itself."""
+    if sum(map(len, expanded)) == len(expanded):
+        return on_ready
     owner = [j if len(hs) == 1 else None for j, hs in enumerate(expanded) for _ in hs]
 
-    def hook(k, g):
-        if owner[k] is not None:
-            on_ready(owner[k], g)
+    def hook(ks, gs):
+        js, kept = [], []
+        for k, g in zip(ks, gs):
+            if owner[k] is not None:
+                js.append(owner[k])
+                kept.append(g)
+        if js:
+            on_ready(js, kept)
     return hook
 
 

@@ -330,8 +330,8 @@ class Optimizer:
         if len(parts) == 1:  # one replica of several in sync (a worker's): its tensors are its parts (as
             # its merge_call wraps them); anything else is the same on every worker, so not distributed
             reduced, variables = parts[0].reduced, parts[0].variables
-            given = [None if isinstance(g, (Tensor, torch.Tensor)) and not isinstance(g, Variable) else g
-                     for g in parts[0].given]
+            given = [None if type(g) is Tensor or isinstance(g, (Tensor, torch.Tensor)) and not isinstance(g, Variable)
+                     else g for g in parts[0].given]
         else:  # the same object on every replica is not distributed
             reduced, given = _group([p.reduced for p in parts]), _group([p.given for p in parts])
             variables = _group([p.variables for p in parts])  # each replica's own components stay its own
@@ -510,10 +510,13 @@ def _check_not_cross_replica(method, variables=()):
             f"`{method}()` cannot be called in cross-replica context. Use `dtape.distribute.Strategy.run` to enter "
             f"replica context: call it inside the function given to `strategy.run` (here "
             f"{strategy.num_replicas_in_sync} replicas in sync), as TF requires. Nothing was updated.")
+    # per class: a distributed variable's strategy without its property's call (a module's dozens, every step)
+    distributed = {kind for kind in set(map(type, variables))
+                   if issubclass(kind, distribute.values.DistributedVariable)}
     for var in variables:
         if type(var) is Variable:  # a plain variable belongs to no strategy (and the lookup below would raise)
             continue
-        owner = getattr(var, "distribute_strategy", None)
+        owner = var._distribute_strategy if type(var) in distributed else getattr(var, "distribute_strategy", None)
         if owner is not None and owner is not strategy and owner.num_replicas_in_sync > 1:
             raise RuntimeError(
                 f"`{method}()`: variable {getattr(var, 'name', '?')!r} was created under a {type(owner).__name__} "
@@ -540,8 +543,9 @@ def _check_gradients(pairs):
     comparison of the shapes and dtypes of all at once, and the per-pair checks (with their messages) only
     when that finds a difference or another kind of gradient."""
     got = [(g._t.shape, g._t.dtype) if type(g) is Tensor else None for g, _ in pairs]
-    firsts = [v if type(v) is Variable else v.values[0] if isinstance(v, distribute.DistributedValues) else v
-              for _, v in pairs]
+    variables = [v for _, v in pairs]
+    distributed = {kind for kind in set(map(type, variables)) if issubclass(kind, distribute.DistributedValues)}
+    firsts = [v if type(v) is Variable else v._values[0] if type(v) in distributed else v for v in variables]
     want = [(v._t.shape, v._t.dtype) if type(v) is Variable else (tuple(v.shape), v.dtype) for v in firsts]
     if None in got or got != want:
         for g, v in pairs:

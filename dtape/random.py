@@ -42,6 +42,11 @@ def has_thread_generator():
     return _gen_state.generator is not None
 
 
+def thread_generator():
+    """This thread's own generator (a replica's: the innermost `generator_scope`'s), or None."""
+    return _gen_state.generator
+
+
 def get_generator(device=None):
     """The generator random ops use on this thread for `device` (default: the scope's device).
 
@@ -163,4 +168,5 @@ def bernoulli_mask(shape, keep_prob, dtype, device):
     return keep.to(dtype) / keep_prob
 
 
-__all__ = ["uniform", "normal", "categorical", "set_seed", "get_generator", "generator_scope"]
+__all__ = ["uniform", "normal", "categorical", "set_seed", "get_generator", "generator_scope", "has_thread_generator",
+           "thread_generator"]

@@ -102,13 +102,32 @@ def _identity_resolver(variable):
     return (variable,)
 
 
+def _resolve_each(variables):
+    """`resolve_watched_all` from the one-variable resolver (a resolver registered without its list form)."""
+    watched = [_resolve_watched(v) for v in variables]
+    return watched, [tuple([w._handle() for w in ws]) for ws in watched]
+
+
+def _identity_resolver_all(variables):
+    return [(v,) for v in variables], [(v if vars(type(v)).get("_handle_is_self", False) else v._handle(),)
+                                       for v in variables]
+
+
 # Process-wide, set once at import of dtape.distribute (register_watched_variable_resolver).
 _resolve_watched = _identity_resolver
+_resolve_watched_all = _identity_resolver_all
 
 
 def resolve_watched(variable):
     """What watching `variable` watches: the registered resolver's answer (identity without one)."""
     return _resolve_watched(variable)
+
+
+def resolve_watched_all(variables):
+    """(`[resolve_watched(v) for v in variables]`, the concrete handle (`_handle()`) of each variable of those,
+    as a tuple per variable): the same answers, for a whole list at once (a wrapped module's dozens of
+    parameters on every step: the resolver looks the thread's distribution context up once, not per variable)."""
+    return _resolve_watched_all(variables)
 
 
 def capturing_reads():
@@ -134,16 +153,18 @@ class walk_scope(ThreadLocalScope):
     _attr = "freeing"
 
 
-def register_watched_variable_resolver(fn):
-    """Installs `fn(variable) -> iterable of variables to watch` (once per process).
+def register_watched_variable_resolver(fn, fn_all=None):
+    """Installs `fn(variable) -> iterable of variables to watch` (once per process), and its list form
+    `fn_all(variables)`, which answers as `resolve_watched_all` (default: `fn` per variable).
 
     Raises:
       RuntimeError: if a resolver is already registered.
     """
-    global _resolve_watched
+    global _resolve_watched, _resolve_watched_all
     if _resolve_watched is not _identity_resolver:
         raise RuntimeError("a watched-variable resolver is already registered; register it only once")
     _resolve_watched = fn
+    _resolve_watched_all = _resolve_each if fn_all is None else fn_all
 
 
 class RecordOp:
@@ -530,11 +551,9 @@ class Tape:
 
     def _watch_accessed_all(self, accessed):
         """`_watch_accessed(v._id, resolve_watched(v))` for each variable of `accessed`, under one lock."""
-        resolved = [w for v in accessed for w in _resolve_watched(v)]
-        if _handles_are_self(resolved):
-            handles = [w._id for w in resolved]
-        else:
-            handles = [w._handle()._id for w in resolved]
+        watched, handles = _resolve_watched_all(accessed)  # the whole list at once
+        resolved = [w for ws in watched for w in ws]
+        handles = [h._id for hs in handles for h in hs]
         with self._lock:  # in bulk: `update` keeps a watched variable's first-watch position, as setdefault
             self._watched_vars.update(zip(map(id, resolved), resolved))
             self._watched.update(handles)
@@ -648,15 +667,6 @@ class Tape:
                     st = x.untyped_storage()
                     seen[(x.device, st.data_ptr())] = st.nbytes()
         return sum(seen.values())
-
-
-def _handles_are_self(variables):
-    """True when each of `variables` is of a class whose `_handle()` is the variable itself (decided per
-    class: a module's variables are one or two classes)."""
-    for kind in set(map(type, variables)):
-        if not vars(kind).get("_handle_is_self", False):
-            return False
-    return True
 
 
 def _attr_tensors(attrs):
@@ -1257,4 +1267,4 @@ __all__ = ["Tape", "RecordOp", "check_saved_versions", "active_tapes", "recordin
            "watch", "watch_variable", "variable_accessed", "variable_read", "replica_run_scope", "should_record", "record", "record_reading",
            "record_operation", "delete_trace",
            "could_possibly_record", "stop_recording", "pause_tape", "pause_from", "pause_accumulators", "accumulating", "record_only", "capture_variable_reads",
-           "register_watched_variable_resolver", "resolve_watched", "walk_frees", "walk_scope", "autocast_state", "set_autocast_state", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]
+           "register_watched_variable_resolver", "resolve_watched", "resolve_watched_all", "walk_frees", "walk_scope", "autocast_state", "set_autocast_state", "stand_in", "capturing_reads", "PushedTapes", "track_pushed_tapes"]

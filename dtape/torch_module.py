@@ -28,10 +28,10 @@ from dtape import _replica_info
 from dtape import random as _random
 from dtape import tape as _tp
 from dtape.module import Module
-from dtape.ops._dispatch import SeededRandomFunctions, call_fallback, flatten_args, unflatten_args
+from dtape.ops._dispatch import ReplicaStream, SeededRandomFunctions, call_fallback, flatten_args, unflatten_args
 from dtape.tensor import Tensor, convert_to_tensor, is_variable
 from dtape.variables import (Variable, VariableAggregation, current_creator_stack, read_values,
-                             set_creator_stack, share_storage)
+                             set_creator_stack, share_storage, tracing_body)
 
 # How replicas' buffer updates are combined (`sync_buffers=`): the mean, or replica 0's (DDP's broadcast_buffers).
 _BUFFER_SYNC = {"mean": VariableAggregation.MEAN, "broadcast": VariableAggregation.ONLY_FIRST_REPLICA}
@@ -82,8 +82,10 @@ class TorchModule(Module):
     `trainable_variables` is torch.autograd's gradient of the module, from
     the graph torch built in the forward (autocast, `torch.no_grad()`,
     `.detach()` inside the forward mean what they mean in torch). Torch's
-    random functions in it draw from streams seeded from the replica's
-    `dtape.random` generator.
+    random functions in it draw from the replica's `dtape.random` generator
+    (replica threads of one process: on streams seeded from it, call by call;
+    the only replica of its process, e.g. a MultiWorkerMirroredStrategy
+    worker's: its own stream, through torch's default generator).
 
     Buffers (e.g. BatchNorm's `running_mean`, `running_var`,
     `num_batches_tracked`) are constants for differentiation, as in
@@ -493,7 +495,7 @@ def _install_parameters(shadow, slots, values):
                 owner = owner._modules[part]
             owners[path] = owner
         slot = owner._parameters
-        if slot.get(leaf) is None:  # torch calls no registration hook for a removal: never a stale value here
+        if leaf not in slot or slot[leaf] is None:  # torch calls no hook for a removal: never a stale value
             raise _removed_error(path, leaf)
         slot[leaf] = values[k]
 
@@ -567,9 +569,14 @@ class _ForwardCall:
         # A thread with its own generator (a replica) draws from it; without one, torch's random functions
         # draw from torch's own generators, as in plain torch, and the forward runs without the
         # interception (a TorchFunctionMode costs Python work on every torch call: ~7% of a small GPT's forward).
-        if not _random.has_thread_generator():
+        generator = _random.thread_generator()
+        if generator is None:
             return self.shadow(*args, **kwargs)
-        with SeededRandomFunctions():
+        if getattr(generator, "alone_in_process", False) and not tracing_body():
+            # no other replica of this process draws meanwhile: torch's generator draws the replica's stream
+            with ReplicaStream(generator):
+                return self.shadow(*args, **kwargs)
+        with SeededRandomFunctions():  # replica threads run forwards at once: each random call seeded apart
             return self.shadow(*args, **kwargs)
 
 

@@ -301,8 +301,8 @@ def update_together(variables, inplace):
                 v._t.copy_(t)
             else:
                 v._t = t
-            if v._shared:
-                _note_own_write(v, version)
+            if v._shared and version == v._own_version:  # _note_own_write, without a call per variable
+                v._own_version = v._t._version
         return [v._t for v in variables]
     finally:
         for v in ordered[:n_taken]:
@@ -579,8 +579,7 @@ def read_values(variables):
     """
     if _trace.tracer is not None or _read_hook.fn is not None:
         return [v.read_value() for v in variables]
-    comps = [v if type(v) is Variable else v._handle() if getattr(type(v), "_reads_handle", False) else None
-             for v in variables]
+    comps = _read_handles(variables)
     for c in comps:
         if type(c) is not Variable:
             return [v.read_value() for v in variables]
@@ -597,6 +596,19 @@ def read_values(variables):
             if c._trainable:
                 _tp.variable_accessed(c)
     return outs
+
+
+def _read_handles(variables):
+    """The component each of `variables` reads (`_handle()`: plain variables and `_reads_handle` classes; None
+    for others). Variables all of one `_reads_handle` class with `_handles_of` are looked up in one call (the
+    distribution context once for a whole module's parameters, not per variable)."""
+    kinds = set(map(type, variables))
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        if kind is not Variable and getattr(kind, "_reads_handle", False) and hasattr(kind, "_handles_of"):
+            return kind._handles_of(variables)
+    return [v if type(v) is Variable else v._handle() if getattr(type(v), "_reads_handle", False) else None
+            for v in variables]
 
 
 def install_tensor_protocol(cls):

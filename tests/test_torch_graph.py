@@ -438,6 +438,48 @@ def test_dropout_inside_a_wrapped_module_draws_from_the_threads_dtape_generator(
     assert torch.equal(state1, torch.get_rng_state())
 
 
+def _rng_state(device):
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def _one_replica_masks(seed, device):
+    """A wrapped Linear + Dropout called twice on a one-device MirroredStrategy's replica (the only replica of
+    the process, as a MultiWorkerMirroredStrategy worker's): (its outputs, the replica generator's state before
+    and after, torch's generator state of the device before and after)."""
+    module = _seeded(lambda: nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5))).to(device)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)).to(device)
+    with ds.MirroredStrategy([f"{device}:0"], seed=seed, timeout=30) as strategy:
+        with strategy.scope():
+            tm = dtape.layers.TorchModule(module)
+        generator = strategy.replica_generator(0)
+        before, torch_before = generator.get_state(), _rng_state(device)
+        outs = [strategy.run(lambda: tm(x, training=True)).torch() for _ in range(2)]
+        return module, x, outs, (before, generator.get_state()), (torch_before, _rng_state(device))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dropout_in_the_only_replica_of_a_process_draws_the_replica_generators_stream(device):
+    """The replica generator's own stream, drawn through torch's default generator of its device: the masks
+    are plain torch's from the replica generator's state, the replica generator advances by those draws (the
+    next call draws new masks), torch's own generator is left as it was; the same seed gives the same masks."""
+    module, x, outs, (before, after), (torch_before, torch_after) = _one_replica_masks(5, device)
+    with torch.random.fork_rng(devices=[0] if device == "cuda" else []):
+        if device == "cpu":
+            torch.set_rng_state(before)
+        else:
+            torch.cuda.set_rng_state(before, device)
+        expected = [module(x).detach() for _ in range(2)]
+        advanced = _rng_state(device)
+    for got, want in zip(outs, expected):
+        assert torch.equal(got, want)
+    assert 0.2 < (outs[0] == 0).float().mean() < 0.8 and not torch.equal(outs[0] == 0, outs[1] == 0)
+    assert torch.equal(after, advanced) and not torch.equal(after, before)
+    assert torch.equal(torch_after, torch_before)
+    again = _one_replica_masks(5, device)[2]
+    assert all(torch.equal(a, b) for a, b in zip(again, outs))
+    assert not torch.equal(_one_replica_masks(6, device)[2][0], outs[0])
+
+
 def test_a_fallback_in_a_dtape_function_serves_the_walks_of_every_tape_after_splicing():
     """A recorded walk splices the function body's records onto the outer tape: the fallback's graph,
     first walked (and freed) by that non-persistent tape, is also walked through the function's op."""

@@ -18,10 +18,11 @@ from dtape.distribute.collective_ops import CollectiveMismatchError, WorkerError
 from dtape.distribute.one_device_strategy import OneDeviceStrategy  # noqa: F401
 from dtape.distribute.reduce_util import CommunicationImplementation, ReduceOp  # noqa: F401
 from dtape.distribute.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica,  # noqa: F401
-                                     SyncOnReadVariable, resolve_watched, value_container)
+                                     SyncOnReadVariable, resolve_watched, resolve_watched_all,
+                                     value_container)
 from dtape.variables import VariableAggregation, VariableSynchronization  # noqa: F401
 
-_tape.register_watched_variable_resolver(resolve_watched)
+_tape.register_watched_variable_resolver(resolve_watched, resolve_watched_all)
 
 __all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
            "ReduceOp", "VariableAggregation", "VariableSynchronization", "Strategy",

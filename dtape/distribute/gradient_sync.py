@@ -15,8 +15,10 @@ How the overlap works (DDP's reducer, on the tape):
   only on the sources' shapes and that agreed order, so every replica
   builds the same buckets.
 * The backward walk tells the session when a source's gradient is final
-  (the walk has processed its last consumer record; `backprop._Readiness`).
-  The session notes it in its bucket; once every member of a bucket is in,
+  (the walk has processed its last consumer record; `backprop._Readiness`),
+  in one call for all the sources a record finishes (a wrapped torch
+  module's parameters, read in one record, all at once).
+  The session notes them in their buckets; once every member of a bucket is in,
   and every earlier bucket has been launched, it launches that bucket's
   all-reduce asynchronously (`strategy.extended._all_reduce_flat_async`:
   across processes the bucket's gradients are copied into one flat buffer,
@@ -66,7 +68,7 @@ from dtape.distribute import collective_ops, context, values
 from dtape.distribute.cross_device_ops import accumulation_dtype
 from dtape.distribute.reduce_util import ReduceOp
 from dtape.nn import compute_average_loss  # noqa: F401  (one function, public under both names)
-from dtape.tensor import Tensor, convert_to_tensor, normalize_device
+from dtape.tensor import Tensor, convert_to_tensor, next_id, normalize_device
 from dtape.variables import tracing_body
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -261,8 +263,11 @@ def _unpack(bucket, reduced):
         present = reduced[0][bucket.numel:].tolist()  # one host read per bucket, after the reduction
         same, shapes, _ = bucket.common()
         if same and all(present):   # every member present, in the bucket's dtype: its views, made in one call
-            return {m[0]: Tensor(v) for m, v in
-                    zip(bucket.members, _unflatten_dense_tensors(reduced[0][:bucket.numel], shapes))}
+            out = {}
+            for m, v in zip(bucket.members, _unflatten_dense_tensors(reduced[0][:bucket.numel], shapes)):
+                out[m[0]] = t = Tensor.__new__(Tensor)   # Tensor(v) without the Python-level __init__ call
+                t._t, t._id = v, next_id()
+            return out
         parts = reduced[0][:bucket.numel].split([m[2] for m in bucket.members])  # one call for every view
     else:
         present, parts = reduced[-1].tolist(), reduced[:-1]
@@ -306,16 +311,13 @@ def _flat_common(bucket, grads_by_index):
     same, _, ones = bucket.common()
     if not same:
         return None
-    tensors = []
-    for index, _, n, _, _ in bucket.members:
-        t = grads_by_index.get(index)
-        if type(t) is not torch.Tensor:   # the walk's gradients; a dtape Tensor (apply_gradients') is unwrapped
-            if type(t) is not Tensor:
-                return None
-            t = t._t
-        if t.dtype != bucket.dtype or t.device != bucket.device or t.numel() != n:
-            return None
-        tensors.append(t)
+    tensors = [grads_by_index[m[0]] if m[0] in grads_by_index else None for m in bucket.members]
+    # the walk's gradients; a dtape Tensor (apply_gradients') is unwrapped
+    tensors = [t._t if type(t) is Tensor else t for t in tensors]
+    dtype, device = bucket.dtype, bucket.device
+    for t, m in zip(tensors, bucket.members):
+        if type(t) is not torch.Tensor or t.dtype != dtype or t.device != device or t.shape != m[3]:
+            return None   # (a gradient of another shape: `_flat` checks its size)
     tensors.append(ones)
     return _flatten_dense_tensors(tensors)
 
@@ -424,14 +426,17 @@ class _Session:
         self._results = [None] * len(self._buckets)
         self._next = 0
 
-    def ready(self, j, g):
-        """The walk's hook: source j's gradient is final."""
-        b = self._where.get(j)
-        if b is None or j in self._grads[b]:
-            return
-        self._grads[b][j] = g
-        self._seen.append(j)
-        self._left[b] -= 1
+    def ready(self, js, gs):
+        """The walk's hook: the gradients `gs` of sources `js` (lists, in the walk's order) are final. Notes
+        them all, then launches every bucket now complete (in bucket order): one call for the sources a record
+        finished (a wrapped module's every parameter at once)."""
+        where, grads, left = self._where, self._grads, self._left
+        noted = [(j, g) for j, g in zip(js, gs) if j in where and j not in grads[where[j]]]  # js: distinct
+        for j, g in noted:
+            b = where[j]
+            grads[b][j] = g
+            left[b] -= 1
+        self._seen.extend([j for j, _ in noted])
         while self._next < len(self._buckets) and self._left[self._next] == 0:
             b = self._next
             ledger = _ledger(self._ext, self._buckets, b)
@@ -442,13 +447,12 @@ class _Session:
     def finish(self, grads):
         """After the walk: launches what is left, and registers the returned gradients for apply_gradients."""
         if self._next < len(self._buckets):  # else the walk reported every gradient and all are launched
-            for j, g in enumerate(grads):
-                if j in self._where:
-                    self.ready(j, g)
-        registry = _registry()
-        for j, src in enumerate(self._sources):
-            if j in self._where:
-                registry[id(src)] = _Entry(src, grads[j], self, j)
+            self.ready(range(len(grads)), grads)
+        where = self._where
+        floats = [j for j in range(len(self._sources)) if j in where]
+        # an entry (source, gradient, session, index) per float source
+        _registry().update(zip(map(id, [self._sources[j] for j in floats]),
+                               [(self._sources[j], grads[j], self, j) for j in floats]))
         if self._learn is not None:
             self._agree_order()
 
@@ -465,24 +469,18 @@ class _Session:
         (agreed,) = self._ext._all_reduce_flat(ReduceOp.SUM, [seen])
         remember(key, [int(j) for j in agreed.tolist()])
 
-    def reduced(self, j, timeout):
-        b = self._where[j]
-        if self._results[b] is None:
-            self._results[b] = _unpack(self._buckets[b], self._handles[b].wait(timeout))
-        return self._results[b][j]
-
-
-class _Entry:
-    """What tape.gradient returned for one source, and where its reduction is."""
-
-    __slots__ = ("source", "grad", "session", "index")
-
-    def __init__(self, source, grad, session, index):
-        self.source, self.grad, self.session, self.index = source, grad, session, index
+    def reduced(self, js, timeout):
+        """The reduced gradients of sources `js` (a list), waiting for each bucket once."""
+        where, results = self._where, self._results
+        for b in sorted({where[j] for j in js}):  # each bucket's reduction waited for once, in bucket order
+            if results[b] is None:
+                results[b] = _unpack(self._buckets[b], self._handles[b].wait(timeout))
+        return [results[where[j]][j] for j in js]
 
 
 def _registry():
-    """id(source) -> _Entry of this replica's latest synced tape.gradient in the current step."""
+    """id(source) -> (source, gradient tape.gradient returned, its _Session, its index there): the entries of
+    this replica's latest synced tape.gradient in the current step."""
     return context.get_replica_context().synced_gradients
 
 
@@ -511,24 +509,35 @@ def reduce_gradients(pairs, bucket_cap_mb=None, timeout=None):
     rctx = context.get_replica_context()
     timeout = timeout if timeout is not None else _timeout(rctx.strategy)
     registry = _registry()
-    entries = [registry.get(id(v)) for _, v in pairs]
+    keys = list(map(id, [v for _, v in pairs]))
+    entries = list(map(registry.get, keys))
     if pairs and _launched_for(entries, pairs):
-        for _, v in pairs:
-            registry.pop(id(v), None)
-        return [(e.session.reduced(e.index, timeout), v) for e, (_, v) in zip(entries, pairs)]
+        for key in keys:
+            if key in registry:  # each reduction serves one apply_gradients
+                del registry[key]
+        return list(zip(_launched(entries, timeout), [v for _, v in pairs]))
     if bucket_cap_mb is not None:
         caps = _caps(_check_cap(bucket_cap_mb), _check_cap(DEFAULT_FIRST_BUCKET_CAP_MB))
     else:
-        caps = next((e.session.caps for e in entries if e is not None), _DEFAULT_CAPS)
+        caps = next((e[2].caps for e in entries if e is not None), _DEFAULT_CAPS)
     return _reduce_fresh(rctx.strategy.extended, pairs, caps, timeout)
 
 
 def _launched_for(entries, pairs):
     """Whether every pair's gradient is the one its entry's synced tape.gradient returned for its variable."""
     for e, (g, v) in zip(entries, pairs):
-        if e is None or e.source is not v or e.grad is not g:
+        if e is None or e[0] is not v or e[1] is not g:
             return False
     return True
+
+
+def _launched(entries, timeout):
+    """The reduced gradients of `entries`, in order: one call per session (a training step's one)."""
+    session = entries[0][2]
+    for e in entries:
+        if e[2] is not session:  # several tape.gradient calls' gradients in one apply_gradients
+            return [e[2].reduced([e[3]], timeout)[0] for e in entries]
+    return session.reduced([e[3] for e in entries], timeout)
 
 
 _DEFAULT_CAPS = _caps(_check_cap(DEFAULT_BUCKET_CAP_MB), _check_cap(DEFAULT_FIRST_BUCKET_CAP_MB))

@@ -274,7 +274,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         collective_ops.set_active(self._comm)
         _install_excepthook()
         seed = self._shared_seed(seed)
-        self._generator = replica_scope.ReplicaGenerator(dev, resolver.rank)
+        self._generator = replica_scope.ReplicaGenerator(dev, resolver.rank, alone_in_process=True)
         self._generator.manual_seed(replica_scope.derive_seed(seed, resolver.rank))
 
     def _shared_seed(self, seed):
@@ -658,6 +658,10 @@ class _WorkerMirroredVariable(MirroredVariable):
     def _component(self):
         return self._values[0]
 
+    @classmethod
+    def _handles_of(cls, variables):
+        return [v._values[0] for v in variables]  # `_component()` of each
+
     def _write_from_replica(self, method, value):
         if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
             strategy = self._distribute_strategy
@@ -679,6 +683,10 @@ class _WorkerSyncOnReadVariable(SyncOnReadVariable):
 
     def _component(self):
         return self._values[0]
+
+    @classmethod
+    def _handles_of(cls, variables):
+        return [v._values[0] for v in variables]  # `_component()` of each
 
     def _aggregate(self, comps):
         if self._aggregation in (VariableAggregation.ONLY_FIRST_REPLICA, VariableAggregation.NONE):

@@ -55,14 +55,22 @@ class ReplicaGenerator(torch.Generator):
     `replica_id` lets code below `dtape.distribute` (e.g. a seeded
     `layers.Dropout`) derive per-replica streams from the generator that
     `dtape.random.get_generator()` returns, without importing this package.
+    `alone_in_process`: no other replica of the process draws while this one
+    runs (a MultiWorkerMirroredStrategy worker's, a one-device strategy's), so
+    a TorchModule's forward draws this generator's stream through torch's
+    default generator (`ops._dispatch.ReplicaStream`) instead of intercepting
+    every torch call.
     """
 
-    def __new__(cls, device, replica_id):
+    def __new__(cls, device, replica_id, alone_in_process=False):
         gen = super().__new__(cls, device=device)  # torch.Generator takes its device in __new__
         gen.replica_id = replica_id
+        # the only replica of its process (a worker's, a one-device strategy's): no other replica draws while it
+        # runs, so a wrapped module's forward may draw its stream through torch's default generator
+        gen.alone_in_process = alone_in_process
         return gen
 
-    def __init__(self, device, replica_id):  # everything is set in __new__
+    def __init__(self, device, replica_id, alone_in_process=False):  # everything is set in __new__
         pass
 
 
@@ -97,7 +105,8 @@ class ReplicaGenerators:
     def __init__(self, devices, seed):
         self.seed = seed
         self._generators = tuple(
-            _seeded(ReplicaGenerator(normalize_device(d), i), derive_seed(seed, i)) for i, d in enumerate(devices))
+            _seeded(ReplicaGenerator(normalize_device(d), i, len(devices) == 1), derive_seed(seed, i))
+            for i, d in enumerate(devices))
 
     def __getitem__(self, replica_id):
         return self._generators[replica_id]

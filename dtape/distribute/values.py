@@ -118,6 +118,24 @@ class DistributedVariable(DistributedValues):
     def _handle(self):
         return self._component()
 
+    @classmethod
+    def _handles_of(cls, variables):
+        """`[v._handle() for v in variables]` for variables of this class, with this thread's mode looked up
+        once (a wrapped module reads all its parameters at once, every call)."""
+        if cls._component is not DistributedVariable._component:  # a subclass's own rule
+            return [v._component() for v in variables]
+        mode = context.current_mode()
+        if mode.update_index is not None:
+            return [v._values[mode.update_index] for v in variables]
+        rctx = mode.replica_context
+        if rctx is None:
+            return [v._values[0] for v in variables]
+        strategy, replica = rctx._strategy, rctx._replica_id
+        return [v._values[replica if v._distribute_strategy is strategy else 0] for v in variables]
+
+    # never its own handle (a component is): `tape.gradient` resolves such sources per list
+    _handle_is_self = False
+
     @property
     def name(self):
         return self._values[0].name.rsplit("/replica_", 1)[0]
@@ -346,6 +364,66 @@ def resolve_watched(variable):
     if _local_index(container) is not None and context.update_index() is None:
         return (container,)
     return container.values
+
+
+def resolve_watched_all(variables):
+    """(`[resolve_watched(v) for v in variables]`, each watched variable's concrete handle, a tuple per variable)
+    with this thread's mode looked up once: the tape's list form of the resolver (`tape.resolve_watched_all`),
+    for the dozens of variables a wrapped module reads and `tape.gradient` resolves on every step. Decided per
+    class, not per variable (a module's variables are one or two classes): containers, plain variables (with
+    `_distributed_container`: a component names its container), other variables."""
+    mode = context.current_mode()
+    rctx = mode.replica_context if mode.update_index is None else None
+    strategy = None if rctx is None else rctx._strategy
+    kinds = {kind: (_KIND_CONTAINER if issubclass(kind, DistributedVariable) else
+                    _KIND_PLAIN if hasattr(kind, "_distributed_container") else _KIND_OTHER,
+                    vars(kind).get("_handle_is_self", False)) for kind in set(map(type, variables))}
+    if strategy is not None and kinds and all([k is not _KIND_OTHER for k, _ in kinds.values()]):
+        local = _resolved_locally(variables, kinds, strategy)
+        if local is not None:
+            return local
+    watched, handles = [], []
+    for v in variables:
+        w, h = _resolved(v, kinds[type(v)], strategy)
+        watched.append(w)
+        handles.append(h)
+    return watched, handles
+
+
+def _resolved_locally(variables, kinds, strategy):
+    """A training step's case, per list: containers (`tape.gradient`'s sources) or their components (a
+    module's reads) all in a replica context of their `strategy`, each watching its container, whose handle
+    is this replica's component; None when some variable is not such."""
+    containers = [v if kinds[type(v)][0] is _KIND_CONTAINER else v._distributed_container for v in variables]
+    if not all([c is not None and c._distribute_strategy is strategy for c in containers]):
+        return None
+    classes = set(map(type, containers))
+    comps = classes.pop()._handles_of(containers) if len(classes) == 1 else [c._component() for c in containers]
+    return [(c,) for c in containers], [(h,) for h in comps]
+
+
+def _resolved(v, kind, strategy):
+    """(resolve_watched(v), their handles), `kind` = (v's class kind, whether its handle is itself), `strategy`
+    that of the replica context (None: cross-replica or inside an update)."""
+    kind, own = kind
+    if kind is _KIND_CONTAINER:
+        container = v
+    elif kind is _KIND_PLAIN:  # a component's container (set by DistributedVariable only), else None
+        container = v._distributed_container
+    else:
+        container = value_container(v)
+        container = container if container is not v and isinstance(container, DistributedVariable) else None
+    if container is None:
+        return (v,), (v if own else v._handle(),)
+    comps = container._values
+    if container._distribute_strategy is strategy:  # its own replica context: the container
+        # its handle, `container._component()`: one component (a worker's) is it, whatever the replica id
+        return (container,), (comps[0] if len(comps) == 1 else container._component(),)
+    # cross-replica (or another strategy's replica context, or an update): every component
+    return comps, tuple([c if vars(type(c)).get("_handle_is_self", False) else c._handle() for c in comps])
+
+
+_KIND_CONTAINER, _KIND_PLAIN, _KIND_OTHER = "container", "plain", "other"
 
 
 def select_replica(replica_id, structure):

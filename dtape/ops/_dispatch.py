@@ -348,6 +348,40 @@ class _seeded:
             _rng_lock.release()
 
 
+class ReplicaStream:
+    """Runs a block with torch's default generator of `generator`'s device (the CPU's, or that CUDA device's)
+    drawing `generator`'s own stream: its state is installed there first and copied back after (the draws
+    advance `generator`, as a draw from it would), and torch's generator gets its own state back.
+
+    For a replica that is the only one of its process (a MultiWorkerMirroredStrategy worker's, a one-device
+    MirroredStrategy's): a wrapped module's forward then draws every random number from the replica's
+    generator with no interception of its torch calls (`SeededRandomFunctions` costs Python work on each).
+    Held under `_rng_lock`, as every seeded stream, so another thread's seeded draw waits for the block.
+    """
+
+    def __init__(self, generator):
+        self.generator = generator
+        device = generator.device
+        self.torch_generator = torch.default_generator if device.type == "cpu" else \
+            torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+
+    def __enter__(self):
+        _rng_lock.acquire()
+        try:
+            self.saved = self.torch_generator.get_state()
+            self.torch_generator.set_state(self.generator.get_state())
+        except BaseException:
+            _rng_lock.release()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            self.generator.set_state(self.torch_generator.get_state())
+            self.torch_generator.set_state(self.saved)
+        finally:
+            _rng_lock.release()
+
+
 def call_fallback(func, args, kwargs):
     """Runs torch `func` on dtape tensors; when a tape records it, through torch's autograd (see TorchFallback).
 

@@ -625,3 +625,71 @@ def test_a_kept_bucket_layout_follows_the_sources_of_each_call(order):
     bucket.members[0] = bucket.members[0][:2] + (7, (7,)) + bucket.members[0][4:]  # laid out for 7 elements
     with pytest.raises(ValueError, match=r"a gradient of shape \(3, 2\) for a source laid out as \(7,\)"):
         strategy.run(step, args=(first, [1.0, 2.0, 3.0]))
+
+
+# -- per list, not per variable: a wrapped module's parameters; gradients of several tapes -------------------------
+def test_a_wrapped_modules_parameters_are_noted_in_one_call_and_launched_once(monkeypatch):
+    """A TorchModule's parameters all become final with its one record of reads: the walk tells each replica's
+    session of all of them in one call, which launches their bucket once; the update is torch's on the whole
+    batch (the sum of the replicas' gradients)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    reference.load_state_dict(module.state_dict())
+    rng = np.random.default_rng(0)
+    x, y = torch.tensor(rng.normal(size=(8, 5))), torch.tensor(rng.normal(size=(8, 3)))
+    strategy = _strategy()
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(module)
+        opt = dtape.optimizers.SGD(0.1)
+    calls = []
+    ready = gradient_sync._Session.ready
+    monkeypatch.setattr(gradient_sync._Session, "ready",
+                        lambda self, js, gs: calls.append((_rid(), list(js))) or ready(self, js, gs))
+    launches = _count_launches(strategy)
+    sync = GradientSync(order="reverse")  # no order agreement: the bucket's all-reduce is the only launch
+
+    def step():
+        part = slice(4 * _rid(), 4 * _rid() + 4)
+        variables = tm.trainable_variables
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = dtape.reduce_sum((tm(dtape.constant(x[part])) - dtape.constant(y[part])) ** 2) / 8
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    strategy.run(step)
+    assert sorted(calls) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
+    assert sorted(launches) == [(0, True), (1, True)]  # one bucket each, launched inside the walk
+    (((reference(x) - y) ** 2).sum() / 8).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    for var, want in zip(tm.trainable_variables, reference.parameters()):
+        for comp in var.values:
+            torch.testing.assert_close(comp.torch(), want, rtol=1e-12, atol=1e-14)
+
+
+def _two_tapes(sync):
+    """One step whose apply_gradients gets the gradients of two tapes (each over half of the variables)."""
+    strategy = _strategy()
+    model = _model(strategy, torch.float64)
+    opt = dtape.optimizers.SGD(0.1)
+    launches = _count_launches(strategy)
+
+    def step():
+        x, y = _batch(_rid(), 0, torch.float64)
+        variables = model.trainable_variables
+        with dtape.GradientTape(gradient_sync=sync) as first:
+            loss = _loss(model, x, y)
+        with dtape.GradientTape(gradient_sync=sync) as second:
+            loss2 = 2.0 * _loss(model, x, y)
+        grads = first.gradient(loss, variables[:3]) + second.gradient(loss2, variables[3:])
+        opt.apply_gradients(zip(grads, variables))
+    strategy.run(step)
+    return _values(model), _per_replica(launches, 2)
+
+
+def test_gradients_of_two_synced_tapes_applied_together_use_each_tapes_launches():
+    plain, plain_launches = _two_tapes(None)
+    synced, synced_launches = _two_tapes(GradientSync(TINY_MB, order="reverse"))
+    _assert_same(plain, synced)
+    assert plain_launches == [1, 1]            # apply_gradients reduces all six in one bucket
+    assert synced_launches == [N_VARS, N_VARS]  # each variable's bucket, launched by its tape; nothing again

@@ -10,6 +10,7 @@ import torch
 import dtape
 from dtape import distribute as ds
 from dtape import nest
+from dtape import tape as _tape
 from dtape.distribute.values import map_leaves
 from _interleave import interleaved, run_threads
 
@@ -379,3 +380,47 @@ def test_map_leaves_equals_nest_map_structure():
                             for t in types(c)] if nest.is_nested(s) else []
     assert types(got) == types(want)
     assert list(got[2]) == list(want[2]) == ["b", "y"]
+
+
+# -- the watched-variable resolver's list form -------------------------------------------------
+def _resolved_each(variables):
+    """What resolving `variables` one by one gives: per variable, the ids of what it watches and of their handles."""
+    watched = [tuple(ds.resolve_watched(v)) for v in variables]
+    return [tuple(map(id, ws)) for ws in watched], [tuple(id(w._handle()) for w in ws) for ws in watched]
+
+
+def _resolved_all(variables):
+    watched, handles = _tape.resolve_watched_all(variables)
+    return [tuple(map(id, ws)) for ws in watched], [tuple(map(id, hs)) for hs in handles]
+
+
+def test_resolve_watched_all_answers_as_each_variable_resolved_alone_in_every_context(strategy):
+    """tape.gradient's sources and a module's reads are resolved per list: in every distribution context
+    (none, cross-replica, each replica's, an update's, another strategy's replica) each variable watches
+    what `resolve_watched` says and each watched variable's handle is its `_handle()` (this replica's
+    component in a replica context: replica 1 never gets replica 0's)."""
+    other = ds.MirroredStrategy(["cpu:0", "cpu:1"], timeout=10)
+    plain = dtape.Variable(1.0)
+    with strategy.scope():
+        m = dtape.Variable([1.0, 2.0])
+        s = dtape.Variable(0.0, synchronization=dtape.VariableSynchronization.ON_READ, aggregation=AGG.SUM)
+    with other.scope():
+        o = dtape.Variable(3.0)
+    lists = [[m, s], [*m.values, *s.values], [m, plain, s, *m.values, o, *o.values], [plain], []]
+
+    def check():
+        for variables in lists:
+            assert _resolved_all(variables) == _resolved_each(variables)
+        return _resolved_all([m])[1][0][0]
+
+    try:
+        check()
+        with strategy.scope():
+            check()
+            with ds.context.enter_mode(strategy, None, update_index=1):
+                check()
+        handles = strategy.experimental_local_results(strategy.run(check))
+        assert list(handles) == [id(m.values[0]), id(m.values[1])]
+        other.run(check)
+    finally:
+        other.close()

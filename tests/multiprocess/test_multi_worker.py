@@ -12,7 +12,7 @@ import torch
 
 import dtape
 import dtape.distribute as dd
-from dtape.distribute import collective_ops
+from dtape.distribute import collective_ops, replica_scope
 from dtape.distribute.input_lib import split_sizes
 
 import _launch
@@ -57,6 +57,24 @@ def test_tfs_attributes_and_guards_on_every_worker(ranks):
         assert "cannot be called in cross-replica context" in seen["cross_replica_apply"]
         assert seen["unchanged_after_cross_replica_apply"]
         assert "2 replicas in sync" in seen["batch_mean_loss"] and "compute_average_loss" in seen["batch_mean_loss"]
+
+
+@pytest.mark.multiprocess
+def test_dropout_in_a_wrapped_module_draws_each_workers_own_replica_stream(ranks):
+    """Each worker is its process's only replica: a wrapped module's dropout draws that worker's replica
+    generator's stream (seeded from the strategy's seed and the rank): plain torch's masks from its state,
+    the generator advanced by them, torch's own generator untouched; so the workers' masks differ."""
+    for r, seen in enumerate(ranks):
+        state = torch.tensor(seen["dropout_state"], dtype=torch.uint8)
+        assert torch.equal(state, torch.Generator().manual_seed(replica_scope.derive_seed(7, r)).get_state())
+        with torch.random.fork_rng():
+            torch.set_rng_state(state)
+            expected = [torch.nn.functional.dropout(torch.ones(64), 0.5).tolist() for _ in range(2)]
+            advanced = torch.get_rng_state().tolist()
+        assert seen["dropout_masks"] == expected and expected[0] != expected[1]
+        assert seen["dropout_after"] == advanced
+        assert seen["torch_rng_unchanged"]
+    assert ranks[0]["dropout_masks"] != ranks[1]["dropout_masks"]
 
 
 @pytest.mark.multiprocess

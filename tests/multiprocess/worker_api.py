@@ -122,5 +122,15 @@ def batch_mean_loss():
 
 
 seen["batch_mean_loss"] = strategy.run(batch_mean_loss)
+
+# Dropout in a wrapped torch module: each worker (its process's only replica) draws its replica generator's stream.
+dropout = dtape.layers.TorchModule(torch.nn.Dropout(0.5))
+generator = strategy.replica_generator()
+seen["dropout_state"] = generator.get_state().tolist()
+torch_state = torch.get_rng_state()
+seen["dropout_masks"] = [strategy.run(lambda: dropout(torch.ones(64), training=True)).numpy().tolist()
+                         for _ in range(2)]
+seen["dropout_after"] = generator.get_state().tolist()
+seen["torch_rng_unchanged"] = torch.equal(torch_state, torch.get_rng_state())
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
