@@ -310,3 +310,62 @@ def test_a_seeded_dtape_dropout_in_a_lone_replicas_forward_keeps_the_replicas_st
         want = strategy.run(lambda: outside(x, training=True)).torch()
     assert 0.2 < (want == 0).float().mean() < 0.8
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _Recorder:
+    """A `gradient_sync` that records what the walk tells it: `ready(positions, grads)` calls, then finish."""
+
+    def __init__(self):
+        self.heard, self.finished = [], None
+
+    def start(self, sources):
+        return self
+
+    def ready(self, positions, grads):
+        assert self.finished is None, "ready after finish"
+        self.heard += list(zip(positions, grads))
+
+    def finish(self, grads):
+        self.finished = grads
+
+
+def _assert_told_each_position_once(recorder, n):
+    positions = [k for k, _ in recorder.heard]
+    assert sorted(positions) == list(range(n)), positions
+    for k, g in recorder.heard:   # each told the gradient tape.gradient returns for that position
+        got = recorder.finished[k]
+        if g is None:
+            assert got is None, k
+        else:
+            np.testing.assert_array_equal(np.asarray(g.numpy() if hasattr(g, "numpy") else g), got.numpy())
+
+
+def test_readiness_tells_each_position_of_repeated_and_mixed_sources_once_with_its_gradient():
+    """Sources: a variable listed three times, another variable, a watched tensor and an unused variable; in
+    one process and in each replica of a MirroredStrategy (mirrored, plain and sync-on-read variables)."""
+    def walk(w, u, unused, x):
+        recorder = _Recorder()
+        with dtape.GradientTape(gradient_sync=recorder) as tape:
+            tape.watch(x)
+            square = dtape.reduce_sum(x * x)   # x twice in one record, its last in the walk (recorded first)
+            loss = square + dtape.reduce_sum(dtape.tanh(dtape.matmul(x, w)) * u)
+        sources = [w, u, x, w, unused, w]
+        grads = tape.gradient(loss, sources)
+        assert grads[4] is None and all(a is b for a, b in zip(recorder.finished, grads))
+        _assert_told_each_position_once(recorder, len(sources))
+        for k in (3, 5):
+            np.testing.assert_array_equal(grads[k].numpy(), grads[0].numpy())
+        return grads
+    x = dtape.constant(X[:2])
+    plain = walk(dtape.Variable(W0.clone()), dtape.Variable(B0.clone()), dtape.Variable(B0.clone()), x)
+    strategy = mirrored(2)
+    with strategy.scope():
+        w, unused = dtape.Variable(W0.clone()), dtape.Variable(B0.clone())
+        u = dtape.Variable(B0.clone(), synchronization=dtape.VariableSynchronization.ON_READ, trainable=True,
+                           aggregation=dtape.VariableAggregation.MEAN)
+    outside = dtape.Variable(B0.clone())   # a plain variable read in the replicas
+    for name, u_var in (("sync_on_read", u), ("plain", outside)):
+        got = strategy.run(lambda: walk(w, u_var, unused, x))
+        for k in (0, 1, 2):
+            for replica_grad in got[k].values:
+                np.testing.assert_allclose(replica_grad.numpy(), plain[k].numpy(), rtol=1e-12, err_msg=name)
