@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import dtape
 from dtape import distribute as ds
@@ -369,3 +370,46 @@ def test_readiness_tells_each_position_of_repeated_and_mixed_sources_once_with_i
         for k in (0, 1, 2):
             for replica_grad in got[k].values:
                 np.testing.assert_allclose(replica_grad.numpy(), plain[k].numpy(), rtol=1e-12, err_msg=name)
+
+
+class _CheckpointedDropout(nn.Module):
+    """Dropout inside an activation checkpoint: the backward recomputes it from the RNG state torch saved in
+    the forward (the replica's stream, installed in torch's generator) and must redraw the forward's mask."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.lin, self.drop, self.out, self.reentrant = nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 1), reentrant
+
+    def forward(self, x):
+        h = checkpoint(lambda t: self.drop(torch.tanh(self.lin(t))), x, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_dropout_in_a_lone_replica_gives_plain_torchs_gradients_from_the_replica_state(reentrant):
+    torch.manual_seed(0)
+    net = _CheckpointedDropout(reentrant).double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(4, 8, dtype=f64, generator=torch.Generator().manual_seed(1))
+    with ds.MirroredStrategy(["cpu:0"], seed=5, timeout=30) as strategy:
+        with strategy.scope():
+            tm = dtape.layers.TorchModule(net)
+        generator = strategy.replica_generator(0)
+        before = generator.get_state()
+
+        def step():
+            xd = dtape.constant(x)
+            with dtape.GradientTape() as tape:
+                tape.watch(xd)
+                loss = dtape.reduce_sum(dtape.square(tm(xd, training=True)))
+            return tape.gradient(loss, list(tm.trainable_variables) + [xd])
+        grads = strategy.run(step)
+        after = generator.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(before)
+        xr = x.clone().requires_grad_()
+        ref(xr).square().sum().backward()   # (a reentrant checkpoint refuses torch.autograd.grad)
+        advanced = torch.get_rng_state()
+    for got, want in zip(grads, [p.grad for p in ref.parameters()] + [xr.grad]):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-15)
+    assert torch.equal(after, advanced)
