@@ -431,3 +431,36 @@ def test_a_wrapped_dropout_runs_in_a_compiled_step_of_a_lone_replica():
         outs = [strategy.run(step).torch() for _ in range(2)]
     assert all(0.2 < (o == 0).float().mean() < 0.8 for o in outs)
     assert not torch.equal(outs[0] == 0, outs[1] == 0)
+
+
+@pytest.mark.parametrize("order", ["readiness", "reverse"])
+def test_one_gradient_sync_over_steps_whose_sources_change_order_and_repeat(order):
+    """One GradientSync for every step (its buckets and readiness order are learned across steps) while the
+    source list alternates between creation order, reversed order and a list naming w twice."""
+    layouts = ["as_created", "reversed", "as_created", "repeated", "reversed", "as_created"]
+    strategy = mirrored(2)
+    with strategy.scope():
+        w, b = dtape.Variable(W0.clone()), dtape.Variable(B0.clone())
+        opt = dtape.optimizers.SGD(LR)
+    sync = ds.GradientSync(bucket_cap_mb=1e-5, order=order)   # a bucket per variable
+
+    def step(x, layout):
+        sources = {"as_created": [w, b], "reversed": [b, w], "repeated": [w, b, w]}[layout]
+        with dtape.GradientTape(gradient_sync=sync) as tape:
+            loss = _loss(w, b, x)
+        grads = tape.gradient(loss, sources)
+        opt.apply_gradients(list(zip(grads, sources))[:2])
+    for layout in layouts:
+        for batch in strategy.experimental_distribute_dataset([X.numpy()]):
+            strategy.run(step, args=(batch, layout))
+    wt, bt = W0.clone().requires_grad_(), B0.clone().requires_grad_()
+    for _ in layouts:
+        total = [torch.zeros_like(W0), torch.zeros_like(B0)]
+        for part in (X[:2], X[2:]):
+            total = [t + g for t, g in zip(total, torch.autograd.grad(((part @ wt + bt) ** 2).sum(), [wt, bt]))]
+        with torch.no_grad():
+            wt -= LR * total[0]
+            bt -= LR * total[1]
+    for got_w, got_b in zip(w.values, b.values):
+        np.testing.assert_allclose(got_w.numpy(), wt.detach().numpy(), rtol=1e-12)
+        np.testing.assert_allclose(got_b.numpy(), bt.detach().numpy(), rtol=1e-12)
