@@ -464,3 +464,38 @@ def test_one_gradient_sync_over_steps_whose_sources_change_order_and_repeat(orde
     for got_w, got_b in zip(w.values, b.values):
         np.testing.assert_allclose(got_w.numpy(), wt.detach().numpy(), rtol=1e-12)
         np.testing.assert_allclose(got_b.numpy(), bt.detach().numpy(), rtol=1e-12)
+
+
+def test_batchnorm_and_dropout_training_in_a_lone_replica_equals_plain_torch_from_the_replica_state():
+    """BatchNorm's buffer update (a merge_call inside the forward, which holds the stream's lock) and dropout,
+    3 SGD steps with GradientSync on a one-device MirroredStrategy: plain torch's losses and buffers."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1)).double()
+    ref = copy.deepcopy(module)
+    x = torch.randn(6, 4, dtype=f64, generator=torch.Generator().manual_seed(3))
+    with ds.MirroredStrategy(["cpu:0"], seed=5, timeout=30) as strategy:
+        with strategy.scope():
+            tm = dtape.layers.TorchModule(module)
+            opt = dtape.optimizers.SGD(0.01)
+        state = strategy.replica_generator(0).get_state()
+
+        def step():
+            variables = tm.trainable_variables
+            with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+                loss = dtape.reduce_sum(dtape.square(tm(x, training=True)))
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+        got = [float(strategy.run(step)) for _ in range(3)]
+        running_mean = tm._buffers["1.running_mean"].values[0].numpy()
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    want = []
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        for _ in range(3):
+            torch_opt.zero_grad()
+            loss = ref(x).square().sum()
+            loss.backward()
+            torch_opt.step()
+            want.append(loss.item())
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(running_mean, ref[1].running_mean.numpy(), rtol=1e-12)
