@@ -431,7 +431,7 @@ class GradientTape:
         as soon as the walk has finished it (it still returns the local
         gradients; `apply_gradients` uses the reductions). Any object with
         `start(sources) -> session or None`, the session having
-        `ready(index, grad)` and `finish(grads)`.
+        `ready(indices, grads)` (lists: the sources a record finished) and `finish(grads)`.
 
     Ops run on any thread are recorded while the tape is active, when an
     input is watched (the set of tapes is process-global). A tape entered

@@ -23,6 +23,7 @@ class _GeneratorState(threading.local):
     """Per-thread generator (None: torch's default generator of the device)."""
 
     generator = None
+    live = None   # (generator, torch's default generator holding its state) inside `live_stream`
 
 
 _gen_state = _GeneratorState()
@@ -34,6 +35,29 @@ class generator_scope(ThreadLocalScope):
     __slots__ = ()
     _state = _gen_state
     _attr = "generator"
+
+
+class live_stream(ThreadLocalScope):
+    """Thread-local: inside the block torch's default generator `(generator, torch_generator)[1]` holds
+    `generator`'s state (`ops._dispatch.ReplicaStream`), so draws that would use `generator` use it instead
+    (the generator's own state is stale until it is copied back)."""
+
+    __slots__ = ()
+    _state = _gen_state
+    _attr = "live"
+
+
+def live_generator(generator):
+    """The torch generator holding `generator`'s stream on this thread (inside `live_stream`), else None."""
+    live = _gen_state.live
+    return live[1] if live is not None and live[0] is generator else None
+
+
+def stream_owner(generator):
+    """The generator whose stream `generator` draws on this thread: the replica's generator for torch's default
+    one inside `live_stream`, else `generator` itself (its `replica_id` is the replica's)."""
+    live = _gen_state.live
+    return live[0] if live is not None and live[1] is generator else generator
 
 
 def has_thread_generator():
@@ -50,13 +74,16 @@ def thread_generator():
 def get_generator(device=None):
     """The generator random ops use on this thread for `device` (default: the scope's device).
 
-    The thread's own generator (a replica's) when its device type matches,
-    else torch's default generator of that device.
+    The thread's own generator (a replica's) when its device type matches
+    (torch's default generator while it holds the replica's stream, in a lone
+    replica's wrapped-module forward), else torch's default generator of that
+    device.
     """
     device = default_device(device)
     gen = _gen_state.generator
     if gen is not None and gen.device.type == device.type:
-        return gen
+        live = _gen_state.live  # inside a lone replica's forward torch's generator holds the live state
+        return live[1] if live is not None and live[0] is gen else gen
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator

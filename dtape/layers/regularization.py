@@ -62,7 +62,8 @@ class Dropout(Layer):
 
     def _stream(self, device):
         """This layer's generator for the current replica (None outside replicas) on `device`."""
-        replica_id = getattr(_random.get_generator(device), "replica_id", None)
+        # (the replica's generator: torch's default one holds its stream in a lone replica's wrapped forward)
+        replica_id = getattr(_random.stream_owner(_random.get_generator(device)), "replica_id", None)
         key = (replica_id, device)
         with self._streams_lock:
             gen = self._streams.get(key)

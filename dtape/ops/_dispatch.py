@@ -366,16 +366,27 @@ class ReplicaStream:
             torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
 
     def __enter__(self):
+        # nested (a wrapped module called in another's forward): the stream is installed already; installing
+        # the generator's stale state again would redraw the outer forward's numbers
+        self.nested = _random.live_generator(self.generator) is not None
+        if self.nested:
+            return
         _rng_lock.acquire()
         try:
             self.saved = self.torch_generator.get_state()
             self.torch_generator.set_state(self.generator.get_state())
+            # dtape.random's draws in the block (they ask for `generator`) continue the same stream
+            self.live = _random.live_stream((self.generator, self.torch_generator))
+            self.live.__enter__()
         except BaseException:
             _rng_lock.release()
             raise
 
     def __exit__(self, *exc):
+        if self.nested:
+            return
         try:
+            self.live.__exit__(*exc)
             self.generator.set_state(self.torch_generator.get_state())
             self.torch_generator.set_state(self.saved)
         finally:
