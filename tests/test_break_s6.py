@@ -16,6 +16,7 @@ import dtape
 from dtape import distribute as ds
 from dtape._jit import OperatorNotAllowedInGraphError
 from _strategies import mirrored
+from _tied_frozen import TiedFrozenUnused
 
 pytestmark = pytest.mark.usefixtures("closes_strategies")
 f64 = torch.float64
@@ -143,23 +144,10 @@ def test_gradients_clipped_per_replica_before_apply_are_reduced_afresh():
         np.testing.assert_allclose(got_b, want_b, rtol=1e-12)
 
 
-class _TiedFrozenUnused(nn.Module):
-    """A tied weight (read twice), a frozen layer and a layer the forward never uses (None gradient)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.unused, self.frozen = (nn.Linear(3, 3) for _ in range(4))
-        self.b.weight = self.a.weight
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))) + self.frozen(x)
-
-
 @pytest.mark.parametrize("order", ["as_listed", "reversed", "clipped"])
 def test_wrapped_module_with_tied_frozen_and_unused_parameters_trains_as_torch(order):
     torch.manual_seed(0)
-    net = _TiedFrozenUnused().double()
+    net = TiedFrozenUnused().double()
     ref = copy.deepcopy(net)
     batches = [torch.randn(4, 3, dtype=f64, generator=torch.Generator().manual_seed(k)) for k in range(3)]
     strategy = mirrored(2)

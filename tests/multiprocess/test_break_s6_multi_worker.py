@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import _launch
+from _tied_frozen import TiedFrozenUnused
 
 f64 = torch.float64
 
@@ -38,21 +39,10 @@ def test_a_workers_forward_draws_one_stream_for_torch_dtape_random_and_an_inner_
     assert ranks[0]["draws"]["value"]["outs"][0] != ranks[1]["draws"]["value"]["outs"][0]  # each its own stream
 
 
-class _TiedFrozenUnused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.unused, self.frozen = (nn.Linear(3, 3) for _ in range(4))
-        self.b.weight = self.a.weight
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))) + self.frozen(x)
-
-
 @pytest.mark.multiprocess
 def test_tied_frozen_unused_module_with_clipped_reversed_gradients_trains_as_torch(ranks):
     torch.manual_seed(0)
-    ref = _TiedFrozenUnused().double()
+    ref = TiedFrozenUnused().double()
     params = [p for p in ref.parameters() if p.requires_grad]
     for k in range(3):
         x = torch.randn(4, 3, dtype=f64, generator=torch.Generator().manual_seed(k))

@@ -17,8 +17,11 @@ import sys
 import torch
 from torch import nn
 
-import dtape
-import dtape.distribute as dd
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared model
+
+from _tied_frozen import TiedFrozenUnused  # noqa: E402
+import dtape  # noqa: E402
+import dtape.distribute as dd  # noqa: E402
 
 out = sys.argv[1]
 rank = int(os.environ["RANK"])
@@ -33,17 +36,6 @@ class Draws(nn.Module):
 
     def forward(self, x):
         return torch.rand(4), dtape.random.uniform([4]).torch(), self.inner(x).torch(), torch.rand(4)
-
-
-class TiedFrozenUnused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.unused, self.frozen = (nn.Linear(3, 3) for _ in range(4))
-        self.b.weight = self.a.weight
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))) + self.frozen(x)
 
 
 def draws(strategy):
