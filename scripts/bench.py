@@ -71,7 +71,9 @@ def timer(device):
     return run
 
 
-def interleave(run, fn_dtape, fn_torch, reps, warmup):
+def interleave(run, fn_dtape, fn_torch, reps, warmup, summary=statistics.median):
+    """`summary` (default: the median) of `run(fn)` for each side, the two taken in turn (which goes first
+    alternating), after `warmup` calls of each."""
     for _ in range(warmup):
         fn_dtape(), fn_torch()
     td, tt = [], []
@@ -80,7 +82,7 @@ def interleave(run, fn_dtape, fn_torch, reps, warmup):
             tt.append(run(fn_torch)); td.append(run(fn_dtape))
         else:
             td.append(run(fn_dtape)); tt.append(run(fn_torch))
-    return statistics.median(td), statistics.median(tt)
+    return summary(td), summary(tt)
 
 
 def _check_first_loss(what, ld, lt):
@@ -651,17 +653,6 @@ def _minor_faults(fn):
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def _faults_per_step(fd, ft, reps):
-    """Mean minor page faults of a dtape and a torch step taken in turn: where glibc's heap trimming
-    lands (which step frees into the top of the heap past its threshold, and which grows it again)
-    moves with the layout of the shared heap, and a step that pays it spends milliseconds in the kernel."""
-    counts = ([], [])
-    for r in range(reps):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            counts[i].append(_minor_faults((fd, ft)[i]))
-    return statistics.mean(counts[0]), statistics.mean(counts[1])
-
-
 def gpt_rows(run, quick):
     """(j), with one intra-op thread on both sides (as each torchrun worker of (i) has)."""
     threads = torch.get_num_threads()
@@ -672,7 +663,9 @@ def gpt_rows(run, quick):
         rows = [("(j) GPT step, TorchModule+from_torch(AdamW), 1 thread", *interleave(run, fd, ft, reps, 3), reps)]
         # the process's CPU time per step (one thread): steadier than wall time on a loaded machine
         rows.append(("(j) the same, CPU time", *interleave(_cpu_time, fd, ft, reps, 1), reps))
-        faults = _faults_per_step(fd, ft, reps)
+        # where glibc's heap trimming lands (which step frees into the top of the heap past its threshold, and
+        # which grows it again) moves with the shared heap's layout; a step that pays it spends ms in the kernel
+        faults = interleave(_minor_faults, fd, ft, reps, 0, summary=statistics.mean)
         print(f"(j) minor page faults per step, mean of {reps} interleaved steps: dtape {faults[0]:.0f}, "
               f"torch {faults[1]:.0f} (glibc returning heap to the system and taking it back: ~1,000 a step "
               "cost ~3 ms)")

@@ -15,7 +15,6 @@ children run ~50x slower than native).
   python scripts/bench_instructions.py [--steps 3] [--warmup 4]
 """
 import argparse
-import copy
 import functools
 import os
 import re
@@ -25,37 +24,14 @@ import sys
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's dtape
-import bench_multiworker  # noqa: E402  (scripts/, beside this file)
-import dtape  # noqa: E402
+import bench  # scripts/, beside this file (it puts this checkout's dtape first on the path)
 
 
 def _steps():
-    """(dtape step, torch step) of bench.py's (j) on one batch, one intra-op thread."""
+    """(dtape step, torch step) of bench.py's (j), one intra-op thread."""
     torch.set_num_threads(1)
-    module, make_adamw, data, labels = bench_multiworker._gpt(torch)
-    net = copy.deepcopy(module)
-    topt = make_adamw(net.parameters())
-    tm = dtape.layers.TorchModule(module)
-    dopt = dtape.optimizers.from_torch(make_adamw(tm.parameters()))
-    dvars = tm.trainable_variables
-    x, y = dtape.constant(data[0]), dtape.constant(labels[0])
-
-    def dtape_step():
-        with dtape.GradientTape() as tape:
-            logits = tm(x)
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
-        dopt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
-
-    def torch_step():
-        topt.zero_grad(set_to_none=True)
-        logits = net(data[0])
-        F.cross_entropy(logits.view(-1, logits.shape[-1]), labels[0].view(-1)).backward()
-        topt.step()
-    return dtape_step, torch_step
+    return bench.gpt_case(torch.device("cpu"))
 
 
 def child(side, steps, warmup):
