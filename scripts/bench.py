@@ -42,6 +42,7 @@ import math
 import os
 import platform
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -607,38 +608,52 @@ def gpt_case(device):
     """One training step of scripts/tasks/torch_gpt.py's GPT (bench_multiworker.GPT_SHAPE, 32 sequences):
     dtape.layers.TorchModule with dtape.optimizers.from_torch(torch.optim.AdamW) against the same module
     copy with the same AdamW (nanoGPT's two parameter groups) in plain torch, on the same batches."""
+    run_dtape, run_torch = gpt_step("dtape", device), gpt_step("torch", device)
+    ld, lt = float(run_dtape()), run_torch().item()
+    _check_first_loss("GPT", ld, lt)
+    return run_dtape, run_torch
+
+
+def gpt_step(side, device):
+    """`gpt_case`'s step of one side ("dtape" or "torch") alone: the same seeded weights and batches whichever
+    side is built, so each side can also run in a process of its own (`gpt_alone_rows`)."""
     module, make_adamw, data, labels = bench_multiworker._gpt(torch)
     data, labels = data.to(device), labels.to(device)
-    net = copy.deepcopy(module).to(device)
-    topt = make_adamw(net.parameters())
-    tm = dtape.layers.TorchModule(module.to(device))
+    return (_gpt_dtape_step if side == "dtape" else _gpt_torch_step)(module.to(device), make_adamw, data, labels)
+
+
+def _gpt_dtape_step(module, make_adamw, data, labels):
+    tm = dtape.layers.TorchModule(module)
     dopt = dtape.optimizers.from_torch(make_adamw(tm.parameters()))
     dvars = tm.trainable_variables
     batches = [(dtape.constant(data[k]), dtape.constant(labels[k])) for k in range(len(data))]
-    step = {"dtape": 0, "torch": 0}
+    step = [0]
 
     def run_dtape():
-        x, y = batches[step["dtape"] % len(batches)]
-        step["dtape"] += 1
+        x, y = batches[step[0] % len(batches)]
+        step[0] += 1
         with dtape.GradientTape() as tape:
             logits = tm(x)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
         dopt.apply_gradients(zip(tape.gradient(loss, dvars), dvars))
         return loss
+    return run_dtape
+
+
+def _gpt_torch_step(net, make_adamw, data, labels):
+    topt = make_adamw(net.parameters())
+    step = [0]
 
     def run_torch():
-        k = step["torch"] % len(data)
-        step["torch"] += 1
+        k = step[0] % len(data)
+        step[0] += 1
         topt.zero_grad(set_to_none=True)
         logits = net(data[k])
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels[k].view(-1))
         loss.backward()
         topt.step()
         return loss
-
-    ld, lt = float(run_dtape()), run_torch().item()
-    _check_first_loss("GPT", ld, lt)
-    return run_dtape, run_torch
+    return run_torch
 
 
 def _cpu_time(fn):
@@ -691,6 +706,91 @@ def gpt_fixed_heap_rows(quick):
         print(f"[glibc heap kept] {line}")
     rows = json.loads(last)
     return [(f"{name} [glibc heap kept]", d, t, r) for name, d, t, r in rows]
+
+
+# Each side of (j) alone in a process of its own, the two processes taking turns: ALONE_BLOCK steps at a time
+# (the first of each turn, after the other process ran, not counted), the side that starts alternating.
+ALONE_BLOCK = 7
+ALONE_TIMEOUT_S = 600
+
+
+def gpt_alone_rows(quick):
+    """(j) with each side alone in a process of its own, as a training script runs one library.
+
+    Interleaved in one process the two steps share glibc's heap: where its
+    trimming lands (a step that frees the top of the heap past the threshold
+    hands it back, the next step faults ~1,000 pages back in, ~3 ms) depends
+    on the other side's allocations too. Here each side has its own heap,
+    and the two processes take turns, so both see the same machine load.
+    A process's heap layout still decides whether its steps fault, so the
+    measurement runs `pairs` pairs of fresh processes; the ratio of each
+    pair's medians is printed, the rows give the medians of every pair's
+    steps pooled.
+    """
+    pairs, turns = (1, 4) if quick else (3, 18)
+    steps = {side: [] for side in ("dtape", "torch")}
+    ratios = []
+    for _ in range(pairs):
+        pair = _alone_pair(turns)
+        for side, rows in pair.items():
+            steps[side] += rows
+        ratios.append(statistics.median(r[0] for r in pair["dtape"]) / statistics.median(r[0] for r in pair["torch"]))
+        faults = {side: statistics.median(r[2] for r in rows) for side, rows in pair.items()}
+        print(f"(j) alone, a pair of processes: dtape/torch {ratios[-1]:.3f}, minor page faults per step (median) "
+              f"dtape {faults['dtape']:.0f}, torch {faults['torch']:.0f}")
+    n = len(steps["dtape"])
+    med = {side: [statistics.median(r[i] for r in rows) for i in range(2)] for side, rows in steps.items()}
+    name = f"(j) GPT step, each side alone in its process ({pairs} pair(s))"
+    return [(name, med["dtape"][0], med["torch"][0], n), (f"{name}, CPU time", med["dtape"][1], med["torch"][1], n)]
+
+
+def _alone_pair(turns):
+    """{side: [(wall s, CPU s, minor faults) per counted step]} of one pair of `--gpt-alone-child` processes."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--gpt-alone-child"]
+    procs = {side: subprocess.Popen(cmd + [side], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for side in ("dtape", "torch")}
+    try:
+        out = {side: [] for side in procs}
+        for turn in range(turns):
+            for side in (("dtape", "torch") if turn % 2 == 0 else ("torch", "dtape")):
+                out[side] += _alone_turn(procs[side], side)[1:]
+        return out
+    finally:
+        for p in procs.values():
+            p.stdin.close()
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _alone_turn(proc, side):
+    proc.stdin.write(f"{ALONE_BLOCK}\n")
+    proc.stdin.flush()
+    if not select.select([proc.stdout], [], [], ALONE_TIMEOUT_S)[0]:
+        raise TimeoutError(f"the {side} process of (j) alone gave no steps in {ALONE_TIMEOUT_S} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the {side} process of (j) alone exited (code {proc.wait(timeout=60)})")
+    return json.loads(line)
+
+
+def gpt_alone_child(side):
+    """`--gpt-alone-child SIDE`: builds only SIDE's step (one intra-op thread); for each line N on stdin runs N
+    steps and prints their [wall s, CPU s, minor faults] as one JSON line."""
+    torch.set_num_threads(1)
+    step = gpt_step(side, torch.device("cpu"))
+    for _ in range(3):
+        step()
+    for line in sys.stdin:
+        rows = []
+        for _ in range(int(line)):
+            faults, cpu, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
+            step()
+            rows.append((time.perf_counter() - t0, time.process_time() - cpu,
+                         resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+        print(json.dumps(rows), flush=True)
 
 
 # -- (i) 2 torchrun workers: dtape against DistributedDataParallel ---------------------
@@ -833,7 +933,10 @@ def main():
                          "replicas vs DDP over torch.compile (also run by --jit-only unless --no-multiworker)")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     ap.add_argument("--gpt-heap-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gpt-alone-child", choices=["dtape", "torch"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gpt_alone_child:
+        return gpt_alone_child(args.gpt_alone_child)
     if args.gpt_heap_child:
         return print(json.dumps(gpt_rows(timer(torch.device("cpu")), args.quick)))
     if args.rss_child:
@@ -881,7 +984,7 @@ def main():
     reps = 7 if q else 31
     rows.append(("(h) charlm step (Adam) vs torch.nn.Module", *interleave(run, fd, ft, reps, 3 if q else 5), reps))
     if cpu:
-        rows += gpt_rows(run, q) + gpt_fixed_heap_rows(q)
+        rows += gpt_alone_rows(q) + gpt_rows(run, q) + gpt_fixed_heap_rows(q)
 
     extra = {}
     if cpu:
@@ -930,7 +1033,7 @@ def main():
 
 def gpt_only(run, args, load):
     """`--gpt-only`: case (j) and the GPT launch of (i), with the machine's load before and after."""
-    rows = gpt_rows(run, args.quick) + gpt_fixed_heap_rows(args.quick)
+    rows = gpt_alone_rows(args.quick) + gpt_rows(run, args.quick) + gpt_fixed_heap_rows(args.quick)
     for name, d, t, r in rows:
         print(f"{name}: dtape {d * 1e3:.2f} ms, torch {t * 1e3:.2f} ms, {d / t:.3f}x ({r} reps, medians)")
     multi = kept = None
