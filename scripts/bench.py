@@ -18,9 +18,10 @@ against 2 with torch DistributedDataParallel, for the MLP and charlm steps
 (scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden; and the
 GPT of scripts/tasks/torch_gpt.py through TorchModule + from_torch(AdamW): 2 workers against DDP, and
 MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch),
-(j) that GPT step in one process (one intra-op thread) against plain torch with the same AdamW, with each
-side's minor page faults per step; then again in a child process whose glibc keeps its heap (fixed malloc
-thresholds, both sides alike: see gpt_fixed_heap_rows).
+(j) that GPT step (one intra-op thread) against plain torch with the same AdamW: first with each side alone in
+a process of its own, a pair of processes taking turns (3 pairs: see gpt_alone_rows), then interleaved in one
+process with each side's minor page faults per step, then interleaved again in a child process whose glibc
+keeps its heap (fixed malloc thresholds, both sides alike: see gpt_fixed_heap_rows).
 (k) the cost of checking every collective's signature across the 2 workers (check on / off:
 one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
 (l) `--jit-only`: compiled steps, dtape.function(jit_compile=True, inductor), against eager dtape, torch
