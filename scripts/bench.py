@@ -19,7 +19,7 @@ against 2 with torch DistributedDataParallel, for the MLP and charlm steps
 GPT of scripts/tasks/torch_gpt.py through TorchModule + from_torch(AdamW): 2 workers against DDP, and
 MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch),
 (j) that GPT step (one intra-op thread) against plain torch with the same AdamW: first with each side alone in
-a process of its own, a pair of processes taking turns (3 pairs: see gpt_alone_rows), then interleaved in one
+a process of its own, a pair of processes taking turns (5 pairs: see gpt_alone_rows), then interleaved in one
 process with each side's minor page faults per step, then interleaved again in a child process whose glibc
 keeps its heap (fixed malloc thresholds, both sides alike: see gpt_fixed_heap_rows).
 (k) the cost of checking every collective's signature across the 2 workers (check on / off:
@@ -725,10 +725,10 @@ def gpt_alone_rows(quick):
     and the two processes take turns, so both see the same machine load.
     A process's heap layout still decides whether its steps fault, so the
     measurement runs `pairs` pairs of fresh processes; the ratio of each
-    pair's medians is printed, the rows give the medians of every pair's
-    steps pooled.
+    pair's medians is printed with their median and range, the rows give
+    the medians of every pair's steps pooled.
     """
-    pairs, turns = (1, 4) if quick else (3, 18)
+    pairs, turns = (1, 4) if quick else (5, 14)
     steps = {side: [] for side in ("dtape", "torch")}
     ratios = []
     for _ in range(pairs):
@@ -739,6 +739,8 @@ def gpt_alone_rows(quick):
         faults = {side: statistics.median(r[2] for r in rows) for side, rows in pair.items()}
         print(f"(j) alone, a pair of processes: dtape/torch {ratios[-1]:.3f}, minor page faults per step (median) "
               f"dtape {faults['dtape']:.0f}, torch {faults['torch']:.0f}")
+    print(f"(j) alone: dtape/torch per pair of processes, median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {pairs} pair(s)")
     n = len(steps["dtape"])
     med = {side: [statistics.median(r[i] for r in rows) for i in range(2)] for side, rows in steps.items()}
     name = f"(j) GPT step, each side alone in its process ({pairs} pair(s))"
