@@ -291,7 +291,7 @@ class TorchModule(Module):
         (`_Follow.sync`; `follow_torch_writes` before each `MirroredStrategy.run`)."""
         self._follow_registrations()
         follow = self._follow
-        if follow.firsts is not None and follow.written():
+        if follow.firsts is not None and (follow.written() or follow.untracked()):
             follow.sync()
 
     def _follow_registrations(self):
@@ -634,12 +634,14 @@ _with_replicas = weakref.WeakValueDictionary()
 
 def follow_torch_writes():
     """Copies what torch code wrote in place into a TorchModule's module (`torch.nn.init.*_`,
-    `module.load_state_dict`, `p.mul_` under no_grad: replica 0's components, the module's own storage) into
-    the other replicas' components; new parameters and submodules get their Variables too. Called by
-    `MirroredStrategy.run` before the replicas start, in the cross-replica context: one check per
-    TorchModule and step (each Variable's version counter against dtape's last write)."""
+    `module.load_state_dict`, `p.mul_` under no_grad, `p.data.normal_()`: replica 0's components, the module's
+    own storage) into the other replicas' components; new parameters and submodules get their Variables too.
+    Called by `MirroredStrategy.run` before the replicas start, in the cross-replica context: each Variable's
+    version counter against dtape's last write, and (for writes through `.data`, which move no version
+    counter) its value against another replica's component (`_Follow.untracked`)."""
     for torch_module in list(_with_replicas.values()):
         torch_module._follow_module()
+        torch_module._follow.mark()
 
 
 def check_torch_writes_in_run():
@@ -657,6 +659,7 @@ def check_torch_writes_in_run():
         if follow.firsts is None:
             continue
         written = follow.written()
+        follow.note_run()
         if written:
             names = [follow.views[k][0].name for k in written]
             raise ValueError(
@@ -677,7 +680,8 @@ class _Follow:
     its parameters and buffers, and under a strategy each mirrored Variable's components (`views`), whose
     first (replica 0's) is the module's own tensor (`firsts`). A plain object: the module walk skips it."""
 
-    __slots__ = ("generation", "creators", "aggregation", "tensors", "views", "firsts", "lock", "slots")
+    __slots__ = ("generation", "creators", "aggregation", "tensors", "views", "firsts", "lock", "slots", "noted",
+                 "marked")
 
     def __init__(self, generation, creators, aggregation, module, params, buffers):
         self.creators, self.aggregation, self.lock = creators, aggregation, threading.Lock()
@@ -687,6 +691,7 @@ class _Follow:
         self.tensors = _named_tensors(module)
         self.views = [tuple(v.values) for v in _unique((*params.values(), *buffers.values())) if len(getattr(v, "values", ())) > 1]
         self.firsts = [comps[0] for comps in self.views] or None  # None: nothing to copy (one replica here)
+        self.noted, self.marked = _states(self.views), None
         self.generation = generation
         # (owner's parameter dict, slot, torch name) of each parameter: a removal registers nothing
         self.slots = [(m._parameters, leaf, f"{prefix}.{leaf}" if prefix else leaf)
@@ -715,16 +720,83 @@ class _Follow:
         (its version counter moved past the one dtape noted: `Variable._own_version`)."""
         return [k for k, c in enumerate(self.firsts) if c._t._version != c._own_version]
 
+    # Each other replica's component as (id of its tensor, version) when it was last known to equal replica 0's
+    # (`noted`): at creation, after a copy, after a step that wrote it. A later difference from replica 0's with
+    # the component unmoved is a write to replica 0's that moved no version counter.
+    def mark(self):
+        """At the start of a step: the components as they stand (`note_run` tells which the step writes)."""
+        self.marked = _states(self.views)
+
+    def note_run(self):
+        """At the end of a step: the components it wrote (dtape's updates write every replica's alike) are noted
+        as equal to replica 0's; the others keep their note (one written on its own before stays unnoted)."""
+        if self.marked is None:
+            return
+        now = _states(self.views)
+        self.noted = [[s if s != m else n for s, m, n in zip(ss, ms, ns)]
+                      for ss, ms, ns in zip(now, self.marked, self.noted)]
+        self.marked = None
+
+    def untracked(self):
+        """Indices into `views` of the Variables whose module tensor was written without moving its version
+        counter (through `p.data`: Hugging Face's `_init_weights`, older torch init code): it differs from
+        another replica's component that nothing wrote since `note` (a component written on its own, e.g.
+        `var.values[1].assign(...)`, is not compared: its difference is that write's, kept as TF keeps it)."""
+        pairs = []
+        for k, (comps, noted) in enumerate(zip(self.views, self.noted)):
+            for c, state in zip(comps[1:], noted):
+                if state == (id(c._t), c._t._version):
+                    pairs.append((k, comps[0]._t, c._t))
+                    break
+        return [k for (k, _, _), same in zip(pairs, _same_values([(a, b) for _, a, b in pairs])) if not same]
+
     def sync(self):
         """Copies each written module tensor (replica 0's component: the view's truth) into the other
         replicas' components, then notes its version as seen. Replica threads may notice one write at once:
         under the lock, the first copies and the others find nothing left."""
         with self.lock, _tp.stop_recording():
-            for k in self.written():
+            for k in sorted({*self.written(), *self.untracked()}):
                 first, *others = self.views[k]
                 for c in others:
                     c.assign(first._t)
                 first._own_version = first._t._version
+                self.noted[k] = [(id(c._t), c._t._version) for c in others]
+
+
+def _states(views):
+    return [[(id(c._t), c._t._version) for c in comps[1:]] for comps in views]
+
+
+def _same_values(pairs):
+    """Whether each (a, b) of `pairs` holds the same values: `torch.equal` where both are on one device; across
+    devices, the int64 sums of their bit patterns, read to the host once per device (a copy of every
+    parameter to another device per step would cost more than the step's collectives)."""
+    out = [torch.equal(a, b) if a.device == b.device else None for a, b in pairs]
+    cross = [j for j, same in enumerate(out) if same is None]
+    if cross:
+        left = _bit_sums([pairs[j][0] for j in cross])
+        right = _bit_sums([pairs[j][1] for j in cross])
+        for j, x, y in zip(cross, left, right):
+            out[j] = x == y
+    return out
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def _bit_sums(tensors):
+    """[int]: each tensor's bit patterns (its items read as integers of their size) summed in int64 on its
+    device, one host read per device."""
+    by_device = {}
+    for j, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(j)
+    out = [None] * len(tensors)
+    for js in by_device.values():
+        sums = torch.stack([tensors[j].detach().reshape(-1).view(_INT_OF_SIZE[tensors[j].element_size()])
+                            .sum(dtype=torch.int64) for j in js]).tolist()
+        for j, v in zip(js, sums):
+            out[j] = v
+    return out
 
 
 def _named_tensors(module):

@@ -120,9 +120,6 @@ def test_one_module_wrapped_twice_sums_both_uses_as_torch():
         np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.xfail(strict=True, reason="a write through p.data (Hugging Face's _init_weights: "
-                   "module.weight.data.normal_()) does not move the parameter's version counter (.data has its "
-                   "own), so follow_torch_writes never copies it: replica 1 keeps training the old value, silently")
 def test_init_through_data_between_steps_reaches_every_replica():
     """The init idiom of Hugging Face's and older torch code, in place through `.data`, between two steps."""
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ from torch import nn
 
 import dtape
 from dtape import distribute as ds
+from dtape import torch_module
 from _strategies import mirrored
 
 pytestmark = pytest.mark.usefixtures("closes_strategies")
@@ -56,6 +57,11 @@ def _write(model, kind, state):
         nn.init.zeros_(model.body.bias)
     elif kind == "load_state_dict":
         model.load_state_dict(state)  # parameters and BatchNorm buffers, in place
+    elif kind == "through_data":  # Hugging Face's _init_weights: `.data` moves no version counter of the tensor's
+        torch.manual_seed(7)
+        model.fc.weight.data.normal_(mean=0.0, std=0.5)
+        model.body.bias.data.zero_()
+        model.norm.running_var.data.mul_(2.0)
     else:
         with torch.no_grad():
             model.body.weight.mul_(0.5)
@@ -166,7 +172,7 @@ def test_head_replaced_between_steps_is_followed_inside_the_step(kind):
     assert all(a is b for a, b in zip(run.tm.variables, before)) and len(run.tm.variables) == len(before)
 
 
-@pytest.mark.parametrize("write", ["init", "load_state_dict", "no_grad_mul"])
+@pytest.mark.parametrize("write", ["init", "load_state_dict", "no_grad_mul", "through_data"])
 @pytest.mark.parametrize("kind", ["one", "mirrored"])
 def test_torch_side_write_reaches_every_replica_and_trains_as_torch(kind, write):
     """The module is the view's truth: a write to it through torch, between steps, is what every replica
@@ -356,3 +362,33 @@ def test_compiled_step_traced_before_a_replacement_retraces_and_trains_the_new_p
         _assert_view(run.tm)
     _assert_close(got, want)
     assert step.experimental_get_tracing_count() == 2
+
+
+def test_a_write_through_data_after_wrapping_before_the_first_step_reaches_every_replica():
+    """Wrapped, then initialized through `.data` (a model's own init after construction), then trained with
+    from_torch(Adam): every replica starts from the written values, as plain torch does."""
+    def init(model):
+        torch.manual_seed(3)
+        for p in model.parameters():
+            p.data.uniform_(-0.3, 0.3)
+    ref = _net()
+    init(ref)
+    want = _torch_steps(ref, torch.optim.Adam(ref.parameters(), lr=0.01), 0, 3)
+    run = _Dtape(_net(), mirrored(2))
+    init(run.model)
+    opt = dtape.optimizers.from_torch(torch.optim.Adam(run.tm.parameters(), lr=0.01))
+    _assert_close(run.steps(opt, 0, 3), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool,
+                                   torch.complex128, torch.uint8])
+def test_bit_sums_tell_a_changed_tensor_from_an_equal_one(dtype):
+    """The cross-device compare of the `.data` check: equal tensors (also non-contiguous, 0-d, empty) give
+    equal sums; one changed element changes the sum."""
+    base = (torch.arange(24, dtype=torch.float64).reshape(4, 6) * 0.37).to(dtype)
+    cases = [base, base.t(), base[1], base[0, 0], base[:0]]
+    assert torch_module._bit_sums(cases) == torch_module._bit_sums([c.clone() for c in cases])
+    changed = base.clone()
+    changed[2, 3] = ~changed[2, 3] if dtype is torch.bool else changed[2, 3] + 1
+    assert changed[2, 3] != base[2, 3]
+    assert torch_module._bit_sums([changed])[0] != torch_module._bit_sums([base])[0]
