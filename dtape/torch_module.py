@@ -720,34 +720,35 @@ class _Follow:
         (its version counter moved past the one dtape noted: `Variable._own_version`)."""
         return [k for k, c in enumerate(self.firsts) if c._t._version != c._own_version]
 
-    # Each other replica's component as (id of its tensor, version) when it was last known to equal replica 0's
-    # (`noted`): at creation, after a copy, after a step that wrote it. A later difference from replica 0's with
-    # the component unmoved is a write to replica 0's that moved no version counter.
+    # Each view's components as (id of its tensor, version) when they were last known equal (`noted`): at
+    # creation, after a copy, after a step that wrote them all alike. Since then, components that moved all
+    # together (dtape's writes to the whole variable: assign, load_state_dict, an optimizer) or not at all are
+    # compared: a difference is a write to replica 0's that moved no version counter. A view where only some
+    # moved (a component written on its own) is noted None: not compared until a copy, as TF keeps it.
     def mark(self):
         """At the start of a step: the components as they stand (`note_run` tells which the step writes)."""
         self.marked = _states(self.views)
 
     def note_run(self):
-        """At the end of a step: the components it wrote (dtape's updates write every replica's alike) are noted
-        as equal to replica 0's; the others keep their note (one written on its own before stays unnoted)."""
+        """At the end of a step: a view whose components the step wrote alike (dtape's updates write every
+        replica's) or left alone is noted as it stands; one written in part stays unnoted."""
         if self.marked is None:
             return
-        now = _states(self.views)
-        self.noted = [[s if s != m else n for s, m, n in zip(ss, ms, ns)]
-                      for ss, ms, ns in zip(now, self.marked, self.noted)]
+        self.noted = [s if n is not None and _alike(s, m) else None
+                      for s, m, n in zip(_states(self.views), self.marked, self.noted)]
         self.marked = None
 
     def untracked(self):
         """Indices into `views` of the Variables whose module tensor was written without moving its version
         counter (through `p.data`: Hugging Face's `_init_weights`, older torch init code): it differs from
-        another replica's component that nothing wrote since `note` (a component written on its own, e.g.
-        `var.values[1].assign(...)`, is not compared: its difference is that write's, kept as TF keeps it)."""
+        replica 1's component, with the components moved alike since the last note (a component written on its
+        own, e.g. `var.values[1].assign(...)`, makes its view unnoted: its difference is that write's)."""
         pairs = []
         for k, (comps, noted) in enumerate(zip(self.views, self.noted)):
-            for c, state in zip(comps[1:], noted):
-                if state == (id(c._t), c._t._version):
-                    pairs.append((k, comps[0]._t, c._t))
-                    break
+            if noted is not None and not _alike([(id(c._t), c._t._version) for c in comps], noted):
+                self.noted[k] = noted = None
+            if noted is not None:
+                pairs.append((k, comps[0]._t, comps[1]._t))
         return [k for (k, _, _), same in zip(pairs, _same_values([(a, b) for _, a, b in pairs])) if not same]
 
     def sync(self):
@@ -760,11 +761,17 @@ class _Follow:
                 for c in others:
                     c.assign(first._t)
                 first._own_version = first._t._version
-                self.noted[k] = [(id(c._t), c._t._version) for c in others]
+                self.noted[k] = [(id(c._t), c._t._version) for c in self.views[k]]
 
 
 def _states(views):
-    return [[(id(c._t), c._t._version) for c in comps[1:]] for comps in views]
+    return [[(id(c._t), c._t._version) for c in comps] for comps in views]
+
+
+def _alike(now, then):
+    """Whether the components (states as `_states` gives them) moved all together or not at all."""
+    moved = [a != b for a, b in zip(now, then)]
+    return all(moved) or not any(moved)
 
 
 def _same_values(pairs):

@@ -1,0 +1,89 @@
+"""Breaking the `.data` follow of a TorchModule under MirroredStrategy (`_Follow.untracked`): writes through
+`.data` move no version counter, so the module's tensor (replica 0's component) is compared by value with
+another replica's. Each case against plain torch on one device, float64, the same schedule."""
+import numpy as np
+import pytest
+import torch
+
+import dtape
+from dtape import distribute as ds
+from _strategies import mirrored
+from test_torch_module_follow import _Dtape, _assert_close, _batch, _net, _torch_steps
+
+pytestmark = pytest.mark.usefixtures("closes_strategies")
+f64 = torch.float64
+
+
+def _sgd(run, **kw):
+    with run.strategy.scope():
+        return dtape.optimizers.SGD(0.05, **kw)
+
+
+def test_data_write_after_tm_load_state_dict_reaches_every_replica():
+    """`tm.load_state_dict` writes every component through dtape; a `.data` write to a tensor no step writes
+    (an eval-mode BatchNorm buffer, a frozen parameter) one step later was never compared again."""
+    state = {k: v + 0.25 for k, v in _net(5).state_dict().items()}
+
+    def write(model):
+        model.norm.running_var.data.mul_(2.0)
+        model.body.bias.data.fill_(0.3)
+    ref = _net()
+    ref.body.bias.requires_grad_(False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ref.load_state_dict(state)
+    want = _torch_steps(ref, ref_opt, 0, 1)
+    write(ref)
+    want += _torch_steps(ref, ref_opt, 1, 2)
+
+    run = _Dtape(_net(), mirrored(2))
+    run.model.body.bias.requires_grad_(False)
+    opt = _sgd(run)
+    run.tm.load_state_dict(state)
+    got = run.steps(opt, 0, 1)
+    write(run.model)
+    got += run.steps(opt, 1, 2)
+    _assert_close(got, want)
+
+
+def test_dtape_assign_then_data_write_in_the_same_gap_reaches_every_replica():
+    """`var.assign` (every component) then `p.data.mul_` before the next step: replica 0 holds the product."""
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    want = _torch_steps(ref, ref_opt, 0, 1)
+    with torch.no_grad():
+        ref.fc.bias.fill_(0.5)
+    ref.fc.bias.data.mul_(3.0)
+    want += _torch_steps(ref, ref_opt, 1, 2)
+
+    run = _Dtape(_net(), mirrored(2))
+    opt = _sgd(run, momentum=0.9)
+    got = run.steps(opt, 0, 1)
+    run.tm._params["fc.bias"].assign(torch.full((2,), 0.5, dtype=f64))
+    run.model.fc.bias.data.mul_(3.0)
+    got += run.steps(opt, 1, 2)
+    _assert_close(got, want)
+
+
+def _step(run, opt):
+    def step(x):
+        variables = run.tm.trainable_variables
+        with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
+            loss = dtape.reduce_sum(dtape.square(run.tm(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    return step
+
+
+def test_a_component_written_on_its_own_stays_its_own_through_training_steps():
+    """`values[1].assign(b)` is not compared (documented: kept, as TF keeps it); the steps' updates then write
+    both components alike, which must not make the next run copy replica 0's over it."""
+    run = _Dtape(_net(), mirrored(2))
+    opt = _sgd(run)
+    var = run.tm._params["fc.bias"]
+    var.values[1].assign(torch.full((2,), 0.5, dtype=f64))
+    gap = []
+    for i in range(3):
+        for x in run.strategy.experimental_distribute_dataset([_batch(i).numpy()]):
+            run.strategy.run(_step(run, opt), args=(x,))
+        gap.append(var.values[1].numpy() - var.values[0].numpy())
+    assert np.abs(gap[0]).min() > 0.1
+    assert all(np.abs(g).min() > 0.1 for g in gap[1:])
