@@ -775,10 +775,11 @@ def _alike(now, then):
 
 
 def _same_values(pairs):
-    """Whether each (a, b) of `pairs` holds the same values: `torch.equal` where both are on one device; across
+    """Whether each (a, b) of `pairs` holds the same bits (a NaN equals itself, -0.0 differs from 0.0, as a
+    `.data` write can make them): `torch.equal` of the bit patterns where both are on one device; across
     devices, the int64 sums of their bit patterns, read to the host once per device (a copy of every
     parameter to another device per step would cost more than the step's collectives)."""
-    out = [torch.equal(a, b) if a.device == b.device else None for a, b in pairs]
+    out = [torch.equal(_bits(a), _bits(b)) if a.device == b.device else None for a, b in pairs]
     cross = [j for j, same in enumerate(out) if same is None]
     if cross:
         left = _bit_sums([pairs[j][0] for j in cross])
@@ -791,6 +792,10 @@ def _same_values(pairs):
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
+def _bits(t):
+    return t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
 def _bit_sums(tensors):
     """[int]: each tensor's bit patterns (its items read as integers of their size) summed in int64 on its
     device, one host read per device."""
@@ -799,8 +804,7 @@ def _bit_sums(tensors):
         by_device.setdefault(t.device, []).append(j)
     out = [None] * len(tensors)
     for js in by_device.values():
-        sums = torch.stack([tensors[j].detach().reshape(-1).view(_INT_OF_SIZE[tensors[j].element_size()])
-                            .sum(dtype=torch.int64) for j in js]).tolist()
+        sums = torch.stack([_bits(tensors[j]).sum(dtype=torch.int64) for j in js]).tolist()
         for j, v in zip(js, sums):
             out[j] = v
     return out
