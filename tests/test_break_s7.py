@@ -14,6 +14,13 @@ pytestmark = pytest.mark.usefixtures("closes_strategies")
 f64 = torch.float64
 
 
+class _Run(_Dtape):
+    def __init__(self, model, strategy, **kwargs):  # TorchModule's keyword arguments too
+        self.model, self.strategy = model, strategy
+        with strategy.scope():
+            self.tm = dtape.layers.TorchModule(model, **kwargs)
+
+
 def _sgd(run, **kw):
     with run.strategy.scope():
         return dtape.optimizers.SGD(0.05, **kw)
@@ -118,3 +125,31 @@ def test_a_data_write_of_minus_zero_or_nan_is_followed_by_its_bits():
     versions = [c._t._version for c in tm._buffers["shift"].values]
     strategy.run(lambda: tm(x))
     assert [c._t._version for c in tm._buffers["shift"].values] == versions
+
+
+@pytest.mark.parametrize("sync", ["mean", "broadcast"])
+def test_data_write_to_training_batchnorm_buffers_equals_the_same_write_under_no_grad(sync):
+    """BatchNorm in training mode (each step writes its running stats on every replica, combined as
+    `sync_buffers` says): a `.data` write between steps trains as the same write made under no_grad
+    (followed by its version counter), bit for bit."""
+    def write(model, through_data):
+        gen = torch.Generator().manual_seed(1)
+        if through_data:
+            model.norm.running_mean.data.add_(1.0)
+            model.fc.weight.data.normal_(generator=gen)
+        else:
+            with torch.no_grad():
+                model.norm.running_mean.add_(1.0)
+                model.fc.weight.normal_(generator=gen)
+
+    def train(through_data):
+        model, strategy = _net().train(), mirrored(2)
+        run = _Run(model, strategy, sync_buffers=sync)
+        opt = _sgd(run, momentum=0.9)
+        out = run.steps(opt, 0, 2)
+        write(model, through_data)
+        return out + run.steps(opt, 2, 2)
+    got, want = train(True), train(False)
+    for a, b in zip(got, want):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
