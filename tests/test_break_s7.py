@@ -8,7 +8,7 @@ import torch
 import dtape
 from dtape import distribute as ds
 from _strategies import mirrored
-from test_torch_module_follow import _Dtape, _assert_close, _batch, _net, _torch_steps
+from test_torch_module_follow import _Dtape, _assert_close, _assert_view, _batch, _net, _torch_steps
 
 pytestmark = pytest.mark.usefixtures("closes_strategies")
 f64 = torch.float64
@@ -71,11 +71,11 @@ def test_dtape_assign_then_data_write_in_the_same_gap_reaches_every_replica():
     _assert_close(got, want)
 
 
-def _step(run, opt):
+def _step(tm, opt):
     def step(x):
-        variables = run.tm.trainable_variables
+        variables = tm.trainable_variables
         with dtape.GradientTape(gradient_sync=ds.GradientSync()) as tape:
-            loss = dtape.reduce_sum(dtape.square(run.tm(x)))
+            loss = dtape.reduce_sum(dtape.square(tm(x)))
         opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
     return step
 
@@ -90,7 +90,7 @@ def test_a_component_written_on_its_own_stays_its_own_through_training_steps():
     gap = []
     for i in range(3):
         for x in run.strategy.experimental_distribute_dataset([_batch(i).numpy()]):
-            run.strategy.run(_step(run, opt), args=(x,))
+            run.strategy.run(_step(run.tm, opt), args=(x,))
         gap.append(var.values[1].numpy() - var.values[0].numpy())
     assert np.abs(gap[0]).min() > 0.1
     assert all(np.abs(g).min() > 0.1 for g in gap[1:])
@@ -153,3 +153,48 @@ def test_data_write_to_training_batchnorm_buffers_equals_the_same_write_under_no
     for a, b in zip(got, want):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+class _Tied(torch.nn.Module):
+    """GPT-2's tied embedding and head (one Parameter, two names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.mix = torch.nn.Linear(3, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.emb(x).sum(1))))
+
+
+def test_tied_weight_data_write_with_a_no_grad_write_in_the_same_gap_trains_as_torch_adamw():
+    """HF's `_init_weights` on the tied weight (through `.data`) plus a no_grad write of another parameter,
+    one gap; from_torch(AdamW) as the torch reference's optimizer."""
+    def make():
+        torch.manual_seed(0)
+        return _Tied().double()
+
+    def write(model):
+        model.head.weight.data.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            model.mix.bias.mul_(-2.0)
+    xs = [torch.randint(0, 5, (4, 2), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ref = make()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    model, strategy = make(), mirrored(2)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    opt = dtape.optimizers.from_torch(torch.optim.AdamW(tm.parameters(), lr=0.01))
+    for i, x in enumerate(xs):
+        if i == 2:
+            write(ref)
+            write(model)
+        ref_opt.zero_grad()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        for part in strategy.experimental_distribute_dataset([x.numpy()]):
+            strategy.run(_step(tm, opt), args=(part,))
+        _assert_view(tm)
+        _assert_close([list(model.state_dict().values())], [list(ref.state_dict().values())])
