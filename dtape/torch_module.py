@@ -267,6 +267,8 @@ class TorchModule(Module):
             for name, var in variables.items():
                 if name in state_dict:
                     var.assign(state_dict[name])
+        if self._follow.firsts is not None:  # every component now holds the loaded value
+            self._follow.note_equal([var for name, var in variables.items() if name in state_dict])
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def state_dict(self):
@@ -737,6 +739,14 @@ class _Follow:
         self.noted = [s if n is not None and _alike(s, m) else None
                       for s, m, n in zip(_states(self.views), self.marked, self.noted)]
         self.marked = None
+
+    def note_equal(self, variables):
+        """After dtape assigned each of `variables` one value on every component: their views are noted (one
+        with a component written on its own before is compared again)."""
+        firsts = {id(v.values[0]) for v in variables if len(getattr(v, "values", ())) > 1}
+        for k, comps in enumerate(self.views):
+            if id(comps[0]) in firsts:
+                self.noted[k] = [(id(c._t), c._t._version) for c in comps]
 
     def untracked(self):
         """Indices into `views` of the Variables whose module tensor was written without moving its version

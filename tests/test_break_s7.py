@@ -198,3 +198,22 @@ def test_tied_weight_data_write_with_a_no_grad_write_in_the_same_gap_trains_as_t
             strategy.run(_step(tm, opt), args=(part,))
         _assert_view(tm)
         _assert_close([list(model.state_dict().values())], [list(ref.state_dict().values())])
+
+
+def test_tm_load_state_dict_after_a_component_written_on_its_own_follows_data_writes_again():
+    """`values[1].assign(b)` leaves its view unnoted; `tm.load_state_dict` makes every component equal
+    again, so a later `.data` write to that tensor (an eval-mode buffer no step writes) is followed."""
+    state = {k: v + 0.25 for k, v in _net(5).state_dict().items()}
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ref.load_state_dict(state)
+    ref.norm.running_var.data.mul_(2.0)
+    want = _torch_steps(ref, ref_opt, 0, 2)
+
+    run = _Dtape(_net(), mirrored(2))
+    opt = _sgd(run)
+    run.tm._buffers["norm.running_var"].values[1].assign(torch.full((4,), 9.0, dtype=f64))
+    run.strategy.run(lambda: None)
+    run.tm.load_state_dict(state)
+    run.model.norm.running_var.data.mul_(2.0)
+    _assert_close(run.steps(opt, 0, 2), want)
