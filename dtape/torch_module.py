@@ -189,6 +189,7 @@ class TorchModule(Module):
         before = {n: (scratch[id(v)], scratch[id(v)]._version) for n, v in self._buffers.items()}
         _install(shadow, self._buffers, scratch, "_buffers")
         self._requires_grad.refresh()  # the registrations were followed above
+        self._requires_grad.check_storage()
         # recorded reads: the op's first inputs; each once (a tied Variable's gradient sums its uses), all
         # read at once (`read_values`: one record for the module's parameters, not one per parameter)
         values = read_values(self._unique)
@@ -342,6 +343,7 @@ class TorchModule(Module):
         removed = self._follow.removed()
         if removed is not None:  # a replay would still use (and train) the removed parameter's Variable
             raise _removed_error(*_split_name(removed))
+        self._requires_grad.check_storage()
         return self._view_version
 
     def _mark_views(self):
@@ -398,18 +400,35 @@ class _RequiresGrad:
     """The module's distinct parameters and their Variables' components, whose `_trainable` follows each
     parameter's `requires_grad` (`refresh`). A plain object: the module walk does not list the components."""
 
-    __slots__ = ("params", "components", "flags")
+    __slots__ = ("params", "components", "flags", "names", "storage")
 
     def __init__(self, module, params):
         by_name = dict(module.named_parameters(remove_duplicate=False))
-        self.params, self.components, seen = [], [], set()
+        self.params, self.components, self.names, seen = [], [], [], set()
         for name, var in params.items():
             if id(var) not in seen:
                 seen.add(id(var))
                 self.params.append(by_name[name])
+                self.names.append(name)
                 self.components.append(tuple(getattr(var, "values", (var,))))
                 var._requires_grad_of = by_name[name]  # compiled functions guard on it (`_jit`), as torch.compile
         self.flags = [c[0]._trainable for c in self.components]
+        # each parameter's memory is its Variable's first component's, for good (dtape writes it in place)
+        self.storage = [c[0]._t.data_ptr() for c in self.components]
+
+    def check_storage(self):
+        """Raises ValueError if a parameter's tensor was replaced under it since wrapping (`p.data = t`,
+        `module.to(...)`, `.double()`, `.cuda()`: torch swaps the storage and calls no hook): its Variable
+        would go on training the old memory while the module holds the new one. One list comparison."""
+        now = [p.data_ptr() for p in self.params]
+        if now != self.storage:
+            name = next(n for n, a, b in zip(self.names, now, self.storage) if a != b)
+            raise ValueError(
+                f"TorchModule: the tensor of parameter {name!r} was replaced after wrapping (`p.data = t`, "
+                "`module.to(...)`, `.double()`, `.cuda()`; torch announces these to no hook), so its Variable "
+                "holds the old memory and would train it while the module holds the new one; move or convert "
+                "the module before wrapping it (or wrap it again), and load values in place "
+                "(`p.data.copy_(t)`, or `p.copy_(t)` under torch.no_grad())")
 
     def refresh(self):
         """One list comparison when nothing changed. The flags are noted after the components are set: a

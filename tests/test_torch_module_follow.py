@@ -392,3 +392,38 @@ def test_bit_sums_tell_a_changed_tensor_from_an_equal_one(dtype):
     changed[2, 3] = ~changed[2, 3] if dtype is torch.bool else changed[2, 3] + 1
     assert changed[2, 3] != base[2, 3]
     assert torch_module._bit_sums([changed])[0] != torch_module._bit_sums([base])[0]
+
+
+@pytest.mark.parametrize("replace", ["data_assign", "double", "to_copy"])
+@pytest.mark.parametrize("kind", ["one", "mirrored"])
+def test_a_parameter_tensor_replaced_after_wrapping_is_refused_not_trained_silently(kind, replace):
+    """`p.data = t` (loading pretrained embeddings), `module.double()`, `module.to(...)` swap a parameter's
+    storage without a hook: the Variable would keep training the old memory while the module holds the new
+    one. The next call (eager or compiled) raises naming the parameter; a write in place is followed."""
+    model = Net().float().eval()
+    strategy = _strategy(kind)
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(model)
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    step = dtape.function(lambda: tm(x), jit_compile=True)
+    strategy.run(step)  # traced before the replacement: its replay must not train the old memory either
+    if replace == "data_assign":
+        model.fc.weight.data = torch.ones(2, 4)
+    elif replace == "double":
+        model.double()  # refused before any kernel sees float32 inputs with float64 weights
+    else:  # a copy of each parameter (what `.to(other device)` does), here to another memory format's twin
+        for p in model.parameters():
+            p.data = p.data.clone()
+    for call in (lambda: strategy.run(step), lambda: strategy.run(lambda: tm(x))):
+        with pytest.raises(ValueError, match="was replaced after wrapping"):
+            call()
+
+
+def test_a_parameter_loaded_in_place_through_data_after_wrapping_trains_on_one_device():
+    """The in-place form of the same load (`p.data.copy_(t)`) is the module's own storage: the Variable holds it."""
+    model = _net()
+    tm = dtape.layers.TorchModule(model)
+    model.fc.weight.data.copy_(torch.ones(2, 4, dtype=f64))
+    assert torch.equal(tm._params["fc.weight"].torch(), torch.ones(2, 4, dtype=f64))
+    out = tm(torch.ones(1, 3, dtype=f64)).torch()
+    assert torch.equal(out, model(torch.ones(1, 3, dtype=f64)).detach())
