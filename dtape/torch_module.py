@@ -808,7 +808,7 @@ def _same_values(pairs):
     `.data` write can make them): `torch.equal` of the bit patterns where both are on one device; across
     devices, the int64 sums of their bit patterns, read to the host once per device (a copy of every
     parameter to another device per step would cost more than the step's collectives)."""
-    out = [torch.equal(_bits(a), _bits(b)) if a.device == b.device else None for a, b in pairs]
+    out = [_equal_bits(a, b) if a.device == b.device else None for a, b in pairs]
     cross = [j for j, same in enumerate(out) if same is None]
     if cross:
         left = _bit_sums([pairs[j][0] for j in cross])
@@ -822,7 +822,16 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 
 
 
 def _bits(t):
-    return t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+    """`t`'s items read as integers of their size (a view: no copy, any layout); complex128's as two int64."""
+    size = t.element_size()
+    if size == 16:  # no 16-byte integer: a size-changing view needs a contiguous last dimension
+        return t.detach().reshape(-1).view(torch.int64)
+    return t.detach().view(_INT_OF_SIZE[size])
+
+
+def _equal_bits(a, b):
+    """Whether `a` and `b` (one device, the same shape: components of one variable) hold the same bits."""
+    return torch.equal(_bits(a), _bits(b))
 
 
 def _bit_sums(tensors):
