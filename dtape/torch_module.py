@@ -576,13 +576,14 @@ class _ForwardCall:
         _install_parameters(self.shadow, self.slots, values)
         args, kwargs = unflatten_args(list(flat[self.n_values:]), self.spec)
         versions = [v._version for v in values]
+        storage = [v.data_ptr() for v in values]  # `p.data = t` swaps it and moves no version counter
         try:
             out = self._forward(args, kwargs)
         except RuntimeError as e:
             if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
                 raise _in_place_error(self.shadow) from e
             raise
-        if [v._version for v in values] != versions:
+        if [v._version for v in values] != versions or [v.data_ptr() for v in values] != storage:
             raise _in_place_error(self.shadow)
         return out
 
@@ -602,9 +603,10 @@ class _ForwardCall:
 
 
 def _in_place_error(module):
-    return TypeError(f"TorchModule: {type(module).__name__}.forward modifies a parameter in place; a "
-                     "TorchModule's parameters are its Variables' values, changed only by assignments and "
-                     "optimizers (dtape tensors are immutable in a forward): compute a new tensor instead")
+    return TypeError(f"TorchModule: {type(module).__name__}.forward modifies a parameter in place (or through "
+                     "`.data`); a TorchModule's parameters are its Variables' values, changed only by assignments "
+                     "and optimizers (dtape tensors are immutable in a forward): compute a new tensor instead, and "
+                     "keep state the forward updates (an EMA codebook) in a buffer")
 
 
 def _as_input(x):

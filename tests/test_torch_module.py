@@ -311,6 +311,19 @@ def test_unsupported_modules_raise_clear_errors():
     with pytest.raises(TypeError, match="in place"):
         dtape.layers.TorchModule(Mutates())(torch.ones(2))
 
+    class ReplacesData(nn.Module):  # a VQ-VAE codebook's EMA update, made in forward through `.data = `
+        def __init__(self):
+            super().__init__()
+            self.codebook = nn.Parameter(torch.ones(2), requires_grad=False)
+
+        def forward(self, x):
+            self.codebook.data = self.codebook.data * 0.5
+            return x * self.codebook
+    wrapped = dtape.layers.TorchModule(ReplacesData())
+    with pytest.raises(TypeError, match="through `.data`"):  # its update would be lost silently, step after step
+        wrapped(torch.ones(2))
+    assert torch.equal(wrapped.module.codebook.detach(), torch.ones(2))
+
 
 # -- interop fixes: torch.Tensor methods on dtape tensors, seeded random fallbacks ----------------
 
