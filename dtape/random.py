@@ -82,8 +82,8 @@ def get_generator(device=None):
     device = default_device(device)
     gen = _gen_state.generator
     if gen is not None and gen.device.type == device.type:
-        live = _gen_state.live  # inside a lone replica's forward torch's generator holds the live state
-        return live[1] if live is not None and live[0] is gen else gen
+        held = live_generator(gen)  # inside a lone replica's forward torch's generator holds the live state
+        return gen if held is None else held
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator

@@ -767,7 +767,7 @@ class _Follow:
         firsts = {id(v.values[0]) for v in variables if len(getattr(v, "values", ())) > 1}
         for k, comps in enumerate(self.views):
             if id(comps[0]) in firsts:
-                self.noted[k] = [(id(c._t), c._t._version) for c in comps]
+                self.noted[k] = _state(comps)
 
     def untracked(self):
         """Indices into `views` of the Variables whose module tensor was written without moving its version
@@ -776,7 +776,7 @@ class _Follow:
         own, e.g. `var.values[1].assign(...)`, makes its view unnoted: its difference is that write's)."""
         pairs = []
         for k, (comps, noted) in enumerate(zip(self.views, self.noted)):
-            if noted is not None and not _alike([(id(c._t), c._t._version) for c in comps], noted):
+            if noted is not None and not _alike(_state(comps), noted):
                 self.noted[k] = noted = None
             if noted is not None:
                 pairs.append((k, comps[0]._t, comps[1]._t))
@@ -792,11 +792,16 @@ class _Follow:
                 for c in others:
                     c.assign(first._t)
                 first._own_version = first._t._version
-                self.noted[k] = [(id(c._t), c._t._version) for c in self.views[k]]
+                self.noted[k] = _state(self.views[k])
+
+
+def _state(components):
+    """Each component's (id of its tensor, version): what any write by dtape or torch moves."""
+    return [(id(c._t), c._t._version) for c in components]
 
 
 def _states(views):
-    return [[(id(c._t), c._t._version) for c in comps] for comps in views]
+    return [_state(comps) for comps in views]
 
 
 def _alike(now, then):
@@ -820,7 +825,7 @@ def _same_values(pairs):
     return out
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bits(t):
