@@ -1051,8 +1051,10 @@ class TorchOptimizer(Optimizer):
 
     `apply_gradients` aggregates as every dtape optimizer (in a replica
     context: the bucketed SUM all-reduce of `GradientSync`, one merge_call),
-    then gives each variable's tensor a copy of its summed gradient as `.grad`
-    (a buffer kept between steps, as torch keeps `p.grad`: the gradients
+    then gives each variable's tensor its summed gradient as `.grad` (for
+    torch's Adam, AdamW and SGD without nesterov, whose step only reads it,
+    the gradient itself; for other classes, or with `global_clipnorm`, a copy
+    in a buffer kept between steps, as torch keeps `p.grad`: the gradients
     passed in are never written), runs `torch.nn.utils.clip_grad_norm_` on
     them if `global_clipnorm` is set, and the torch optimizer's `step()`:
     torch's formulas, parameter groups, hyperparameters and per-parameter state.
@@ -1400,10 +1402,15 @@ class TorchOptimizer(Optimizer):
 
         def step(tensors):  # under the variables' locks, on their tensors or their copies
             _bind(opt, entries, tensors, released or _NONE * len(entries))
-            buffers = self._grad_buffers(index, tensors)
-            torch._foreach_copy_(buffers, grads)  # one call, not one per variable
-            for t, buf in zip(tensors, buffers):
-                t.grad = buf
+            lent = self.global_clipnorm is None and _reads_grads_only(opt) and _lendable(grads, tensors)
+            if lent:  # the step only reads them: no copy (torch's own step reads what backward left)
+                given = grads
+                versions = [g._version for g in grads]
+            else:
+                given = self._grad_buffers(index, tensors)
+                torch._foreach_copy_(given, grads)  # one call, not one per variable
+            for t, g in zip(tensors, given):
+                t.grad = g
             try:
                 if self.global_clipnorm is not None:
                     torch.nn.utils.clip_grad_norm_(tensors, self.global_clipnorm)
@@ -1411,6 +1418,8 @@ class TorchOptimizer(Optimizer):
             finally:
                 for t in tensors:
                     t.grad = None
+            if lent and [g._version for g in grads] != versions:
+                raise RuntimeError(_wrote_grads_message(opt))
         if released is None:  # written in place: the optimizer holds the variables' tensors already
             update_together(comps, step)
             return
@@ -1510,6 +1519,39 @@ def _reuse(buf, param):
             buf.dtype != param.dtype or buf.device != param.device:
         return torch.empty_like(param)
     return buf
+
+
+# torch optimizers whose step only reads `p.grad` under the flags below (torch 2.x sources: Adam/AdamW
+# rebind `grad = grad.add(...)` / `-grad`, and write in place only with differentiable=True; SGD's foreach
+# nesterov path adds the momentum into the gradients in place). Others get a private copy as `.grad`.
+_READS_GRADS_ONLY = {torch.optim.Adam: (), torch.optim.AdamW: (), torch.optim.SGD: ("nesterov",)}
+
+
+def _reads_grads_only(opt):
+    """True if torch optimizer `opt`'s step leaves its `.grad` tensors unwritten (exact class, every group's
+    flags): the gradients given to apply_gradients can then be its `.grad` without a copy."""
+    writers = _READS_GRADS_ONLY.get(type(opt))
+    if writers is None:
+        return False
+    return not any(group.get("differentiable") or group.get("fused") or any(group.get(k) for k in writers)
+                   for group in opt.param_groups)
+
+
+def _lendable(grads, tensors):
+    """True if every gradient can be its tensor's `.grad` as it is: contiguous, of its shape, dtype and
+    device, none in the memory of a tensor the step writes (a gradient passed through from a variable's
+    value would change under the update of that variable)."""
+    if not all(g.is_contiguous() and g.shape == t.shape and g.dtype == t.dtype and g.device == t.device
+               for g, t in zip(grads, tensors)):
+        return False
+    written = {t.untyped_storage().data_ptr() for t in tensors}
+    return not any(g.untyped_storage().data_ptr() in written for g in grads)
+
+
+def _wrote_grads_message(opt):
+    return (f"{type(opt).__name__}.step() wrote the gradients given to apply_gradients in place, which dtape "
+            "lends it without a copy for this class; please report it (torch's version and the optimizer's "
+            "arguments); meanwhile set global_clipnorm or use a subclass, which get a private copy")
 
 
 _PARAMS_KEY = "dtape.params"
