@@ -1540,12 +1540,15 @@ def _reads_grads_only(opt):
 def _lendable(grads, tensors):
     """True if every gradient can be its tensor's `.grad` as it is: contiguous, of its shape, dtype and
     device, none in the memory of a tensor the step writes (a gradient passed through from a variable's
-    value would change under the update of that variable)."""
-    if not all(g.is_contiguous() and g.shape == t.shape and g.dtype == t.dtype and g.device == t.device
-               for g, t in zip(grads, tensors)):
-        return False
+    value would change under the update of that variable). Plain loops: this runs on every step."""
+    for g, t in zip(grads, tensors):
+        if not g.is_contiguous() or g.shape != t.shape or g.dtype != t.dtype or g.device != t.device:
+            return False
     written = {t.untyped_storage().data_ptr() for t in tensors}
-    return not any(g.untyped_storage().data_ptr() in written for g in grads)
+    for g in grads:
+        if g.untyped_storage().data_ptr() in written:
+            return False
+    return True
 
 
 def _wrote_grads_message(opt):

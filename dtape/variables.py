@@ -217,6 +217,7 @@ def _synchronization(value):
 # References to a variable's tensor, seen in `_sole_owner(self._t)`, when only the variable holds
 # it: the variable's attribute, `_sole_owner`'s argument and getrefcount's argument.
 _SOLE_REFS = 3
+_COUNTER_DTYPES = frozenset([torch.int64, torch.int32])
 
 
 def _sole_owner(t):
@@ -542,6 +543,10 @@ class Variable(metaclass=_VariableMeta):
 
     def assign_add(self, delta, read_value=False):
         """Adds `delta` to the value, atomically (no concurrent write is lost). Returns the variable."""
+        if type(delta) is int and -2**31 <= delta < 2**31 and self._t.dtype in _COUNTER_DTYPES:
+            # a step counter: the same sum, without making a tensor of `delta` on every step
+            self._update_value(lambda old: old + delta, "assign_add", inplace=lambda cur: cur.add_(delta))
+            return self
         t = self._coerce(delta, "assign_add")
         self._update_value(lambda old: old + t, "assign_add", inplace=lambda cur: cur.add_(t))
         return self

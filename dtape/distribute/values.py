@@ -382,6 +382,11 @@ def resolve_watched_all(variables):
         local = _resolved_locally(variables, kinds, strategy)
         if local is not None:
             return local
+    if len(kinds) == 1 and next(iter(kinds.values())) == (_KIND_PLAIN, True) and \
+            all([v._distributed_container is None for v in variables]):
+        # plain variables outside any container (a wrapped module's, off any strategy): each is itself
+        alone = [(v,) for v in variables]
+        return alone, list(alone)
     watched, handles = [], []
     for v in variables:
         w, h = _resolved(v, kinds[type(v)], strategy)
