@@ -1538,11 +1538,12 @@ def _reads_grads_only(opt):
 
 
 def _lendable(grads, tensors):
-    """True if every gradient can be its tensor's `.grad` as it is: contiguous, of its shape, dtype and
-    device, none in the memory of a tensor the step writes (a gradient passed through from a variable's
-    value would change under the update of that variable). Plain loops: this runs on every step."""
+    """True if every gradient can be its tensor's `.grad` as it is: contiguous, on its device, none in the
+    memory of a tensor the step writes (a gradient passed through from a variable's value would change under
+    the update of that variable). Shapes and dtypes were checked by apply_gradients (`_check_gradients`).
+    Plain loops: this runs on every step."""
     for g, t in zip(grads, tensors):
-        if not g.is_contiguous() or g.shape != t.shape or g.dtype != t.dtype or g.device != t.device:
+        if not g.is_contiguous() or g.device != t.device:
             return False
     written = {t.untyped_storage().data_ptr() for t in tensors}
     for g in grads:

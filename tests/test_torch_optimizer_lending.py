@@ -64,8 +64,8 @@ def test_a_step_that_only_reads_its_gradients_gets_the_given_ones_and_equals_tor
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=False),
     lambda ps: torch.optim.RMSprop(ps, lr=0.01),
-    # nanoGPT's configure_optimizers passes fused=True where torch has it (on CUDA): the fused kernel is not
-    # read here, so it gets copies
+    # nanoGPT's configure_optimizers passes fused=True where torch has it (on CUDA): dtape assumes nothing of
+    # what a fused kernel does with `.grad`, so it gets copies
     lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
 ], ids=["sgd_nesterov_foreach", "sgd_nesterov", "rmsprop", "adamw_fused"])
 def test_a_step_that_may_write_its_gradients_gets_copies_and_equals_torch(make):
