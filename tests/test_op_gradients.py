@@ -389,6 +389,16 @@ def _np_pad(tensor, paddings, mode="CONSTANT", constant_values=0):
     return np.pad(_np(tensor), paddings, mode=mode.lower(), **extra)
 
 
+def _nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
+    """torch's nll_loss in numpy: -log_probs at each kept target; mean over the kept examples."""
+    lp, tg = np.atleast_2d(_np(log_probs)), np.atleast_1d(_np(target))
+    kept = tg != ignore_index
+    picked = -lp[np.arange(len(tg)), np.where(kept, tg, 0)] * kept
+    if reduction == "none":
+        return picked.reshape(np.shape(_np(target)))
+    return picked.sum() / (kept.sum() if reduction == "mean" else 1)
+
+
 REFERENCES = {
     "add": lambda x, y: _np(x) + _np(y), "subtract": lambda x, y: _np(x) - _np(y),
     "multiply": lambda x, y: _np(x) * _np(y), "divide": lambda x, y: _np(x) / _np(y),
@@ -406,7 +416,7 @@ REFERENCES = {
     "add_n": lambda inputs: sum(_np(x) for x in inputs),
     "reduce_sum": _reduce(np.sum), "reduce_mean": _reduce(np.mean), "reduce_max": _reduce(np.max),
     "reduce_min": _reduce(np.min), "reduce_prod": _reduce(np.prod), "reduce_logsumexp": _logsumexp,
-    "reshape": lambda t, shape: np.reshape(_np(t), shape),
+    "reshape": lambda t, shape: np.reshape(_np(t), shape), "view": lambda tensor, shape: np.reshape(_np(tensor), shape),
     "transpose": lambda a, perm=None: np.transpose(_np(a), perm),
     "expand_dims": lambda x, axis: np.expand_dims(_np(x), axis), "squeeze": _squeeze,
     "concat": lambda values, axis: np.concatenate([_np(v) for v in values], axis=axis),
@@ -425,6 +435,7 @@ REFERENCES = {
     "softmax": _softmax, "log_softmax": _log_softmax,
     "sparse_softmax_cross_entropy_with_logits": lambda labels, logits: -np.take_along_axis(
         _log_softmax(logits), _np(labels)[..., None], axis=-1)[..., 0],
+    "nll_loss": _nll_loss,
     "softmax_cross_entropy_with_logits": lambda labels, logits, axis=-1: -np.sum(
         _np(labels) * _log_softmax(logits, axis), axis=axis),
     "sigmoid_cross_entropy_with_logits": lambda labels, logits: -_np(labels) * np.log(_sigmoid(logits))
@@ -500,6 +511,7 @@ EMPTY_BATCH = {  # ops whose batch is not simply the leading dim of their larges
     "fill": lambda op, args, attrs: (args, dict(attrs, dims=(0,) + tuple(attrs["dims"][1:]))),
     "getitem_grad": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(1,) + tuple(attrs["shape"][1:]))),
     "reshape": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(0, 2, 3))),
+    "view": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, shape=(0, 2, 3))),
     # mirror padding of an empty dimension is refused (TF): pad the other dimensions only
     "pad": lambda op, args, attrs: ((_slice0(args[0]),), dict(attrs, paddings=[[0, 0]] + list(attrs["paddings"][1:]))),
     # a matrix's rows are not a batch: an empty batch of matrices and right-hand sides

@@ -40,6 +40,54 @@ def _(dx, ans, tensor, shape):
     return reshape(dx, shape)
 
 
+@defop(samples=lambda rng: [((S.randn(rng, 2, 6),), {"shape": (3, -1)}), ((S.randn(rng, 4),), {"shape": (2, 1, 2)})],
+       saves="none", complex_grad=True)
+def view(tensor, shape):
+    """`torch.Tensor.view` with sizes: the same elements in a new shape, sharing the input's memory.
+
+    torch's rules and errors: -1 infers one size; a shape the input's strides
+    cannot view (e.g. a transposed input flattened) raises RuntimeError
+    naming `.reshape(...)`. The gradient is the upstream gradient reshaped to
+    the input's shape (torch's ViewBackward). Not exported: it is what
+    `x.view(*sizes)` runs on dtape tensors. Source: torch.Tensor.view.
+    """
+    return tensor.view(shape_values(shape, "view"))
+
+
+@view.grad
+def _(dy, ans, tensor, shape):
+    return torch.reshape(dy, tuple(tensor.shape))
+
+
+@view.jvp
+def _(dx, ans, tensor, shape):
+    return reshape(dx, shape)
+
+
+def _method_sizes(sizes):
+    """`x.view(2, 3)` and `x.view((2, 3))` alike: the sizes of a torch.Tensor shape method's arguments."""
+    return sizes[0] if len(sizes) == 1 and not isinstance(sizes[0], (int, Tensor)) else sizes
+
+
+def _torch_view(tensor, *sizes, **kwargs):
+    """`Tensor.view(*sizes)` as the `view` op; `view(dtype)` (the same bits read as another dtype, no gradient in
+    torch) and keyword forms go to the autograd fallback, as before."""
+    if kwargs or not sizes or isinstance(sizes[0], torch.dtype):
+        return call_fallback(torch.Tensor.view, (tensor, *sizes), kwargs)
+    return view(tensor, _method_sizes(sizes))
+
+
+def _torch_reshape_method(tensor, *sizes, **kwargs):
+    """`Tensor.reshape(*sizes)` as the `reshape` op (keyword forms: the fallback)."""
+    if kwargs or not sizes:
+        return call_fallback(torch.Tensor.reshape, (tensor, *sizes), kwargs)
+    return reshape(tensor, _method_sizes(sizes))
+
+
+TORCH_TABLE[torch.Tensor.view] = _torch_view
+TORCH_TABLE[torch.Tensor.reshape] = _torch_reshape_method
+
+
 def _invert(perm):
     inv = [0] * len(perm)
     for i, p in enumerate(perm):

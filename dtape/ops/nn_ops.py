@@ -8,12 +8,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn._reduction import get_enum
 
 from dtape import random as _random
 from dtape._sizes import shape_values
 from dtape.ops import _samples as S
 from dtape.ops._axes import canonical_axis
-from dtape.ops._registry import defop, kernel_value
+from dtape.ops._dispatch import call_fallback
+from dtape.ops._registry import TORCH_TABLE, defop, kernel_value
 from dtape.ops.array_ops import gather, one_hot
 from dtape.ops.math_ops import reduction_axes, expand_back, multiply, mixed_dtype_message, at_b, as_dy_dtype
 from dtape.tensor import Tensor, convert_to_tensor
@@ -183,6 +185,22 @@ def _(dy, ans, logits, axis=-1):
                         torch._log_softmax_backward_data(dy.torch(), ans.torch(), axis, ans.dtype))
 
 
+def _torch_log_softmax(func):
+    """`func` (F.log_softmax, torch.log_softmax, Tensor.log_softmax) on dtape tensors: the `log_softmax` op
+    over an int `dim`; other calls (no dim: torch's deprecated implicit choice; a dtype) through the autograd
+    fallback. F.log_softmax hands over every keyword it has (`dim`, `_stacklevel`, `dtype`)."""
+    def call(input, dim=None, *args, **kwargs):
+        if args or kwargs.get("dtype") is not None or type(dim) is not int or type(input) is not Tensor \
+                or input._t.ndim == 0:
+            return call_fallback(func, (input, dim, *args), kwargs)
+        return log_softmax(input, axis=dim)
+    return call
+
+
+for _fn in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
+    TORCH_TABLE[_fn] = _torch_log_softmax(_fn)
+
+
 # -- losses -------------------------------------------------------------------
 def _sparse_xent_samples(rng):
     return [((torch.tensor([0, 3, 1]), S.randn(rng, 3, 4)), {}),
@@ -258,6 +276,102 @@ def _(dy, ans, labels, logits, axis=-1):
     dy = torch.unsqueeze(dy, axis)
     total = torch.sum(labels, dim=axis, keepdim=True)
     return -dy * log_softmax.any(logits, axis=axis), dy * (softmax.any(logits, axis=axis) * total - labels)
+
+
+def _nll_samples(rng):
+    target = torch.tensor([0, 3, 1, 3])
+    return [((S.randn(rng, 4, 4), target), {}), ((S.randn(rng, 4, 4), target), {"reduction": "sum"}),
+            ((S.randn(rng, 4, 4), target), {"reduction": "none", "ignore_index": 3}),
+            ((S.randn(rng, 4, 4), target), {"ignore_index": 1})]
+
+
+@defop(n_in=2, samples=_nll_samples, saves="inputs")
+def nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
+    """torch's negative log-likelihood loss without class weights: -log_probs[i, target[i]] per example.
+
+    Args:
+      log_probs: floating tensor [N, C] or [C] (log-probabilities, e.g. a
+        log_softmax over dim 1; any values are taken as they are).
+      target: int64 tensor [N] or [] of class indices in [0, C), or
+        `ignore_index` (that example counts nothing, not even in the mean).
+      reduction: "mean" (the sum over the examples not ignored divided by
+        their count: NaN when every one is ignored, as torch), "sum" or "none".
+      ignore_index: a class index that is skipped.
+
+    Returns:
+      A 0-d tensor of log_probs' dtype, or [N] with reduction "none". No
+      gradient flows to `target`.
+
+    Raises:
+      RuntimeError: torch's, for a target out of range or not int64.
+      ValueError: an unknown reduction (torch's message).
+
+    Forward and gradient run torch's own kernels (`aten::nll_loss_forward`,
+    `aten::nll_loss_backward`), so values and gradients are torch's, bit for
+    bit. Not exported: it is what `F.nll_loss` and `F.cross_entropy` run on
+    dtape tensors. Source: torch.nn.functional.nll_loss.
+    """
+    return torch.ops.aten.nll_loss_forward(log_probs, target, None, get_enum(reduction), ignore_index)[0]
+
+
+@nll_loss.grad
+def _(dy, ans, log_probs, target, reduction="mean", ignore_index=-100):
+    if isinstance(dy, torch.Tensor):  # raw walk: torch's kernel
+        return _nll_backward(dy, log_probs, target, reduction, ignore_index), None
+    kept = torch.where(target != ignore_index, target, -1)   # -1: a one-hot row of zeros
+    hot = one_hot.any(kept, log_probs.shape[-1], dtype=log_probs.dtype)
+    raw = (log_probs.torch(), target.torch(), reduction, ignore_index)
+    scale = dy / _nll_total(*raw) if reduction == "mean" else dy
+    composite = -hot * (torch.unsqueeze(scale, -1) if reduction == "none" else scale)
+    value = _nll_backward(dy.torch(), *raw)
+    return kernel_value(composite, value), None
+
+
+def _nll_total(log_probs, target, reduction, ignore_index):
+    """torch's total weight of the examples not ignored (their count, in log_probs' dtype)."""
+    return torch.ops.aten.nll_loss_forward(log_probs, target, None, get_enum(reduction), ignore_index)[1]
+
+
+def _nll_backward(dy, log_probs, target, reduction, ignore_index):
+    return torch.ops.aten.nll_loss_backward(dy, log_probs, target, None, get_enum(reduction), ignore_index,
+                                            _nll_total(log_probs, target, reduction, ignore_index))
+
+
+def _class_indices(input, target, weight=None, size_average=None, reduce=None, label_smoothing=0.0):
+    """Whether an F.nll_loss / F.cross_entropy call is the case the `nll_loss` op covers: a dtape.Tensor input
+    [N, C] or [C], integer class indices of one rank less, no class weights, no label smoothing, no legacy
+    size_average/reduce, outside torch.autocast (whose casts of the fused loss the op does not mirror)."""
+    return (type(input) is Tensor and input._t.ndim in (1, 2) and weight is None and size_average is None
+            and reduce is None and label_smoothing == 0.0 and isinstance(target, (Tensor, torch.Tensor))
+            and not target.dtype.is_floating_point and target.ndim == input._t.ndim - 1
+            and not torch._C._is_any_autocast_enabled())
+
+
+def _torch_nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                    reduction="mean"):
+    """`F.nll_loss` on dtape tensors: the `nll_loss` op where it covers the call, else the autograd fallback."""
+    if _class_indices(input, target, weight, size_average, reduce):
+        return nll_loss(input, target, reduction=reduction, ignore_index=ignore_index)
+    return call_fallback(F.nll_loss, (input, target), dict(weight=weight, size_average=size_average,
+                                                          ignore_index=ignore_index, reduce=reduce,
+                                                          reduction=reduction))
+
+
+def _torch_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                         reduction="mean", label_smoothing=0.0):
+    """`F.cross_entropy` on dtape tensors: with class indices, as torch computes it, `log_softmax` over the
+    class dimension then `nll_loss` (the same kernels forward and backward, no autograd engine call); other
+    cases (class probabilities, weights, smoothing, more dimensions, autocast) through the autograd fallback."""
+    if _class_indices(input, target, weight, size_average, reduce, label_smoothing):
+        return nll_loss(log_softmax(input, axis=1 if input._t.ndim == 2 else 0), target, reduction=reduction,
+                        ignore_index=ignore_index)
+    return call_fallback(F.cross_entropy, (input, target), dict(
+        weight=weight, size_average=size_average, ignore_index=ignore_index, reduce=reduce, reduction=reduction,
+        label_smoothing=label_smoothing))
+
+
+TORCH_TABLE[F.nll_loss] = _torch_nll_loss
+TORCH_TABLE[F.cross_entropy] = _torch_cross_entropy
 
 
 def _sigmoid_xent_samples(rng):
