@@ -17,7 +17,10 @@ charlm step vs the same transformer as a torch.nn.Module with torch.optim.Adam,
 against 2 with torch DistributedDataParallel, for the MLP and charlm steps
 (scripts/bench_multiworker.py: 2 workers / 1, the share of communication hidden; and the
 GPT of scripts/tasks/torch_gpt.py through TorchModule + from_torch(AdamW): 2 workers against DDP, and
-MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch),
+MirroredStrategy with 2 CPU replicas in one process against the same DDP run, all in one launch; with
+--gpt-only also that GPT step with each side alone in torchrun launches of its own, as a training script runs
+one library, pairs of launches taking turns (7 pairs, --quick 2: see multiworker_alone_case), besides the
+interleaved launch: interleaved, the sides share each worker's glibc heap and gloo's threads, as in (j)),
 (j) that GPT step (one intra-op thread) against plain torch with the same AdamW: first with each side alone in
 a process of its own, a pair of processes taking turns (5 pairs: see gpt_alone_rows), then interleaved in one
 process with each side's minor page faults per step, then interleaved again in a child process whose glibc
@@ -808,6 +811,17 @@ def multiworker_case(quick, launches=None, env=None, label=""):
     return out
 
 
+def multiworker_alone_case(quick):
+    """(i)'s GPT step with each side alone in torchrun launches of its own (bench_multiworker.measure_alone:
+    7 pairs of launches of 60 steps; --quick: 2 pairs of 20), for the reason of (j)'s `gpt_alone_rows`: in one
+    launch the sides share each worker's glibc heap and gloo's threads. Prints each pair's ratios and their
+    median (min - max)."""
+    pairs, steps = (2, 20) if quick else (7, 60)
+    print(f"(i) GPT, each side alone in its own launches of 2 torchrun workers (gloo): {pairs} pair(s) of "
+          f"launches of {steps} steps")
+    return bench_multiworker.measure_alone(pairs, steps, verbose=False)
+
+
 # -- (k) the collective signature check, on and off -----------------------------------
 def collective_check_case(quick):
     """scripts/bench_collective_check.py's launch (40 turns; --quick: 10); prints its table."""
@@ -927,7 +941,8 @@ def main():
     ap.add_argument("--counts", action="store_true", help="only the record and call counts")
     ap.add_argument("--no-multiworker", action="store_true", help="skip case (i), the torchrun launches")
     ap.add_argument("--gpt-only", action="store_true",
-                    help="only the GPT cases: (j), and (i)'s GPT launch (2 workers vs DDP, MirroredStrategy vs DDP)")
+                    help="only the GPT cases: (j), and (i)'s GPT step (2 workers vs DDP: each side alone in pairs of "
+                         "launches, then interleaved in one launch with MirroredStrategy vs DDP)")
     ap.add_argument("--jit-only", action="store_true",
                     help="only case (l): compiled dtape steps (charlm, MLP, 1,000-op chain) vs eager dtape, torch "
                          "autograd and torch.compile, with first-call (trace + compile) times")
@@ -1035,19 +1050,22 @@ def main():
 
 
 def gpt_only(run, args, load):
-    """`--gpt-only`: case (j) and the GPT launch of (i), with the machine's load before and after."""
+    """`--gpt-only`: case (j) and the GPT step of (i) (each side alone in pairs of launches, then interleaved in
+    one launch, and again with glibc's heap kept), with the machine's load before and after."""
     rows = gpt_alone_rows(args.quick) + gpt_rows(run, args.quick) + gpt_fixed_heap_rows(args.quick)
     for name, d, t, r in rows:
         print(f"{name}: dtape {d * 1e3:.2f} ms, torch {t * 1e3:.2f} ms, {d / t:.3f}x ({r} reps, medians)")
-    multi = kept = None
+    multi = kept = alone = None
     if not args.no_multiworker:
+        alone = multiworker_alone_case(args.quick)
         multi = multiworker_case(args.quick, launches=(("gpt", 2),))
         kept = multiworker_case(args.quick, launches=(("gpt", 2),), env=FIXED_HEAP_ENV, label=" [glibc heap kept]")
     load_end = os.getloadavg()
     print(f"load average at start {load}, at end {load_end}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load_start": load, "load_end": load_end, "multiworker": multi, "multiworker_heap_kept": kept,
+            json.dump({"load_start": load, "load_end": load_end, "multiworker_alone": alone, "multiworker": multi,
+                       "multiworker_heap_kept": kept,
                        "results": [dict(case=n, dtape_s=d, torch_s=t, ratio=d / t, reps=r) for n, d, t, r in rows]},
                       f, indent=2)
 

@@ -14,7 +14,17 @@ loss divided by the global batch size (TF semantics), DDP averages the
 gradients of per-worker mean losses; both give the one-device update. The
 first-step losses are checked equal.
 
-  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--gpt-only] [--jit-only] [--json PATH]
+  python scripts/bench_multiworker.py [--steps 60] [--repeat 3] [--gpt-only] [--gpt-alone PAIRS] [--jit-only]
+                                     [--json PATH]
+
+`--gpt-alone PAIRS` runs only the GPT step with each side alone in launches of its own (see `measure_alone`):
+interleaved in one launch, the cases share each worker's glibc heap (where its trimming lands, and the page
+faults that follow, depends on the other cases' allocations) and gloo's threads, while a training script runs
+one library. A launch builds only dtape's step with GradientSync (the DDP launch does not import dtape) and
+times it as the interleaved launches do; the launches come in PAIRS pairs, one per side, the side that goes
+first alternating between pairs, and each pair gives dtape/DDP of its step medians and of rank 0's CPU time
+per step, printed per pair and as the median (with the range) over the pairs. (scripts/bench.py --gpt-only
+runs it besides the interleaved launch.)
 
 `--jit-only` runs only the compiled-step launch instead (see "compiled steps" below): the charlm replica
 step as dtape.function(jit_compile=True) (inductor) under MultiWorkerMirroredStrategy on 2 workers, and
@@ -452,27 +462,59 @@ def _first_calls(cases):
 
 
 # -- one launch: the cases take turns ------------------------------------------------------
-def _worker(model, steps):
-    """Runs dtape, dtape+GradientSync and DDP on `model` ("mlp" or "charlm"), step by step in turn."""
+def _worker(model, steps, side=None):
+    """Runs `model`'s cases ("mlp", "charlm", "gpt", "charlm_jit", see `_cases`) step by step in turn; with model
+    "gpt_alone" only the GPT case `side` (GPT_ALONE_SIDES), the other side neither built nor imported."""
     import torch.distributed as dist
-    import dtape
     dist.init_process_group("gloo")
-    strategy = dtape.distribute.MultiWorkerMirroredStrategy()  # on the existing group
     rank, world = dist.get_rank(), dist.get_world_size()
+    cases = _gpt_alone_cases(side, rank, world) if model == "gpt_alone" else _cases(model, rank, world)
+    out = _timed(cases, steps)
+    out["dtape_file"] = getattr(sys.modules.get("dtape"), "__file__", None)  # None: DDP alone never imports dtape
+    dist.barrier()
+    dist.destroy_process_group()  # ours to close: left to interpreter exit, gloo's threads may abort it
+    return out
+
+
+def _strategy():
+    import dtape
+    return dtape.distribute.MultiWorkerMirroredStrategy()  # on the existing group
+
+
+def _cases(model, rank, world):
+    """{name: (step(k), phases)}: dtape, dtape+GradientSync and DDP on `model` (the MLP, charlm or the GPT, which
+    adds "mirrored": rank 0 alone runs it under MirroredStrategy, the others wait), or the compiled-step cases."""
+    strategy = _strategy()
     lr = 1e-3 if model in ("charlm", "charlm_jit") else 0.01
+    if model == "charlm_jit":
+        return _jit_cases(strategy, rank, world, lr)
     make_dtape, make_ddp = {"charlm": (_charlm_dtape, _charlm_ddp), "gpt": (_gpt_dtape, _gpt_ddp)}.get(
         model, (_mlp_dtape, _mlp_ddp))
-    if model == "charlm_jit":
-        cases = _jit_cases(strategy, rank, world, lr)
-    else:
-        cases = {"dtape": make_dtape(strategy, rank, world, lr, False),
-                 "dtape_sync": make_dtape(strategy, rank, world, lr, True),
-                 "ddp": make_ddp(rank, world, lr)}
+    cases = {"dtape": make_dtape(strategy, rank, world, lr, False),
+             "dtape_sync": make_dtape(strategy, rank, world, lr, True),
+             "ddp": make_ddp(rank, world, lr)}
     if model == "gpt":  # rank 0 alone runs the GPT under MirroredStrategy (world CPU replicas); the others wait
         cases["mirrored"] = _gpt_mirrored(world) if rank == 0 else (lambda k: float("nan"), _Phases())
+    return cases
+
+
+# The two sides of the "gpt_alone" launches (`measure_alone`): dtape with GradientSync (train.py's step) and DDP.
+GPT_ALONE_SIDES = ("dtape_sync", "ddp")
+
+
+def _gpt_alone_cases(side, rank, world):
+    """{side: (step(k), phases)}: the GPT step of one side alone in this launch; "ddp" does not import dtape."""
+    if side == "ddp":
+        return {"ddp": _gpt_ddp(rank, world, 0.01)}
+    return {"dtape_sync": _gpt_dtape(_strategy(), rank, world, 0.01, True)}
+
+
+def _timed(cases, steps):
+    """{name: rank 0's result}: each case's first call, then `steps` steps of each, the cases taking turns BLOCK
+    steps at a time, each step between two barriers; medians after warm-up (the first fifth dropped)."""
+    import torch.distributed as dist
     names = list(cases)
     calls = _first_calls(cases)
-    first = {name: calls[name][0] for name in names}
     compiled = _compile_counters()
     times, cpu = {name: [] for name in names}, {name: [] for name in names}
     for k in range(1, steps + 1, BLOCK):
@@ -485,27 +527,29 @@ def _worker(model, steps):
                 cpu[name].append(time.process_time() - c0)  # this process, its communication threads included
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
-    out = {}
-    for name in names:
-        out[name] = {"first_loss": first[name], "step_s": statistics.median(times[name][steps // 5:]),
-                     "cpu_s": statistics.median(cpu[name][steps // 5:])}
-        out[name].update(cases[name][1].medians())
-        out[name].update(first_call_s=calls[name][1], first_call_compiles=calls[name][2])
-        function = getattr(cases[name][0], "function", None)
-        if function is not None:  # a compiled dtape step: traced once, its graph reused by every later step
-            out[name].update(traces=function.trace_count, trace_s=sum(function.trace_seconds))
+    out = {name: _result(cases[name], calls[name], times[name], cpu[name], steps) for name in names}
     # compiles during the timed steps (0: every step reused the graphs compiled by the first calls)
     out["compiles_after_first_calls"] = {k: v - compiled[k] for k, v in _compile_counters().items()}
-    out["dtape_file"] = dtape.__file__
-    dist.barrier()
-    dist.destroy_process_group()  # ours to close: left to interpreter exit, gloo's threads may abort it
     return out
 
 
-def _launch(model, world, steps, env=None):
+def _result(case, call, times, cpu, steps):
+    """One case's result: first loss, step and CPU-time medians, phase medians, first call (and traces)."""
+    out = {"first_loss": call[0], "step_s": statistics.median(times[steps // 5:]),
+           "cpu_s": statistics.median(cpu[steps // 5:])}
+    out.update(case[1].medians())
+    out.update(first_call_s=call[1], first_call_compiles=call[2])
+    function = getattr(case[0], "function", None)
+    if function is not None:  # a compiled dtape step: traced once, its graph reused by every later step
+        out.update(traces=function.trace_count, trace_s=sum(function.trace_seconds))
+    return out
+
+
+def _launch(model, world, steps, env=None, side=None):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", model, "--steps", str(steps), "--out", out.name]
+        cmd += ["--side", side] if side else []
         # the workers run this file from scripts/: without the checkout first on their path they
         # would import whatever dtape is installed (e.g. another checkout's), not this one
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -629,9 +673,53 @@ def measure(steps=60, repeat=3, verbose=True, launches=LAUNCHES, env=None):
             _report(res)
             _report_compiles(res, later)
             print("   " + "   ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    summary = {k: (statistics.median(s["ratios"][k] for s in sets), min(s["ratios"][k] for s in sets),
-                   max(s["ratios"][k] for s in sets)) for k in sets[0]["ratios"]}
-    return {"runs": sets, "ratios": summary}
+    return {"runs": sets, "ratios": _summary(sets)}
+
+
+def _summary(runs):
+    """{name: (median, min, max)} of each ratio over `runs` (dicts with "ratios")."""
+    return {k: (statistics.median(r["ratios"][k] for r in runs), min(r["ratios"][k] for r in runs),
+                max(r["ratios"][k] for r in runs)) for k in runs[0]["ratios"]}
+
+
+# -- (i)'s GPT step with each side alone in its own launches ----------------------------------
+# Interleaved in one launch the cases share each worker's glibc heap (where its trimming lands, and the page
+# faults that follow, depends on the other cases' allocations too) and gloo's threads; a training script runs one
+# library. Here each side has launches of its own, taken in pairs (one launch per side, the side that goes first
+# alternating between pairs, so both see the same machine load); a launch's heap layout still moves its steps,
+# so the ratio is given per pair and as the median over the pairs.
+def measure_alone(pairs=7, steps=60, verbose=True):
+    """`pairs` pairs of "gpt_alone" launches (2 workers, `steps` steps each, GPT_ALONE_SIDES); prints each pair's
+    ratios, then their medians and ranges. Returns {"pairs": [{"first", "results", "ratios"} per pair],
+    "ratios": {name: (median, min, max) over the pairs}, "dtape": [the dtape files the dtape workers imported]}."""
+    runs, files = [], set()
+    for i in range(pairs):
+        order = GPT_ALONE_SIDES if i % 2 == 0 else GPT_ALONE_SIDES[::-1]
+        launches = {side: _launch("gpt_alone", 2, steps, side=side) for side in order}
+        files.add(launches["dtape_sync"]["dtape_file"])
+        res = {f"gpt_{side}_2": launches[side][side] for side in GPT_ALONE_SIDES}
+        runs.append({"first": order[0], "results": res, "ratios": _alone_ratios(launches)})
+        _report_alone_pair(i, pairs, runs[-1], verbose)
+    summary = _summary(runs)
+    print_summary(summary, pairs, f"pair(s) of launches, each side alone (dtape imported: {', '.join(files)})")
+    return {"pairs": runs, "ratios": summary, "dtape": sorted(files)}
+
+
+def _alone_ratios(launches):
+    """One pair's ratios: dtape with GradientSync over DDP, step wall time and rank 0's CPU time (medians)."""
+    d, t = launches["dtape_sync"]["dtape_sync"], launches["ddp"]["ddp"]
+    assert abs(d["first_loss"] - t["first_loss"]) < 1e-5, "gpt, each side alone: dtape and DDP disagree"
+    return {"gpt alone dtape/ddp at 2 workers": d["step_s"] / t["step_s"],
+            "gpt alone cpu time dtape/ddp": d["cpu_s"] / t["cpu_s"]}
+
+
+def _report_alone_pair(i, pairs, run, verbose):
+    d, t = run["results"]["gpt_dtape_sync_2"], run["results"]["gpt_ddp_2"]
+    print(f"-- pair {i + 1} of {pairs} ({run['first']} first): dtape/ddp {d['step_s'] / t['step_s']:.3f} "
+          f"(dtape {d['step_s'] * 1e3:.2f} ms, ddp {t['step_s'] * 1e3:.2f} ms), cpu time dtape/ddp "
+          f"{d['cpu_s'] / t['cpu_s']:.3f} (dtape {d['cpu_s'] * 1e3:.2f} ms, ddp {t['cpu_s'] * 1e3:.2f} ms)")
+    if verbose:
+        _report(run["results"])
 
 
 def _report_compiles(res, later):
@@ -648,8 +736,8 @@ def _report_compiles(res, later):
             print(f"{launch}: compiled again during the timed steps: {c}")
 
 
-def print_summary(summary, repeat):
-    print(f"ratios over {repeat} set(s) of launches: median (min - max)")
+def print_summary(summary, repeat, what="set(s) of launches"):
+    print(f"ratios over {repeat} {what}: median (min - max)")
     for k, (med, lo, hi) in summary.items():
         print(f"  {k:32s} {med:.2f}x  ({lo:.2f} - {hi:.2f})")
 
@@ -660,14 +748,20 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="sets of launches; ratios are given as their median")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--gpt-only", action="store_true", help="only the GPT launch (dtape, MirroredStrategy, DDP)")
+    ap.add_argument("--gpt-alone", type=int, metavar="PAIRS",
+                    help="only the GPT step with each side alone in its own launches, as a training script runs one "
+                         "library (interleaved in one launch the sides share each worker's glibc heap and gloo's "
+                         "threads): PAIRS pairs of launches (one of dtape with GradientSync, one of DDP, the first "
+                         "alternating), the ratio per pair and its median over the pairs")
     ap.add_argument("--jit-only", action="store_true",
                     help="only the compiled-step launch: the charlm step as dtape.function(jit_compile=True) under "
                          "MultiWorkerMirroredStrategy and MirroredStrategy vs DDP over torch.compile")
-    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt", "charlm_jit"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt", "charlm_jit", "gpt_alone"], help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=GPT_ALONE_SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        result = _worker(args.worker, args.steps)
+        result = _worker(args.worker, args.steps, args.side)
         if int(os.environ.get("RANK", "0")) == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f)
@@ -677,12 +771,15 @@ def main():
         # aborts now and then ("terminate called without an active exception", SIGABRT: ~1 launch in 15
         # here, with a DDP-only worker too), which would fail the launch after the measurement; skip it.
         os._exit(0)
-    if args.steps < 5 or args.repeat < 1:
-        ap.error("--steps must be at least 5 and --repeat at least 1")
-    launches = (("gpt", 2),) if args.gpt_only else (JIT_LAUNCHES if args.jit_only else LAUNCHES)
+    if args.steps < 5 or args.repeat < 1 or (args.gpt_alone is not None and args.gpt_alone < 1):
+        ap.error("--steps must be at least 5, --repeat and --gpt-alone at least 1")
     load = os.getloadavg()
-    out = measure(args.steps, args.repeat, launches=launches)
-    print_summary(out["ratios"], args.repeat)
+    if args.gpt_alone:
+        out = measure_alone(args.gpt_alone, args.steps)
+    else:
+        launches = (("gpt", 2),) if args.gpt_only else (JIT_LAUNCHES if args.jit_only else LAUNCHES)
+        out = measure(args.steps, args.repeat, launches=launches)
+        print_summary(out["ratios"], args.repeat)
     print(f"load average at start {load}, at end {os.getloadavg()}")
     if args.json:
         out["loadavg"] = os.getloadavg()
