@@ -22,7 +22,7 @@ MirroredStrategy with 2 CPU replicas in one process against the same DDP run, al
 one library, pairs of launches taking turns (7 pairs, --quick 2: see multiworker_alone_case), besides the
 interleaved launch: interleaved, the sides share each worker's glibc heap and gloo's threads, as in (j)),
 (j) that GPT step (one intra-op thread) against plain torch with the same AdamW: first with each side alone in
-a process of its own, a pair of processes taking turns (5 pairs: see gpt_alone_rows), then interleaved in one
+a process of its own, a pair of processes taking turns (7 pairs: see gpt_alone_rows), then interleaved in one
 process with each side's minor page faults per step, then interleaved again in a child process whose glibc
 keeps its heap (fixed malloc thresholds, both sides alike: see gpt_fixed_heap_rows).
 (k) the cost of checking every collective's signature across the 2 workers (check on / off:
@@ -731,7 +731,7 @@ def gpt_alone_rows(quick):
     pair's medians is printed with their median and range, the rows give
     the medians of every pair's steps pooled.
     """
-    pairs, turns = (1, 4) if quick else (5, 14)
+    pairs, turns = (1, 4) if quick else (7, 14)
     steps = {side: [] for side in ("dtape", "torch")}
     ratios = []
     for _ in range(pairs):
