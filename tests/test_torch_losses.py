@@ -200,3 +200,17 @@ def test_log_softmax_without_dim_keeps_torchs_warning_and_value():
         out = F.log_softmax(dtape.constant(x0))
     assert any("Implicit dimension" in str(w.message) for w in caught)
     assert torch.equal(out.torch(), F.log_softmax(x0, dim=1))
+
+
+@pytest.mark.parametrize("fn", [F.cross_entropy, F.nll_loss], ids=["cross_entropy", "nll_loss"])
+def test_a_target_of_another_batch_size_raises_torchs_value_error(fn):
+    logits, target = torch.randn(6, 5), torch.zeros(5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"Expected input batch_size \(6\) to match target batch_size \(5\)"):
+        fn(logits, target)
+    with pytest.raises(ValueError, match=r"Expected input batch_size \(6\) to match target batch_size \(5\)"):
+        fn(dtape.constant(logits), dtape.constant(target))
+
+
+def test_log_softmax_dim_out_of_range_raises_torchs_error():
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        F.log_softmax(dtape.constant(torch.randn(2, 3, 4)), 3)

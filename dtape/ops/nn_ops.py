@@ -191,7 +191,7 @@ def _torch_log_softmax(func):
     fallback. F.log_softmax hands over every keyword it has (`dim`, `_stacklevel`, `dtype`)."""
     def call(input, dim=None, *args, **kwargs):
         if args or kwargs.get("dtype") is not None or type(dim) is not int or type(input) is not Tensor \
-                or input._t.ndim == 0:
+                or not -input._t.ndim <= dim < input._t.ndim:   # (torch's own error for a dim out of range)
             return call_fallback(func, (input, dim, *args), kwargs)
         return log_softmax(input, axis=dim)
     return call
@@ -311,7 +311,8 @@ def nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
     bit. Not exported: it is what `F.nll_loss` and `F.cross_entropy` run on
     dtape tensors. Source: torch.nn.functional.nll_loss.
     """
-    return torch.ops.aten.nll_loss_forward(log_probs, target, None, get_enum(reduction), ignore_index)[0]
+    # torch's entry point (F.nll_loss's): it checks the batch sizes first (ValueError), then aten::nll_loss_forward
+    return torch._C._nn.nll_loss_nd(log_probs, target, None, get_enum(reduction), ignore_index)
 
 
 @nll_loss.grad
