@@ -31,12 +31,13 @@ def reshape(tensor, shape):
 
 
 @reshape.grad
-def _(dy, ans, tensor, shape):
+def _to_input_shape(dy, ans, tensor, shape):
+    """reshape's and view's gradient: the upstream gradient in the input's shape (torch's ViewBackward)."""
     return torch.reshape(dy, tuple(tensor.shape))
 
 
 @reshape.jvp
-def _(dx, ans, tensor, shape):
+def _reshaped_tangent(dx, ans, tensor, shape):
     return reshape(dx, shape)
 
 
@@ -54,14 +55,8 @@ def view(tensor, shape):
     return tensor.view(shape_values(shape, "view"))
 
 
-@view.grad
-def _(dy, ans, tensor, shape):
-    return torch.reshape(dy, tuple(tensor.shape))
-
-
-@view.jvp
-def _(dx, ans, tensor, shape):
-    return reshape(dx, shape)
+view.grad(_to_input_shape)
+view.jvp(_reshaped_tangent)
 
 
 def _method_sizes(sizes):
