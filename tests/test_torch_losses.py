@@ -9,6 +9,7 @@ gradient), the mean's division dropped, view's gradient not reshaped back.
 """
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,3 +215,25 @@ def test_a_target_of_another_batch_size_raises_torchs_value_error(fn):
 def test_log_softmax_dim_out_of_range_raises_torchs_error():
     with pytest.raises(IndexError, match="Dimension out of range"):
         F.log_softmax(dtape.constant(torch.randn(2, 3, 4)), 3)
+
+
+@pytest.mark.parametrize("ignore_index", [dtape.constant(4), torch.tensor(4)], ids=["dtape", "torch"])
+def test_ignore_index_given_as_a_tensor_gives_torchs_gradient(ignore_index):
+    x0 = torch.randn(4, 5, dtype=f64, generator=torch.Generator().manual_seed(10))
+    target = torch.tensor([1, 0, 4, 2])
+    for fn in (F.cross_entropy, lambda x, y, **kw: F.nll_loss(F.log_softmax(x, dim=1), y, **kw)):
+        loss, grad = _dtape_loss(fn, x0, target, ignore_index=ignore_index)
+        expected_loss, expected_grad = _torch_loss(fn, x0, target, ignore_index=4)
+        assert torch.equal(loss, expected_loss) and torch.equal(grad, expected_grad)
+
+
+def test_view_sizes_one_by_one_of_any_integer_type_and_no_tensor_as_a_shape():
+    x0 = torch.randn(4, 5)
+    x = dtape.constant(x0)
+    for size in (np.int64(20), torch.tensor(20), dtape.constant(20)):
+        assert x.view(size).shape == x.reshape(size).shape == (20,)
+        assert x.view(size, 1).shape == (20, 1)
+    with pytest.raises(TypeError):
+        x0.view(torch.tensor([5, 4]))   # torch takes no tensor as a whole shape: neither does dtape's view
+    with pytest.raises(TypeError):
+        x.view(torch.tensor([5, 4]))

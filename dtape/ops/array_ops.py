@@ -60,8 +60,9 @@ view.jvp(_reshaped_tangent)
 
 
 def _method_sizes(sizes):
-    """`x.view(2, 3)` and `x.view((2, 3))` alike: the sizes of a torch.Tensor shape method's arguments."""
-    return sizes[0] if len(sizes) == 1 and not isinstance(sizes[0], (int, Tensor)) else sizes
+    """`x.view(2, 3)` and `x.view((2, 3))` alike: the sizes of a torch.Tensor shape method's arguments (one
+    sequence, or sizes one by one: ints, numpy ints, 0-d integer tensors), as torch reads them."""
+    return sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
 
 
 def _torch_view(tensor, *sizes, **kwargs):

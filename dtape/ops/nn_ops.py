@@ -338,11 +338,13 @@ def _nll_backward(dy, log_probs, target, reduction, ignore_index):
                                             _nll_total(log_probs, target, reduction, ignore_index))
 
 
-def _class_indices(input, target, weight=None, size_average=None, reduce=None, label_smoothing=0.0):
+def _class_indices(input, target, ignore_index, weight=None, size_average=None, reduce=None, label_smoothing=0.0):
     """Whether an F.nll_loss / F.cross_entropy call is the case the `nll_loss` op covers: a dtape.Tensor input
-    [N, C] or [C], integer class indices of one rank less, no class weights, no label smoothing, no legacy
-    size_average/reduce, outside torch.autocast (whose casts of the fused loss the op does not mirror)."""
-    return (type(input) is Tensor and input._t.ndim in (1, 2) and weight is None and size_average is None
+    [N, C] or [C], integer class indices of one rank less, a Python int ignore_index, no class weights, no
+    label smoothing, no legacy size_average/reduce, outside torch.autocast (whose casts of the fused loss the
+    op does not mirror)."""
+    return (type(input) is Tensor and input._t.ndim in (1, 2) and type(ignore_index) is int and weight is None
+            and size_average is None
             and reduce is None and label_smoothing == 0.0 and isinstance(target, (Tensor, torch.Tensor))
             and not target.dtype.is_floating_point and target.ndim == input._t.ndim - 1
             and not torch._C._is_any_autocast_enabled())
@@ -351,7 +353,7 @@ def _class_indices(input, target, weight=None, size_average=None, reduce=None, l
 def _torch_nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                     reduction="mean"):
     """`F.nll_loss` on dtape tensors: the `nll_loss` op where it covers the call, else the autograd fallback."""
-    if _class_indices(input, target, weight, size_average, reduce):
+    if _class_indices(input, target, ignore_index, weight, size_average, reduce):
         return nll_loss(input, target, reduction=reduction, ignore_index=ignore_index)
     return call_fallback(F.nll_loss, (input, target), dict(weight=weight, size_average=size_average,
                                                           ignore_index=ignore_index, reduce=reduce,
@@ -363,7 +365,7 @@ def _torch_cross_entropy(input, target, weight=None, size_average=None, ignore_i
     """`F.cross_entropy` on dtape tensors: with class indices, as torch computes it, `log_softmax` over the
     class dimension then `nll_loss` (the same kernels forward and backward, no autograd engine call); other
     cases (class probabilities, weights, smoothing, more dimensions, autocast) through the autograd fallback."""
-    if _class_indices(input, target, weight, size_average, reduce, label_smoothing):
+    if _class_indices(input, target, ignore_index, weight, size_average, reduce, label_smoothing):
         return nll_loss(log_softmax(input, axis=1 if input._t.ndim == 2 else 0), target, reduction=reduction,
                         ignore_index=ignore_index)
     return call_fallback(F.cross_entropy, (input, target), dict(
