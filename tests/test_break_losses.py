@@ -479,3 +479,15 @@ def test_model_fit_with_a_cross_entropy_loss_function_equals_torch_sgd(loss):
     assert got_loss == pytest.approx(expected_loss, rel=1e-6)
     for got, expected in zip(got_w, expected_w):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_grad_body_with_view_and_cross_entropy():
+    target = torch.tensor([1, -100, 4, 2])
+    body = dtape.recompute_grad(lambda x: F.cross_entropy(x.view(-1).view(4, C), dtape.constant(target),
+                                                          reduction="none"))
+    xv, weights = dtape.Variable(X.clone()), torch.arange(4, dtype=f64)
+    with dtape.GradientTape() as tape:
+        total = dtape.reduce_sum(body(xv * 1.0) * weights)
+    xt = X.clone().requires_grad_()
+    expected, = torch.autograd.grad((F.cross_entropy(xt, target, reduction="none") * weights).sum(), xt)
+    assert torch.equal(tape.gradient(total, xv).torch(), expected)
