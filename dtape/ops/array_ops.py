@@ -65,23 +65,19 @@ def _method_sizes(sizes):
     return sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
 
 
-def _torch_view(tensor, *sizes, **kwargs):
-    """`Tensor.view(*sizes)` as the `view` op; `view(dtype)` (the same bits read as another dtype, no gradient in
-    torch) and keyword forms go to the autograd fallback, as before."""
-    if kwargs or not sizes or isinstance(sizes[0], torch.dtype):
-        return call_fallback(torch.Tensor.view, (tensor, *sizes), kwargs)
-    return view(tensor, _method_sizes(sizes))
+def _sizes_method(method, op):
+    """torch.Tensor `method` (`view`, `reshape`) taking sizes, as `op` on dtape tensors. Other forms go to the
+    autograd fallback, as before: keywords, no sizes, and a dtype (`view(dtype)` reads the same bits as another
+    dtype, with no gradient in torch; `reshape` refuses one with torch's error)."""
+    def call(tensor, *sizes, **kwargs):
+        if kwargs or not sizes or isinstance(sizes[0], torch.dtype):
+            return call_fallback(method, (tensor, *sizes), kwargs)
+        return op(tensor, _method_sizes(sizes))
+    return call
 
 
-def _torch_reshape_method(tensor, *sizes, **kwargs):
-    """`Tensor.reshape(*sizes)` as the `reshape` op (keyword forms: the fallback)."""
-    if kwargs or not sizes:
-        return call_fallback(torch.Tensor.reshape, (tensor, *sizes), kwargs)
-    return reshape(tensor, _method_sizes(sizes))
-
-
-TORCH_TABLE[torch.Tensor.view] = _torch_view
-TORCH_TABLE[torch.Tensor.reshape] = _torch_reshape_method
+TORCH_TABLE[torch.Tensor.view] = _sizes_method(torch.Tensor.view, view)
+TORCH_TABLE[torch.Tensor.reshape] = _sizes_method(torch.Tensor.reshape, reshape)
 
 
 def _invert(perm):

@@ -292,7 +292,7 @@ def nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
     Args:
       log_probs: floating tensor [N, C] or [C] (log-probabilities, e.g. a
         log_softmax over dim 1; any values are taken as they are).
-      target: int64 tensor [N] or [] of class indices in [0, C), or
+      target: int64 (or uint8, as torch) tensor [N] or [] of class indices in [0, C), or
         `ignore_index` (that example counts nothing, not even in the mean).
       reduction: "mean" (the sum over the examples not ignored divided by
         their count: NaN when every one is ignored, as torch), "sum" or "none".
@@ -302,13 +302,14 @@ def nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
       A 0-d tensor of log_probs' dtype, or [N] with reduction "none". No
       gradient flows to `target`.
 
-    Raises:
-      RuntimeError: torch's, for a target out of range or not int64.
-      ValueError: an unknown reduction (torch's message).
+    Raises (torch's errors and messages):
+      IndexError: a target out of range that is not `ignore_index`.
+      RuntimeError: a target dtype torch refuses (int32, bool, floating).
+      ValueError: an unknown reduction; a target of another batch size.
 
-    Forward and gradient run torch's own kernels (`aten::nll_loss_forward`,
-    `aten::nll_loss_backward`), so values and gradients are torch's, bit for
-    bit. Not exported: it is what `F.nll_loss` and `F.cross_entropy` run on
+    Forward and gradient run torch's own kernels (F.nll_loss's entry point,
+    then `aten::nll_loss_forward`; `aten::nll_loss_backward`), so values and
+    gradients are torch's, bit for bit. Not exported: it is what `F.nll_loss` and `F.cross_entropy` run on
     dtape tensors. Source: torch.nn.functional.nll_loss.
     """
     # torch's entry point (F.nll_loss's): it checks the batch sizes first (ValueError), then aten::nll_loss_forward
@@ -322,9 +323,10 @@ def _(dy, ans, log_probs, target, reduction="mean", ignore_index=-100):
     kept = torch.where(target != ignore_index, target, -1)   # -1: a one-hot row of zeros
     hot = one_hot.any(kept, log_probs.shape[-1], dtype=log_probs.dtype)
     raw = (log_probs.torch(), target.torch(), reduction, ignore_index)
-    scale = dy / _nll_total(*raw) if reduction == "mean" else dy
+    total = _nll_total(*raw)
+    scale = dy / total if reduction == "mean" else dy
     composite = -hot * (torch.unsqueeze(scale, -1) if reduction == "none" else scale)
-    value = _nll_backward(dy.torch(), *raw)
+    value = _nll_backward(dy.torch(), *raw, total=total)
     return kernel_value(composite, value), None
 
 
@@ -333,9 +335,11 @@ def _nll_total(log_probs, target, reduction, ignore_index):
     return torch.ops.aten.nll_loss_forward(log_probs, target, None, get_enum(reduction), ignore_index)[1]
 
 
-def _nll_backward(dy, log_probs, target, reduction, ignore_index):
-    return torch.ops.aten.nll_loss_backward(dy, log_probs, target, None, get_enum(reduction), ignore_index,
-                                            _nll_total(log_probs, target, reduction, ignore_index))
+def _nll_backward(dy, log_probs, target, reduction, ignore_index, total=None):
+    """aten::nll_loss_backward with torch's total weight (`total`, or computed here)."""
+    if total is None:
+        total = _nll_total(log_probs, target, reduction, ignore_index)
+    return torch.ops.aten.nll_loss_backward(dy, log_probs, target, None, get_enum(reduction), ignore_index, total)
 
 
 def _class_indices(input, target, ignore_index, weight=None, size_average=None, reduce=None, label_smoothing=0.0):
