@@ -345,9 +345,9 @@ def tanh(x):
 @tanh.grad
 def _(dy, ans, x):
     if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel (conjugates complex values itself)
-        return torch.ops.aten.tanh_backward(dy, ans)
+        return torch.ops.aten.tanh_backward.default(dy, ans)
     # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
-    return kernel_value(dy * conj(1 - ans * ans), torch.ops.aten.tanh_backward(dy.torch(), ans.torch()))
+    return kernel_value(dy * conj(1 - ans * ans), torch.ops.aten.tanh_backward.default(dy.torch(), ans.torch()))
 
 
 @tanh.jvp
@@ -365,8 +365,8 @@ def sigmoid(x):
 @sigmoid.grad
 def _(dy, ans, x):
     if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel (conjugates complex values itself)
-        return torch.ops.aten.sigmoid_backward(dy, ans)
-    return kernel_value(dy * conj(ans * (1 - ans)), torch.ops.aten.sigmoid_backward(dy.torch(), ans.torch()))
+        return torch.ops.aten.sigmoid_backward.default(dy, ans)
+    return kernel_value(dy * conj(ans * (1 - ans)), torch.ops.aten.sigmoid_backward.default(dy.torch(), ans.torch()))
 
 
 @sigmoid.jvp

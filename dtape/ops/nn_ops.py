@@ -41,7 +41,7 @@ def relu(features):
 @relu.grad
 def _(dy, ans, features):
     if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel
-        return torch.ops.aten.threshold_backward(dy, ans, 0)
+        return torch.ops.aten.threshold_backward.default(dy, ans, 0)
     return torch.where(ans > 0, dy, 0.0)
 
 
@@ -110,9 +110,9 @@ def _(dy, ans, features, approximate=False):
     x = features
     how = "tanh" if approximate else "none"
     if isinstance(dy, torch.Tensor):  # raw walk: torch's fused kernel
-        return torch.ops.aten.gelu_backward(dy, x, approximate=how)
+        return torch.ops.aten.gelu_backward.default(dy, x, approximate=how)
     # recorded walk: the kernel's bits (a walk's result must not depend on whether a tape records it)
-    value = torch.ops.aten.gelu_backward(dy.torch(), x.torch(), approximate=how)
+    value = torch.ops.aten.gelu_backward.default(dy.torch(), x.torch(), approximate=how)
     if approximate:
         t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
         d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
@@ -332,14 +332,14 @@ def _(dy, ans, log_probs, target, reduction="mean", ignore_index=-100):
 
 def _nll_total(log_probs, target, reduction, ignore_index):
     """torch's total weight of the examples not ignored (their count, in log_probs' dtype)."""
-    return torch.ops.aten.nll_loss_forward(log_probs, target, None, get_enum(reduction), ignore_index)[1]
+    return torch.ops.aten.nll_loss_forward.default(log_probs, target, None, get_enum(reduction), ignore_index)[1]
 
 
 def _nll_backward(dy, log_probs, target, reduction, ignore_index, total=None):
     """aten::nll_loss_backward with torch's total weight (`total`, or computed here)."""
     if total is None:
         total = _nll_total(log_probs, target, reduction, ignore_index)
-    return torch.ops.aten.nll_loss_backward(dy, log_probs, target, None, get_enum(reduction), ignore_index, total)
+    return torch.ops.aten.nll_loss_backward.default(dy, log_probs, target, None, get_enum(reduction), ignore_index, total)
 
 
 def _class_indices(input, target, ignore_index, weight=None, size_average=None, reduce=None, label_smoothing=0.0):
@@ -586,7 +586,7 @@ def _conv_grads_kernel(g, x, w, s, d, pads, needs):
 
 def _convolution_backward(g, x, w, stride, padding, dilation, needs):
     """torch's convolution backward kernel on torch tensors: (grad input, grad weight, None)."""
-    return torch.ops.aten.convolution_backward(g, x, w, None, list(stride), list(padding), list(dilation),
+    return torch.ops.aten.convolution_backward.default(g, x, w, None, list(stride), list(padding), list(dilation),
                                                False, [0, 0], 1, [bool(needs[0]), bool(needs[1]), False])
 
 
@@ -877,7 +877,7 @@ def _layer_norm_kernel(dy, x, gamma, beta, epsilon, needs, stash):
     shape = (x.shape[-1],)
     mean, rstd = stash if stash is not None else torch.native_layer_norm(x, shape, gamma, beta, epsilon)[1:]
     # dy in x's dtype: the walk widens a half-precision dy next to float32 weights (autocast)
-    return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta, list(needs))
+    return torch.ops.aten.native_layer_norm_backward.default(dy.to(x.dtype), x, shape, mean, rstd, gamma, beta, list(needs))
 
 
 def embedding_lookup(params, ids, max_norm=None, name=None):
