@@ -58,6 +58,7 @@ median over the sets, with its range.
 Under the hood it re-runs itself with `--worker`.
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -464,16 +465,39 @@ def _first_calls(cases):
 # -- one launch: the cases take turns ------------------------------------------------------
 def _worker(model, steps, side=None):
     """Runs `model`'s cases ("mlp", "charlm", "gpt", "charlm_jit", see `_cases`) step by step in turn; with model
-    "gpt_alone" only the GPT case `side` (GPT_ALONE_SIDES), the other side neither built nor imported."""
+    "gpt_alone" only the GPT case `side` (GPT_ALONE_SIDES), the other side neither built nor imported; with
+    "gpt_counted" that case's steps for scripts/bench_instructions.py --workers (`_counted`)."""
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if model == "gpt_counted":
+        _counted(_gpt_alone_cases(side, rank, world)[side][0], steps)
+        dist.barrier()
+        dist.destroy_process_group()
+        return {}
     cases = _gpt_alone_cases(side, rank, world) if model == "gpt_alone" else _cases(model, rank, world)
     out = _timed(cases, steps)
     out["dtape_file"] = getattr(sys.modules.get("dtape"), "__file__", None)  # None: DDP alone never imports dtape
     dist.barrier()
     dist.destroy_process_group()  # ours to close: left to interpreter exit, gloo's threads may abort it
     return out
+
+
+# Steps a counted worker takes before callgrind starts counting (imports, first calls, the layout learned).
+COUNTED_WARMUP = 4
+
+
+def _counted(step, steps):
+    """COUNTED_WARMUP steps, then `steps` inside one `functools.reduce` call: the only code that callgrind's
+    `--toggle-collect=functools_reduce` counts (scripts/bench_instructions.py --workers)."""
+    for k in range(COUNTED_WARMUP):
+        step(k)
+
+    def measured(acc, _):
+        for k in range(steps):
+            step(COUNTED_WARMUP + k)
+        return acc
+    functools.reduce(measured, [0, 1])
 
 
 def _strategy():
@@ -756,13 +780,14 @@ def main():
     ap.add_argument("--jit-only", action="store_true",
                     help="only the compiled-step launch: the charlm step as dtape.function(jit_compile=True) under "
                          "MultiWorkerMirroredStrategy and MirroredStrategy vs DDP over torch.compile")
-    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt", "charlm_jit", "gpt_alone"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["mlp", "charlm", "gpt", "charlm_jit", "gpt_alone", "gpt_counted"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=GPT_ALONE_SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         result = _worker(args.worker, args.steps, args.side)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0 and args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f)
         sys.stdout.flush()
