@@ -118,6 +118,25 @@ def test_none_dims_stay_symbolic_in_size_arithmetic():
     assert (mean.trace_count, flat.trace_count, flipped.trace_count, noise.trace_count) == (1, 1, 1, 1)
 
 
+@pytest.mark.parametrize("signature", [None, [dtape.TensorSpec([None, 2], D)]])
+def test_size_and_rank_are_size_arguments_in_a_compiled_function(signature):
+    # tf.size / tf.rank as sizes (TF's graph idiom): a traced tensor has no value to read, so they carry the size
+    def body(x):
+        flat = dtape.reshape(x, [dtape.size(x)])
+        return flat, dtape.zeros([dtape.rank(x), dtape.size(x)], dtype=D), dtape.ones(dtape.rank(x), dtype=D)
+    f = _jit(body, input_signature=signature)
+    for rows in (1, 3, 4):
+        x = dtape.constant(np.arange(rows * 2.0).reshape(rows, 2))
+        got, want = f(x), body(x)
+        for g, w in zip(got, want):
+            assert tuple(g.shape) == tuple(w.shape) and g.dtype == w.dtype == D
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+        assert tuple(want[1].shape) == (2, rows * 2) and tuple(want[2].shape) == (2,)
+    assert f.trace_count == (1 if signature else 3)
+    assert dtape.size(x).dtype == torch.int32 and int(dtape.size(x)) == 8 and int(dtape.rank(x)) == 2
+    assert dtape.size(x, out_type=torch.int64).dtype == torch.int64 and dtape.rank(x).dtype == torch.int32
+
+
 def test_a_none_dim_read_as_a_python_number_raises_naming_the_line():
     f = _dynamic(lambda x: dtape.reduce_sum(x) / float(x.shape[0]))
     with pytest.raises(dtape.OperatorNotAllowedInGraphError, match=r"test_jit_guides.py:\d+: .*float\(x.shape\[0\]\)"):

@@ -831,13 +831,24 @@ def shape(input, out_type=torch.int32, name=None):  # noqa: A002 - TF's argument
 
 
 def size(input, out_type=torch.int32, name=None):  # noqa: A002
-    """The number of elements of `input` as a 0-d integer tensor of `out_type` on the CPU. Source: tf.size."""
-    return Tensor(torch.full((), _like(input).numel(), dtype=as_dtype(out_type)))
+    """The number of elements of `input` as a 0-d integer tensor of `out_type` on the CPU; every size argument
+    takes it, in a compiled function too (as `shape`). Source: tf.size."""
+    return _size_tensor(_like(input).numel(), as_dtype(out_type))
 
 
 def rank(input, name=None):  # noqa: A002
-    """The number of dimensions of `input` as a 0-d int32 tensor on the CPU. Source: tf.rank."""
-    return Tensor(torch.tensor(_like(input).ndim, dtype=torch.int32))
+    """The number of dimensions of `input` as a 0-d int32 tensor on the CPU; every size argument takes it, in a
+    compiled function too (as `shape`). Source: tf.rank."""
+    return _size_tensor(_like(input).ndim, torch.int32)
+
+
+def _size_tensor(n, dtype):
+    """A 0-d tensor of size `n` (an int, or a symbolic size of a trace). Traced, it also carries `n`, as
+    `shape`'s result carries its sizes: the trace's tensors have no values for a size argument to read."""
+    t = torch.full((), n, dtype=dtype)
+    if is_tracing():
+        t._dtape_sizes = n
+    return Tensor(t)
 
 
 def eye(num_rows, num_columns=None, batch_shape=None, dtype=None, name=None):
