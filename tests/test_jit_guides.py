@@ -137,6 +137,35 @@ def test_size_and_rank_are_size_arguments_in_a_compiled_function(signature):
     assert dtape.size(x, out_type=torch.int64).dtype == torch.int64 and dtape.rank(x).dtype == torch.int32
 
 
+@pytest.mark.parametrize("signature", [None, [dtape.TensorSpec([None, None, 3], D)]])
+def test_slice_bounds_from_tf_shape_as_the_transformer_tutorial_adds_its_positional_encoding(signature):
+    # TF's Transformer tutorial: seq_len = tf.shape(x)[1]; x += pos_encoding[:, :seq_len, :] in a tf.function
+    pos = dtape.Variable(torch.arange(30.0, dtype=D).reshape(1, 10, 3))
+
+    def body(x):
+        seq_len = dtape.shape(x)[1]
+        return dtape.reduce_sum((x + pos[:, :seq_len, :]) ** 2) + dtape.reduce_sum(pos[:, x.shape[1] - 1:seq_len])
+    f = _jit(body, input_signature=signature)
+    for n in (1, 4, 6):
+        x = dtape.constant(np.arange(2 * n * 3.0).reshape(2, n, 3))
+        with dtape.GradientTape() as tape:
+            got = f(x)
+        (g,) = tape.gradient(got, [pos])
+        with dtape.GradientTape() as tape:
+            want = body(x)
+        (w,) = tape.gradient(want, [pos])
+        assert float(got) == float(want)
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+        assert np.count_nonzero(w.numpy()[0, n:]) == 0 and np.count_nonzero(w.numpy()[0, :n]) > 0
+    assert f.trace_count == (1 if signature else 3)
+    # eager, a 0-d integer tensor as a bound is its value, as in torch
+    assert tuple(pos[:, :dtape.constant(4)].shape) == (1, 4, 3)
+    # arithmetic on a size tensor is not followed: a clear error, not Python's "__index__ returned non-int"
+    g = _jit(lambda x: pos[:, :dtape.shape(x)[1] - 1], input_signature=[dtape.TensorSpec([None, None, 3], D)])
+    with pytest.raises(TypeError, match=r"use x.shape\[i\], whose arithmetic stays symbolic"):
+        g(dtape.ones([2, 4, 3], dtype=D))
+
+
 def test_a_none_dim_read_as_a_python_number_raises_naming_the_line():
     f = _dynamic(lambda x: dtape.reduce_sum(x) / float(x.shape[0]))
     with pytest.raises(dtape.OperatorNotAllowedInGraphError, match=r"test_jit_guides.py:\d+: .*float\(x.shape\[0\]\)"):

@@ -352,14 +352,27 @@ TORCH_TABLE[torch.ones_like] = lambda x, dtype=None, **kw: ones_like(x, dtype)
 
 
 # -- indexing -----------------------------------------------------------------
+_PLAIN_BOUNDS = frozenset([int, type(None)])
+
+
 def _raw_key(key):
     if isinstance(key, tuple):
         return tuple(_raw_key(k) for k in key)
     if isinstance(key, Tensor):
         return key.torch()
+    if type(key) is slice and not {type(key.start), type(key.stop), type(key.step)} <= _PLAIN_BOUNDS:
+        return slice(_bound(key.start), _bound(key.stop), _bound(key.step))
     if isinstance(key, list):  # an empty list selects nothing: int64, as torch reads x[[]]
         return torch.as_tensor(key) if key else torch.zeros(0, dtype=torch.int64)
     return key
+
+
+def _bound(b):
+    """A slice bound: a traced size (`x[:, :dtape.shape(x)[1]]` in a compiled function, TF's idiom) is the size it
+    carries (an int, or a symbolic size that torch's slicing takes), where reading the traced tensor's value would
+    fail; anything else as given (torch reads a 0-d integer tensor's value)."""
+    sizes = getattr(b.torch() if isinstance(b, Tensor) else b, "_dtape_sizes", None)
+    return b if sizes is None or isinstance(sizes, tuple) else sizes
 
 
 def getitem(tensor, key):
@@ -373,13 +386,14 @@ def getitem(tensor, key):
 
     Source: tf.Tensor.__getitem__ (plus torch advanced indexing).
     """
-    plain, reversals = _negative_steps(_raw_key(key), tensor.shape)
+    raw = _raw_key(key)
+    plain, reversals = _negative_steps(raw, tensor.shape)
     out = _getitem(tensor, key=plain)
     for position, index in reversals:  # one index per reversed dimension: tensor indices would broadcast together
         out = _getitem(out, key=(slice(None),) * position + (index,))
     sizes = getattr(tensor._t, "_dtape_sizes", None) if type(tensor) is Tensor else None
-    if sizes is not None and (type(key) is int or isinstance(key, slice)):  # dtape.shape(x)[0] traced: kept
-        out._t._dtape_sizes = sizes[key]
+    if sizes is not None and (type(raw) is int or isinstance(raw, slice)):  # dtape.shape(x)[0] traced: kept
+        out._t._dtape_sizes = sizes[raw]
     return out
 
 
