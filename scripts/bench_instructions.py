@@ -24,7 +24,6 @@ children run ~50x slower than native), `--workers` about 17.
   python scripts/bench_instructions.py [--steps 3] [--warmup 4] [--workers]
 """
 import argparse
-import functools
 import os
 import re
 import shutil
@@ -47,14 +46,7 @@ def _steps():
 
 def child(side, steps, warmup):
     step = dict(zip(("dtape", "torch"), _steps()))[side]
-    for _ in range(warmup):
-        step()
-
-    def measured(acc, _):
-        for _ in range(steps):
-            step()
-        return acc
-    functools.reduce(measured, [0, 1])  # callgrind collects inside functools_reduce only
+    bench_multiworker.counted(lambda k: step(), steps, warmup)  # callgrind collects inside functools_reduce only
 
 
 def _launch(side, steps, warmup, out_dir):
@@ -80,7 +72,7 @@ def _workers(side, steps, out_dir, world=2):
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", DTAPE_DISTRIBUTE_TIMEOUT="3600",
-                   PYTHONPATH=os.pathsep.join(p for p in (bench_multiworker.ROOT, os.environ.get("PYTHONPATH")) if p))
+                   PYTHONPATH=bench_multiworker.worker_pythonpath())
         # bench_multiworker's worker, not this file: the DDP workers must not import dtape (this file's
         # `bench` import does)
         runs[rank] = _callgrind(f"{side}.{rank}", out_dir, [bench_multiworker.__file__, "--worker", "gpt_counted",

@@ -466,18 +466,17 @@ def _first_calls(cases):
 def _worker(model, steps, side=None):
     """Runs `model`'s cases ("mlp", "charlm", "gpt", "charlm_jit", see `_cases`) step by step in turn; with model
     "gpt_alone" only the GPT case `side` (GPT_ALONE_SIDES), the other side neither built nor imported; with
-    "gpt_counted" that case's steps for scripts/bench_instructions.py --workers (`_counted`)."""
+    "gpt_counted" that case's steps for scripts/bench_instructions.py --workers (`counted`)."""
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if model == "gpt_counted":
-        _counted(_gpt_alone_cases(side, rank, world)[side][0], steps)
-        dist.barrier()
-        dist.destroy_process_group()
-        return {}
-    cases = _gpt_alone_cases(side, rank, world) if model == "gpt_alone" else _cases(model, rank, world)
-    out = _timed(cases, steps)
-    out["dtape_file"] = getattr(sys.modules.get("dtape"), "__file__", None)  # None: DDP alone never imports dtape
+        counted(_gpt_alone_cases(side, rank, world)[side][0], steps)
+        out = {}
+    else:
+        cases = _gpt_alone_cases(side, rank, world) if model == "gpt_alone" else _cases(model, rank, world)
+        out = _timed(cases, steps)
+        out["dtape_file"] = getattr(sys.modules.get("dtape"), "__file__", None)  # None: DDP alone never imports dtape
     dist.barrier()
     dist.destroy_process_group()  # ours to close: left to interpreter exit, gloo's threads may abort it
     return out
@@ -487,17 +486,23 @@ def _worker(model, steps, side=None):
 COUNTED_WARMUP = 4
 
 
-def _counted(step, steps):
-    """COUNTED_WARMUP steps, then `steps` inside one `functools.reduce` call: the only code that callgrind's
-    `--toggle-collect=functools_reduce` counts (scripts/bench_instructions.py --workers)."""
-    for k in range(COUNTED_WARMUP):
+def counted(step, steps, warmup=COUNTED_WARMUP):
+    """`step(k)` for `warmup` steps, then `steps` more inside one `functools.reduce` call: the only code that
+    callgrind's `--toggle-collect=functools_reduce` counts (scripts/bench_instructions.py)."""
+    for k in range(warmup):
         step(k)
 
     def measured(acc, _):
         for k in range(steps):
-            step(COUNTED_WARMUP + k)
+            step(warmup + k)
         return acc
     functools.reduce(measured, [0, 1])
+
+
+def worker_pythonpath():
+    """PYTHONPATH for a worker run from scripts/: this checkout first, or it would import whatever dtape is
+    installed (e.g. another checkout's), not this one."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 def _strategy():
@@ -574,11 +579,8 @@ def _launch(model, world, steps, env=None, side=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", model, "--steps", str(steps), "--out", out.name]
         cmd += ["--side", side] if side else []
-        # the workers run this file from scripts/: without the checkout first on their path they
-        # would import whatever dtape is installed (e.g. another checkout's), not this one
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, **(env or {}), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
-                   PYTHONPATH=path)
+                   PYTHONPATH=worker_pythonpath())
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=900)
         return json.load(open(out.name))
 
