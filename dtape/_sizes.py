@@ -18,6 +18,10 @@ __all__ = ["size_value", "shape_values", "scalar_value", "num_elements", "count_
 
 _SEQUENCES = (tuple, list, torch.Size)
 
+# True once a compiled function's trace made a size tensor (`carry`). Until then the integer arithmetic ops
+# skip looking for sizes to follow (`follow`): eager code pays one global read per op.
+traced = False
+
 
 def _as_array(x):
     """A torch.Tensor or numpy array for tensor-like `x` (variables read), else None."""
@@ -39,6 +43,37 @@ def _traced_sizes(arr):
     compiled function is traced, or None: the trace's tensors have no values to read, and the sizes (ints, or
     symbolic sizes of None dims) keep the graph general."""
     return getattr(arr, "_dtape_sizes", None) if isinstance(arr, torch.Tensor) else None
+
+
+def carry(t, sizes):
+    """Marks traced torch tensor `t` as holding `sizes`: a size (an int, or a symbolic size of a None dim) for
+    a 0-d tensor, a tuple of them for `dtape.shape`'s. The trace's tensors have no values that a size
+    argument could read; the sizes keep the graph general (symbolic where torch.tensor would fix them)."""
+    global traced
+    traced = True
+    t._dtape_sizes = sizes
+    return t
+
+
+def _size_of(x):
+    """The size that `x` (a Python int, or a 0-d torch tensor carrying one) stands for while traced, or None."""
+    if type(x) is int:
+        return x
+    sizes = getattr(x, "_dtape_sizes", None)
+    return None if isinstance(sizes, tuple) else sizes
+
+
+def follow(out, x, y, fn):
+    """`out` (torch tensor `fn(x, y)` of an integer arithmetic op) carrying `fn` of the sizes `x` and `y`
+    carry, when both are sizes (or Python ints) and one carries a size: `dtape.shape(x)[1] - 1` and
+    `h * w` of two sizes stay sizes inside a compiled function, as in TF's graphs. Anything else as it is."""
+    a, b = _size_of(x), _size_of(y)
+    if a is None or b is None or (type(x) is int and type(y) is int):
+        return out
+    value = fn(a, b)
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        out._dtape_sizes = value
+    return out
 
 
 def size_value(n, op, what="size"):

@@ -209,6 +209,9 @@ def index_value(t):
     if t.dim() != 0 or t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
         raise TypeError(f"only 0-d integer tensors can be used as an index or size, got shape {tuple(t.shape)} "
                         f"and dtype {t.dtype}" + ("; cast it: dtape.cast(x, dtape.int64)" if t.dim() == 0 else ""))
+    sizes = getattr(t, "_dtape_sizes", None)
+    if type(sizes) is int:  # traced `dtape.shape(x)[i]` of a static dim (`range(n)`): the size it carries
+        return sizes
     value = t.item()
     if type(value) is not int:  # a traced tensor's value is symbolic (a SymInt), which Python's index protocol refuses
         raise TypeError("a tensor computed inside a compiled function (dtape.function(jit_compile=True)) has no value "

@@ -160,10 +160,37 @@ def test_slice_bounds_from_tf_shape_as_the_transformer_tutorial_adds_its_positio
     assert f.trace_count == (1 if signature else 3)
     # eager, a 0-d integer tensor as a bound is its value, as in torch
     assert tuple(pos[:, :dtape.constant(4)].shape) == (1, 4, 3)
-    # arithmetic on a size tensor is not followed: a clear error, not Python's "__index__ returned non-int"
-    g = _jit(lambda x: pos[:, :dtape.shape(x)[1] - 1], input_signature=[dtape.TensorSpec([None, None, 3], D)])
+    # a traced tensor that is no size (a size times a constant tensor) as a bound: a clear error, not Python's
+    # "__index__ returned non-int"
+    g = _jit(lambda x: pos[:, :dtape.shape(x)[1] * dtape.constant(1)],
+             input_signature=[dtape.TensorSpec([None, None, 3], D)])
     with pytest.raises(TypeError, match=r"use x.shape\[i\], whose arithmetic stays symbolic"):
         g(dtape.ones([2, 4, 3], dtype=D))
+
+
+@pytest.mark.parametrize("signature", [None, [dtape.TensorSpec([None, None, 4], D)]])
+def test_arithmetic_on_traced_sizes_gives_sizes(signature):
+    # TF computes sizes in graphs: tf.reshape(x, [b * n, c]), half = tf.shape(x)[-1] // 2, x[:, :n - 1], 2 * b
+    pos = dtape.Variable(torch.arange(40.0, dtype=D).reshape(1, 10, 4))
+
+    def body(x):
+        s = dtape.shape(x)
+        b, n, c = s[0], s[1], s[2]
+        half = c // 2
+        trimmed = x + pos[:, 1:n + 1] - pos[:, :n]
+        return (dtape.reshape(trimmed, [b * n, c]), x[:, :, :half] * 2.0, x[:, :, half:], x[:, :n - 1],
+                dtape.zeros([2 * b, n + 1, c % 3 + 1], dtype=D), dtape.range(1 + n - 1), [0, 1, 2, 3][half])
+    f = _jit(body, input_signature=signature)
+    for n in (3, 5, 4):
+        x = dtape.constant(np.arange(2 * n * 4.0).reshape(2, n, 4))
+        got, want = f(x), body(x)
+        assert got[-1] == want[-1] == 2
+        for g, w in zip(got[:-1], want[:-1]):
+            assert tuple(g.shape) == tuple(w.shape) and g.dtype == w.dtype
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+        assert tuple(want[0].shape) == (2 * n, 4) and tuple(want[3].shape) == (2, n - 1, 4)
+        assert tuple(want[4].shape) == (4, n + 1, 2) and tuple(want[5].shape) == (n,)
+    assert f.experimental_get_tracing_count() == (1 if signature else 3)
 
 
 def test_a_none_dim_read_as_a_python_number_raises_naming_the_line():

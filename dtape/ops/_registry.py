@@ -13,8 +13,9 @@ import inspect
 
 import torch
 
+from dtape import _sizes
 from dtape import tape as _tp
-from dtape.tensor import Tensor, convert_to_tensor
+from dtape.tensor import Tensor, convert_to_tensor, is_tracing
 
 # Process-wide, filled at import time only (not thread-safe to mutate later).
 REGISTRY = []          # every OpDef, in definition order
@@ -295,7 +296,10 @@ def _scalar_beside(s, t):
     Binary forwards and rules get a Python scalar only as their second input
     (torch's `other`); a scalar first input becomes this tensor.
     """
-    return Tensor(torch.as_tensor(s, dtype=torch.result_type(t._t, s), device=t._t.device))
+    value = torch.as_tensor(s, dtype=torch.result_type(t._t, s), device=t._t.device)
+    if _sizes.traced and type(s) is int and is_tracing():  # `2 * dtape.shape(x)[1]` traced: a size too
+        _sizes.carry(value, s)
+    return Tensor(value)
 
 
 def _finish_multi(opdef, out, inputs, attrs):

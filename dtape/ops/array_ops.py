@@ -7,7 +7,7 @@ import builtins
 
 import torch
 
-from dtape._sizes import scalar_value, shape_values, size_value
+from dtape._sizes import carry, scalar_value, shape_values, size_value
 from dtape.ops import _samples as S
 from dtape.ops._axes import AxisError, axis_values, canonical_axis, permutation
 from dtape.ops._dispatch import call_fallback
@@ -393,7 +393,7 @@ def getitem(tensor, key):
         out = _getitem(out, key=(slice(None),) * position + (index,))
     sizes = getattr(tensor._t, "_dtape_sizes", None) if type(tensor) is Tensor else None
     if sizes is not None and (type(raw) is int or isinstance(raw, slice)):  # dtape.shape(x)[0] traced: kept
-        out._t._dtape_sizes = sizes[raw]
+        carry(out._t, sizes[raw])
     return out
 
 
@@ -840,8 +840,7 @@ def shape(input, out_type=torch.int32, name=None):  # noqa: A002 - TF's argument
     # traced (a compiled function), the tensor has no values to read back: it carries the sizes, which size
     # arguments take (`dtape._sizes`), symbolic for None dims (graph values, where torch.tensor would fix them)
     t = torch.stack([torch.full((), d, dtype=dtype) for d in sizes]) if sizes else torch.zeros(0, dtype=dtype)
-    t._dtape_sizes = sizes
-    return Tensor(t)
+    return Tensor(carry(t, sizes))
 
 
 def size(input, out_type=torch.int32, name=None):  # noqa: A002
@@ -860,9 +859,7 @@ def _size_tensor(n, dtype):
     """A 0-d tensor of size `n` (an int, or a symbolic size of a trace). Traced, it also carries `n`, as
     `shape`'s result carries its sizes: the trace's tensors have no values for a size argument to read."""
     t = torch.full((), n, dtype=dtype)
-    if is_tracing():
-        t._dtape_sizes = n
-    return Tensor(t)
+    return Tensor(carry(t, n) if is_tracing() else t)
 
 
 def eye(num_rows, num_columns=None, batch_shape=None, dtype=None, name=None):

@@ -8,9 +8,11 @@ the backward walk, not by the rules.
 """
 import math
 import numbers
+import operator
 
 import torch
 
+from dtape import _sizes
 from dtape.ops import _samples as S
 from dtape.ops import array_ops
 from dtape.ops._axes import AxisError, axis_values, canonical_axis, reduction_axes  # noqa: F401 - AxisError: public here
@@ -39,7 +41,8 @@ def _with_alpha(op):
        samples=S.binary, saves="none", complex_grad=True)
 def add(x, y):
     """x + y, broadcasting. Any numeric dtype, same device. Source: tf.math.add."""
-    return torch.add(x, y)
+    out = torch.add(x, y)
+    return _sizes.follow(out, x, y, operator.add) if _sizes.traced else out
 
 
 @add.grad
@@ -57,7 +60,8 @@ def _(t, ans, x, y):
        samples=S.binary, saves="none", complex_grad=True)
 def subtract(x, y):
     """x - y, broadcasting. Source: tf.math.subtract."""
-    return torch.sub(x, y)
+    out = torch.sub(x, y)
+    return _sizes.follow(out, x, y, operator.sub) if _sizes.traced else out
 
 
 @subtract.grad
@@ -74,7 +78,8 @@ def _(t, ans, x, y):
        samples=S.binary, saves="inputs", complex_grad=True)
 def multiply(x, y):
     """x * y, broadcasting. Source: tf.math.multiply."""
-    return torch.mul(x, y)
+    out = torch.mul(x, y)
+    return _sizes.follow(out, x, y, operator.mul) if _sizes.traced else out
 
 
 @multiply.grad
@@ -121,13 +126,15 @@ def _(t, ans, x, y):
 @defop(n_in=2)
 def floordiv(x, y):
     """Floor of x / y; no gradient (piecewise constant). Source: tf.math.floordiv."""
-    return torch.div(x, y, rounding_mode="floor")
+    out = torch.div(x, y, rounding_mode="floor")
+    return _sizes.follow(out, x, y, operator.floordiv) if _sizes.traced else out
 
 
 @defop(n_in=2, samples=S.binary_positive)
 def floormod(x, y):
     """x - floor(x / y) * y, the sign of y (Python %). Source: tf.math.floormod."""
-    return torch.remainder(x, y)
+    out = torch.remainder(x, y)
+    return _sizes.follow(out, x, y, operator.mod) if _sizes.traced else out
 
 
 @floormod.grad
