@@ -243,7 +243,10 @@ class TorchModule(Module):
 
         Args:
           state_dict: dict torch name -> tensor (torch, numpy or dtape).
-          strict: as torch's: every name of the module present and no other.
+          strict: as torch's: every name of the module's `state_dict()`
+            present and no other (buffers registered with
+            `persistent=False` are not in it, as in torch: such a name is
+            unexpected, and the buffer keeps its value).
 
         Returns:
           torch's `(missing_keys, unexpected_keys)` named tuple.
@@ -253,7 +256,7 @@ class TorchModule(Module):
             whose shape differs from its parameter's (nothing is assigned then).
         """
         self._follow_module()
-        variables = {**self._params, **self._buffers}
+        variables = {**self._params, **_persistent(self._buffers, self.module)}
         missing = [n for n in variables if n not in state_dict]
         unexpected = [n for n in state_dict if n not in variables]
         bad = [f"{n}: got {tuple(state_dict[n].shape)}, the module has {tuple(v.shape)}"
@@ -276,14 +279,15 @@ class TorchModule(Module):
         """The variables' current values as a torch state dict: `module.load_state_dict(m.state_dict())`.
 
         Returns:
-          dict name -> detached torch.Tensor copy (every name of the wrapped
-          module's `state_dict`, tied names included; a MirroredVariable
-          gives its primary component, read in the cross-replica context).
+          dict name -> detached torch.Tensor copy (the names of the wrapped
+          module's `state_dict`: tied names included, buffers registered with
+          `persistent=False` left out; a MirroredVariable gives its primary
+          component, read in the cross-replica context).
         """
         self._follow_module()
         with _tp.stop_recording():
             return {name: var._dtape_read().torch().detach().clone()
-                    for name, var in {**self._params, **self._buffers}.items()}
+                    for name, var in {**self._params, **_persistent(self._buffers, self.module)}.items()}
 
     # -- the view follows its module -------------------------------------------------------------------
     def _follow_module(self):
@@ -443,6 +447,15 @@ class _RequiresGrad:
 
 def _param_var(p, name):
     return Variable(p.detach().clone(), trainable=p.requires_grad, name=name)
+
+
+def _persistent(buffers, module):
+    """The entries of `buffers` ({torch name: Variable}) that torch's `state_dict` holds: not the buffers
+    registered with `persistent=False` (a rotary embedding's `inv_freq`, a causal mask), which torch neither
+    saves nor loads, so a state dict of the module has no such name."""
+    skip = {f"{prefix}.{name}" if prefix else name
+            for prefix, m in module.named_modules(remove_duplicate=False) for name in m._non_persistent_buffers_set}
+    return {name: var for name, var in buffers.items() if name not in skip} if skip else buffers
 
 
 def _buffer_var(b, name, aggregation):

@@ -1,0 +1,60 @@
+"""Attacks in the idioms of real training scripts (Hugging Face, torchtitan, timm): torch state dicts of
+modules with non-persistent buffers, torch schedulers and optimizers through `from_torch`. References: plain
+torch on one device, float64, or torch's own behaviour for the same call."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dtape
+
+f64 = torch.float64
+
+
+class _Rotary(nn.Module):
+    """A layer with a buffer torch does not save: a rotary embedding's `inv_freq` (Hugging Face's Llama
+    registers it with persistent=False), beside a saved one."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4, dtype=f64)
+        self.register_buffer("inv_freq", torch.linspace(1.0, 2.0, 4, dtype=f64), persistent=False)
+        self.register_buffer("scale", torch.full((4,), 0.5, dtype=f64))
+
+    def forward(self, x):
+        return self.proj(x) * torch.cos(self.inv_freq) * self.scale
+
+
+def _model():
+    return nn.Sequential(_Rotary(), nn.Tanh(), nn.Linear(4, 2, dtype=f64))
+
+
+def test_state_dicts_leave_out_non_persistent_buffers_as_torch():
+    """`tm.state_dict()` has the names of `module.state_dict()`, so it loads into a torch module (strict), and
+    `tm.load_state_dict(module.state_dict())` loads; a non-persistent name is unexpected, as in torch."""
+    torch.manual_seed(0)
+    net, fresh = _model(), _model()
+    tm = dtape.layers.TorchModule(net)
+    x = torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(1))
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(tm(x) ** 2)
+    dtape.optimizers.SGD(0.1).apply_gradients(zip(tape.gradient(loss, tm.trainable_variables),
+                                                  tm.trainable_variables))
+    assert sorted(tm.state_dict()) == sorted(net.state_dict())
+    fresh.load_state_dict(tm.state_dict())
+    torch.testing.assert_close(fresh(x), net(x), rtol=0, atol=0)
+
+    other = _model()
+    with torch.no_grad():
+        other[0].inv_freq.mul_(3.0)  # not saved: loading leaves the wrapped module's own value
+    assert tuple(tm.load_state_dict(other.state_dict())) == ([], [])
+    other[0].inv_freq.copy_(net[0].inv_freq)
+    torch.testing.assert_close(tm(x).torch(), other(x), rtol=0, atol=0)
+
+    saved = {**other.state_dict(), "0.inv_freq": torch.zeros(4, dtype=f64)}
+    with pytest.raises(RuntimeError, match=r"unexpected keys \['0.inv_freq'\]"):
+        tm.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        other.load_state_dict(saved)  # torch says the same
+    assert tuple(tm.load_state_dict(saved, strict=False)) == ([], ["0.inv_freq"])
+    torch.testing.assert_close(net[0].inv_freq, torch.linspace(1.0, 2.0, 4, dtype=f64), rtol=0, atol=0)
