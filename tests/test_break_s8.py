@@ -58,3 +58,27 @@ def test_state_dicts_leave_out_non_persistent_buffers_as_torch():
         other.load_state_dict(saved)  # torch says the same
     assert tuple(tm.load_state_dict(saved, strict=False)) == ([], ["0.inv_freq"])
     torch.testing.assert_close(net[0].inv_freq, torch.linspace(1.0, 2.0, 4, dtype=f64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["in_a_tape", "no_tape"])
+def test_backward_and_autograd_grad_on_a_dtape_loss_raise_naming_the_tape(record):
+    """A ported torch loop's `loss.backward()` (or torch.autograd.grad) on a dtape loss raised torch's "element
+    0 of tensors does not require grad"; it names the tape instead. The tape's gradients stay torch's."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2, dtype=f64)
+    tm = dtape.layers.TorchModule(net)
+    x = torch.randn(8, 4, dtype=f64, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 2, dtype=f64, generator=torch.Generator().manual_seed(2))
+    with dtape.GradientTape(persistent=True) as tape:
+        recorded = nn.functional.mse_loss(tm(x), y)
+    loss = recorded if record else nn.functional.mse_loss(tm(x), y)
+    with pytest.raises(RuntimeError, match=r"loss.backward\(\) on dtape tensors.*tape.gradient\(loss"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match=r"torch.autograd.grad on dtape tensors.*GradientTape"):
+        torch.autograd.grad(loss, list(net.parameters()))
+    with pytest.raises(RuntimeError, match=r"torch.autograd.backward on dtape tensors"):
+        torch.autograd.backward([loss])
+    assert net.weight.grad is None
+    expected = torch.autograd.grad(nn.functional.mse_loss(net(x), y), list(net.parameters()))
+    for got, want in zip(tape.gradient(recorded, tm.trainable_variables), expected):
+        torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-14)
