@@ -1,6 +1,8 @@
 """Attacks in the idioms of real training scripts (Hugging Face, torchtitan, timm): torch state dicts of
 modules with non-persistent buffers, torch schedulers and optimizers through `from_torch`. References: plain
 torch on one device, float64, or torch's own behaviour for the same call."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -81,4 +83,43 @@ def test_backward_and_autograd_grad_on_a_dtape_loss_raise_naming_the_tape(record
     assert net.weight.grad is None
     expected = torch.autograd.grad(nn.functional.mse_loss(net(x), y), list(net.parameters()))
     for got, want in zip(tape.gradient(recorded, tm.trainable_variables), expected):
+        torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-14)
+
+
+@dataclasses.dataclass
+class _Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class _Classifier(nn.Module):
+    """A forward returning its loss with the logits (Hugging Face's `outputs.loss`), as a dict or a dataclass."""
+
+    def __init__(self, dataclass):
+        super().__init__()
+        self.lin, self.dataclass = nn.Linear(4, 3, dtype=f64), dataclass
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        loss = nn.functional.cross_entropy(logits, labels)
+        return _Output(loss, logits) if self.dataclass else {"loss": loss, "logits": logits}
+
+
+def test_a_torch_tensor_as_gradient_target_is_refused_naming_the_cause():
+    """A dataclass output keeps torch tensors (documented), so its loss is no tape's target: the error says a
+    torch.Tensor was given and why (it said "got Tensor"); the dict form gives torch's gradients."""
+    x = torch.randn(8, 4, dtype=f64, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    torch.manual_seed(0)
+    net = _Classifier(dataclass=True)
+    tm = dtape.layers.TorchModule(net)
+    with dtape.GradientTape() as tape:
+        out = tm(x, labels=labels)
+    with pytest.raises(ValueError, match=r"got a torch.Tensor: torch code.*dataclass.*tm.trainable_variables"):
+        tape.gradient(out.loss, tm.trainable_variables)
+    net.dataclass = False
+    with dtape.GradientTape() as tape:
+        loss = tm(x, labels=labels)["loss"]
+    expected = torch.autograd.grad(nn.functional.cross_entropy(net.lin(x), labels), list(net.parameters()))
+    for got, want in zip(tape.gradient(loss, tm.trainable_variables), expected):
         torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-14)
