@@ -123,3 +123,52 @@ def test_a_torch_tensor_as_gradient_target_is_refused_naming_the_cause():
     expected = torch.autograd.grad(nn.functional.cross_entropy(net.lin(x), labels), list(net.parameters()))
     for got, want in zip(tape.gradient(loss, tm.trainable_variables), expected):
         torch.testing.assert_close(got.torch(), want, rtol=1e-12, atol=1e-14)
+
+
+class _Outer(nn.Module):
+    """A torch module whose forward calls `inner` (a torch module, or a TorchModule) between its own layers."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.pre, self.post = nn.Linear(4, 4, dtype=f64), nn.Linear(4, 2, dtype=f64)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.post(torch.tanh(self.inner(torch.tanh(self.pre(x)))))
+
+
+def test_a_torch_module_called_inside_another_wrapped_forward_is_refused_when_recorded():
+    """The outer module's parameters got None (its graph was cut at the inner dtape call), silently; now the
+    recorded call raises naming the fix, which (the inner torch module as a submodule) gives torch's gradients.
+    With the outer module frozen, or with no tape, the nested call still runs."""
+    x = torch.randn(8, 4, dtype=f64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    inner_net = nn.Linear(4, 4, dtype=f64)
+    ref = _Outer(inner_net)
+    names = [n for n, _ in ref.named_parameters()]
+    expected = dict(zip(names, torch.autograd.grad(ref(x).square().sum(), list(ref.parameters()))))
+
+    inner = dtape.layers.TorchModule(inner_net)
+    outer_net = _Outer(None)
+    outer_net.pre, outer_net.post = ref.pre, ref.post
+    object.__setattr__(outer_net, "inner", inner)  # a TorchModule is no nn.Module: a plain attribute
+    outer = dtape.layers.TorchModule(outer_net)
+    with dtape.GradientTape() as tape:
+        with pytest.raises(TypeError, match=r"inside the forward of another TorchModule \(_Outer\).*submodule"):
+            outer(x)
+    torch.testing.assert_close(outer(x).torch(), ref(x), rtol=0, atol=0)  # no tape: runs, as before
+
+    for p in outer_net.parameters():
+        p.requires_grad_(False)
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(dtape.square(outer(x)))
+    for got, name in zip(tape.gradient(loss, inner.trainable_variables), ["inner.weight", "inner.bias"]):
+        torch.testing.assert_close(got.torch(), expected[name], rtol=1e-12, atol=1e-14)
+    for p in outer_net.parameters():
+        p.requires_grad_(True)
+
+    whole = dtape.layers.TorchModule(ref)  # the fix: the inner torch module as a submodule
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(dtape.square(whole(x)))
+    for got, name in zip(tape.gradient(loss, whole.trainable_variables), names):
+        torch.testing.assert_close(got.torch(), expected[name], rtol=1e-12, atol=1e-14)
