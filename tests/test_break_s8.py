@@ -2,6 +2,7 @@
 modules with non-persistent buffers, torch schedulers and optimizers through `from_torch`. References: plain
 torch on one device, float64, or torch's own behaviour for the same call."""
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 import dtape
+import dtape.keras.callbacks
 
 f64 = torch.float64
 
@@ -172,3 +174,38 @@ def test_a_torch_module_called_inside_another_wrapped_forward_is_refused_when_re
         loss = dtape.reduce_sum(dtape.square(whole(x)))
     for got, name in zip(tape.gradient(loss, whole.trainable_variables), names):
         torch.testing.assert_close(got.torch(), expected[name], rtol=1e-12, atol=1e-14)
+
+
+def _two_groups(net):
+    """Fine-tuning's groups: the backbone at 1/100 of the head's rate."""
+    return torch.optim.SGD([{"params": net[0].parameters(), "lr": 1e-3}, {"params": net[2].parameters()}], lr=0.1)
+
+
+def test_keras_reduce_lr_on_plateau_scales_every_group_of_a_torch_optimizer_as_torch_s():
+    """dtape.keras.callbacks.ReduceLROnPlateau sets `learning_rate` to lr * factor; with from_torch's groups it set
+    every group to the first group's new rate (the head's 0.1 became 5e-4, silently). Each group is scaled
+    now, as torch's ReduceLROnPlateau does, and the next step equals torch's."""
+    torch.manual_seed(0)
+    ref, net = _model(), _model()
+    net.load_state_dict(ref.state_dict())
+    ref_opt = _two_groups(ref)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(ref_opt, patience=0, factor=0.5)
+    tm = dtape.layers.TorchModule(net)
+    opt = dtape.optimizers.from_torch(_two_groups(net))
+    callback = dtape.keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, factor=0.5)
+    callback.set_model(types.SimpleNamespace(optimizer=opt))
+    callback.on_train_begin()
+    for epoch, loss in enumerate([1.0, 2.0, 3.0]):   # no improvement after the first: two reductions
+        plateau.step(loss)
+        callback.on_epoch_end(epoch, {"loss": loss})
+    assert [g["lr"] for g in opt.torch_optimizer.param_groups] == [g["lr"] for g in ref_opt.param_groups] \
+        == [2.5e-4, 0.025]
+
+    x = torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(1))
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(dtape.square(tm(x)))
+    opt.apply_gradients(zip(tape.gradient(loss, tm.trainable_variables), tm.trainable_variables))
+    for got, want in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
