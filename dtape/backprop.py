@@ -787,6 +787,13 @@ def _as_target(t):
     """
     if is_variable(t):
         return t._handle()
+    if isinstance(t, torch.Tensor):  # "got Tensor" alone reads as if a dtape.Tensor were refused
+        raise ValueError(
+            "gradient target must be a dtape.Tensor, got a torch.Tensor: torch code on torch tensors is not "
+            "recorded on tapes (a wrapped module's own parameters, `net.weight`, are torch tensors; a TorchModule "
+            "returns torch tensors as they are inside objects it does not convert, such as a dataclass). Compute "
+            "the target from dtape tensors: the TorchModule's outputs (a tensor, tuple, list or dict) or its "
+            "variables (`tm.trainable_variables`)")
     if not isinstance(t, Tensor):
         raise ValueError(f"gradient target must be a dtape.Tensor, got {type(t).__name__}")
     return t

@@ -1141,14 +1141,20 @@ class TorchOptimizer(Optimizer):
 
     @property
     def learning_rate(self):
-        """The first parameter group's `lr`; setting it sets every group's (as a scheduler would)."""
+        """The first parameter group's `lr`. Setting it sets the first group's and scales every other group's
+        by the same factor, as torch's schedulers scale each group's rate (Keras' ReduceLROnPlateau callback
+        sets `lr * factor`: a head trained at 100x the backbone's rate keeps its 100x); every group's is set to
+        the value when the first group's is 0."""
         return self.torch_optimizer.param_groups[0]["lr"]
 
     @learning_rate.setter
     def learning_rate(self, value):
         _check_learning_rate(value)
-        for group in self.torch_optimizer.param_groups:
-            group["lr"] = value
+        first, *others = self.torch_optimizer.param_groups
+        old = float(first["lr"])
+        first["lr"] = value
+        for group in others:
+            group["lr"] = value if old == 0 else group["lr"] * (float(value) / old)
 
     def _lr(self):
         return float(self.learning_rate)

@@ -143,7 +143,9 @@ class TorchModule(Module):
 
     Raises:
       TypeError: `module` is not a torch.nn.Module, is scripted or
-        parametrized; or a forward modifies a parameter in place.
+        parametrized; a forward modifies a parameter in place; or the call
+        is made inside another TorchModule's forward that a tape records
+        (the outer parameters would get no gradient).
       ValueError: `sync_buffers` is neither "mean" nor "broadcast".
       NotImplementedError: a submodule has hooks.
       ValueError: a forward sets a buffer to None or changes its shape.
@@ -181,6 +183,7 @@ class TorchModule(Module):
         self._note_replicas()
 
     def __call__(self, *args, training=None, **kwargs):
+        _check_not_nested(self)
         self._follow_registrations()
         training = _call_context.resolve_training(training, None)
         mode = self.module.training if training is None else training
@@ -243,7 +246,10 @@ class TorchModule(Module):
 
         Args:
           state_dict: dict torch name -> tensor (torch, numpy or dtape).
-          strict: as torch's: every name of the module present and no other.
+          strict: as torch's: every name of the module's `state_dict()`
+            present and no other (buffers registered with
+            `persistent=False` are not in it, as in torch: such a name is
+            unexpected, and the buffer keeps its value).
 
         Returns:
           torch's `(missing_keys, unexpected_keys)` named tuple.
@@ -253,7 +259,7 @@ class TorchModule(Module):
             whose shape differs from its parameter's (nothing is assigned then).
         """
         self._follow_module()
-        variables = {**self._params, **self._buffers}
+        variables = {**self._params, **_persistent(self._buffers, self.module)}
         missing = [n for n in variables if n not in state_dict]
         unexpected = [n for n in state_dict if n not in variables]
         bad = [f"{n}: got {tuple(state_dict[n].shape)}, the module has {tuple(v.shape)}"
@@ -276,14 +282,15 @@ class TorchModule(Module):
         """The variables' current values as a torch state dict: `module.load_state_dict(m.state_dict())`.
 
         Returns:
-          dict name -> detached torch.Tensor copy (every name of the wrapped
-          module's `state_dict`, tied names included; a MirroredVariable
-          gives its primary component, read in the cross-replica context).
+          dict name -> detached torch.Tensor copy (the names of the wrapped
+          module's `state_dict`: tied names included, buffers registered with
+          `persistent=False` left out; a MirroredVariable gives its primary
+          component, read in the cross-replica context).
         """
         self._follow_module()
         with _tp.stop_recording():
             return {name: var._dtape_read().torch().detach().clone()
-                    for name, var in {**self._params, **self._buffers}.items()}
+                    for name, var in {**self._params, **_persistent(self._buffers, self.module)}.items()}
 
     # -- the view follows its module -------------------------------------------------------------------
     def _follow_module(self):
@@ -445,6 +452,15 @@ def _param_var(p, name):
     return Variable(p.detach().clone(), trainable=p.requires_grad, name=name)
 
 
+def _persistent(buffers, module):
+    """The entries of `buffers` ({torch name: Variable}) that torch's `state_dict` holds: not the buffers
+    registered with `persistent=False` (a rotary embedding's `inv_freq`, a causal mask), which torch neither
+    saves nor loads, so a state dict of the module has no such name."""
+    skip = {f"{prefix}.{name}" if prefix else name
+            for prefix, m in module.named_modules(remove_duplicate=False) for name in m._non_persistent_buffers_set}
+    return {name: var for name, var in buffers.items() if name not in skip} if skip else buffers
+
+
 def _buffer_var(b, name, aggregation):
     # Integer buffers (counters) take replica 0's value; floating ones as `sync_buffers` says.
     aggregation = aggregation if b.is_floating_point() else VariableAggregation.ONLY_FIRST_REPLICA
@@ -577,12 +593,15 @@ class _ForwardCall:
         args, kwargs = unflatten_args(list(flat[self.n_values:]), self.spec)
         versions = [v._version for v in values]
         storage = [v.data_ptr() for v in values]  # `p.data = t` swaps it and moves no version counter
+        _forwards.stack.append((self.shadow, values))
         try:
             out = self._forward(args, kwargs)
         except RuntimeError as e:
             if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
                 raise _in_place_error(self.shadow) from e
             raise
+        finally:
+            _forwards.stack.pop()
         if [v._version for v in values] != versions or [v.data_ptr() for v in values] != storage:
             raise _in_place_error(self.shadow)
         return out
@@ -600,6 +619,33 @@ class _ForwardCall:
                 return self.shadow(*args, **kwargs)
         with SeededRandomFunctions():  # replica threads run forwards at once: each random call seeded apart
             return self.shadow(*args, **kwargs)
+
+
+class _Forwards(threading.local):
+    """The wrapped forwards running on this thread, innermost last: (the module copy, its parameter values)."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_forwards = _Forwards()
+
+
+def _check_not_nested(torch_module):
+    """Raises TypeError when `torch_module` is called inside another TorchModule's forward that a tape records
+    (its parameter values require grad): torch's graph of that forward cannot pass through a dtape call (the
+    inner call takes its input as a constant, and the outer layers after it see dtape tensors, so their
+    parameters are constants too), so the outer module's parameters would get no gradient, silently."""
+    if not _forwards.stack:
+        return
+    outer, values = _forwards.stack[-1]
+    if any(v.requires_grad for v in values):
+        raise TypeError(
+            f"{torch_module.name} ({type(torch_module.module).__name__}) was called inside the forward of another "
+            f"TorchModule ({type(outer).__name__}) that a tape records: the outer module's parameters would get no "
+            "gradient (torch's autograd graph of its forward does not pass through a dtape call). Make the inner "
+            "torch module a submodule of the outer one (wrap only the outer), or call the TorchModules one after "
+            "the other from dtape code")
 
 
 def _in_place_error(module):

@@ -645,6 +645,27 @@ def _no_grad_attribute(self):
     raise AttributeError(NO_GRAD_MESSAGE)
 
 
+# autograd's entry points on dtape tensors (a ported `loss.backward()`): their values carry no autograd graph
+# (the tapes hold the records), so torch's own error would be "element 0 of tensors does not require grad".
+NO_BACKWARD_MESSAGE = (
+    "{name} on dtape tensors: dtape takes gradients with a tape, not autograd (a dtape tensor carries no "
+    "autograd graph, and a wrapped module's parameters get no .grad). Record the loss in "
+    "`with dtape.GradientTape() as tape:` and take grads = tape.gradient(loss, model.trainable_variables), then "
+    "optimizer.apply_gradients(zip(grads, model.trainable_variables)) (a torch optimizer: "
+    "dtape.optimizers.from_torch(torch_optimizer))")
+
+
+def _refuse_autograd(name):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(NO_BACKWARD_MESSAGE.format(name=name))
+    return refuse
+
+
+for _fn, _name in ((torch.Tensor.backward, "loss.backward()"), (torch.autograd.backward, "torch.autograd.backward"),
+                   (torch.autograd.grad, "torch.autograd.grad")):
+    TORCH_TABLE[_fn] = _refuse_autograd(_name)
+
+
 def _torch_attribute(self, name):
     """torch.Tensor's methods and properties on a dtape.Tensor (`x.dim()`, `x.view(...)`, `x.T`).
 
