@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from dtape import random as _random
 from dtape import tape as _tp
-from dtape.ops._registry import TORCH_TABLE, Tensor
+from dtape.ops._registry import TORCH_TABLE, Tensor, check_no_autograd_input
 from dtape.tensor import is_variable
 
 
@@ -413,6 +413,8 @@ def call_fallback(func, args, kwargs):
     op = TorchFallback(func, spec, tuple(leaves), tuple(positions), seed)
     raws = [t._t for t in tensors]
     n_tapes = _recording_count(tensors) if _tp.active_tapes and tensors else 0
+    if _tp.active_tapes:
+        _check_leaves(leaves)
     if n_tapes and _any_diff(raws):
         out = _call_graph(op, tensors, raws)
     else:
@@ -427,6 +429,14 @@ def call_fallback(func, args, kwargs):
             op.outs, op.in_ids, op.shared = outs, tuple([t._id for t in tensors]), n_tapes > 1
             _tp.record(op, op.in_ids, tuple(tensors), tuple([w for w in wrapped if type(w) is Tensor]), None)
     return wrapped[0] if single else pytree.tree_unflatten(wrapped, out_spec)
+
+
+def _check_leaves(leaves):
+    """A torch tensor argument in torch's autograd (`F.linear(h, emb.weight)` with a wrapped module's
+    parameter) would be a constant to the tapes: `check_no_autograd_input`. A loop: runs on taped calls."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            check_no_autograd_input(leaf)
 
 
 # torch's refusal of `requires_grad` on an input it has no derivative for (F.cross_entropy's class `weight`)

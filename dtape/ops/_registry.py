@@ -210,7 +210,36 @@ def as_input(x):
     """A Tensor or Python scalar for an op input (variables are read here)."""
     if type(x) is Tensor or type(x) in _SCALARS:
         return x
+    return _converted(x)
+
+
+def _converted(x):
+    """`convert_to_tensor(x)` for an op input that is no Tensor; refuses a torch tensor in torch's autograd
+    while a tape records (`check_no_autograd_input`)."""
+    if isinstance(x, torch.Tensor):
+        check_no_autograd_input(x)
     return convert_to_tensor(x)
+
+
+def _autograd_origin(t):
+    return "a leaf, such as a parameter" if t.grad_fn is None else f"computed by torch's {type(t.grad_fn).__name__}"
+
+
+def check_no_autograd_input(t):
+    """Raises TypeError if torch tensor `t` requires grad (a wrapped module's parameter, or torch code over
+    one: `sum(p.pow(2).sum() for p in net.parameters())`) while a tape records with torch's grad mode on.
+
+    A tape sees no torch autograd graph: `t` would enter as a constant, and the
+    parameters behind it would get no gradient from this use, silently.
+    """
+    if t.requires_grad and _tp.active_tapes and _tp.recording_tapes():
+        raise TypeError(
+            f"a torch.Tensor that requires grad (shape {tuple(t.shape)}, {_autograd_origin(t)}) "
+            "entered a dtape op while a GradientTape records: tapes do not see torch's autograd graph, so it "
+            "would be a constant and the parameters behind it would get no gradient from this use. A wrapped "
+            "module's parameters are its TorchModule's variables (the same memory): compute with those (an L2 "
+            "penalty as sum(dtape.reduce_sum(v ** 2) for v in tm.trainable_variables)) or inside the module's "
+            "forward (a tied head, a logit scale); or .detach() it if it is meant as a constant")
 
 
 def _raw(x):
@@ -250,7 +279,7 @@ def _make_unary(opdef):
         if type(x) is not Tensor:
             if x is None:
                 x = _pop_input(opdef, attrs, 0)
-            x = convert_to_tensor(x)
+            x = _converted(x)
         if args:
             attrs = _attrs(opdef, args, attrs)
         out = fwd(x._t, **attrs) if attrs else fwd(x._t)
@@ -318,7 +347,7 @@ def _make_nary(opdef):
         if listed:
             if not isinstance(args[0], (list, tuple)):
                 raise TypeError(f"{opdef.name}: first argument must be a list of tensors, got {type(args[0]).__name__}")
-            inputs = tuple(convert_to_tensor(v) for v in args[0])
+            inputs = tuple(v if type(v) is Tensor else _converted(v) for v in args[0])
             attrs = _attrs(opdef, args[1:], attrs)
             raw = fwd([t._t for t in inputs], **attrs)
         else:
