@@ -772,6 +772,11 @@ def _single_handle_hook(expanded, on_ready):
 def _check_source(s):
     if isinstance(s, Tensor) or is_variable(s):
         return s
+    if isinstance(s, torch.Tensor) or inspect.isgenerator(s):  # `tape.gradient(loss, model.parameters())`
+        raise ValueError(f"gradient sources must be dtape.Tensors or Variables (in a list, tuple or dict), got "
+                         f"{type(s).__name__}: a torch module's parameters are no tape's sources; for a "
+                         f"dtape.layers.TorchModule pass its trainable_variables (in module.parameters()'s "
+                         f"order), for other values dtape.constant them and tape.watch them first")
     raise ValueError(f"gradient sources must be dtape.Tensors or Variables, got {type(s).__name__}; "
                      "wrap values with dtape.constant and watch them first")
 
@@ -787,6 +792,10 @@ def _as_target(t):
     """
     if is_variable(t):
         return t._handle()
+    if isinstance(t, torch.Tensor):  # the torch module called instead of its TorchModule, or `.torch()`
+        raise ValueError("gradient target must be a dtape.Tensor, got a torch.Tensor: torch ops on torch "
+                         "tensors are recorded on no tape; call a torch module through its "
+                         "dtape.layers.TorchModule wrapper (and keep the loss a dtape.Tensor, not .torch())")
     if not isinstance(t, Tensor):
         raise ValueError(f"gradient target must be a dtape.Tensor, got {type(t).__name__}")
     return t

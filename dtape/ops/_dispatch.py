@@ -537,12 +537,50 @@ def _output(o, graphed):
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if kwargs and kwargs.get("out") is not None:
         _refuse_out(func)
+    if args and _writes_torch_tensors(func, args[0]):
+        return _write_torch_tensors(func, args, kwargs or {})
     handler = TORCH_TABLE.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
     if func in _CONSTANT_FNS:
         return _call_constant(func, args, kwargs or {})
     return call_fallback(func, args, kwargs or {})
+
+
+def _writes_torch_tensors(func, target):
+    """Whether `func` is an in-place torch function (`add_`, `copy_`, `_foreach_add_`) whose target, its
+    first argument, is a torch.Tensor or a list of them: the dtape tensors among its arguments are only read
+    (the word_language_model example's manual SGD, `p.data.add_(grad, alpha=-lr)`)."""
+    name = getattr(func, "__name__", "")
+    if not name.endswith("_") or name.endswith("__"):
+        return False
+    if isinstance(target, (list, tuple)):
+        return bool(target) and all(isinstance(t, torch.Tensor) for t in target)
+    return isinstance(target, torch.Tensor)
+
+
+def _write_torch_tensors(func, args, kwargs):
+    """Runs an in-place `func` on its torch.Tensor target with the values of the dtape arguments, as torch
+    under `no_grad` would (a torch tensor's write is no tape's record), and returns torch's result.
+
+    Raises:
+      TypeError: a tape recording on this thread watches a dtape argument (a Variable, or a watched tensor):
+        its gradient through the written torch tensor would be lost silently.
+    """
+    name = getattr(func, "__name__", repr(func))
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    watched = [leaf for leaf in flat if type(leaf) is Tensor]
+    if _tp.recording_tapes() and (_recording_count(watched) or any(is_variable(leaf) for leaf in flat)):
+        raise TypeError(f"torch {name} writes a dtape tensor's value into a torch.Tensor while a tape records: "
+                        f"no tape records a torch tensor's in-place write, so the gradient would be lost; "
+                        f"compute the new value out of place (a recorded dtape.Tensor), or make the write after "
+                        f"the tape (or inside tape.stop_recording())")
+    with _tp.stop_recording():  # a variable's value is read, not recorded
+        leaves, tensors, positions = _unwrap_leaves(flat)
+    for pos, t in zip(positions, tensors):
+        leaves[pos] = t._t
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return func(*args, **kwargs)
 
 
 def _refuse_out(func):
