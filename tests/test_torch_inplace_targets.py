@@ -124,3 +124,18 @@ def test_torch_parameters_as_sources_or_target_name_the_wrapper():
         tape.gradient(loss, [net.weight])
     with pytest.raises(ValueError, match="TorchModule wrapper"):
         tape.gradient(torch_loss, tm.trainable_variables)
+
+
+def _repackage_hidden(h):
+    """word_language_model's: detach a tensor, recurse into anything else."""
+    if isinstance(h, torch.Tensor):
+        return h.detach()
+    return tuple(_repackage_hidden(v) for v in h)
+
+
+def test_repackage_hidden_of_dtape_tensors_says_what_to_do():
+    _, hidden = dtape.layers.TorchModule(nn.LSTM(3, 4))(torch.randn(2, 1, 3))
+    with pytest.raises(TypeError, match=r"isinstance\(x, \(torch.Tensor, dtape.Tensor\)\)"):
+        _repackage_hidden(hidden)
+    detached = dtape.nest.map_structure(dtape.stop_gradient, hidden)
+    assert [tuple(h.shape) for h in detached] == [(1, 1, 4), (1, 1, 4)]
