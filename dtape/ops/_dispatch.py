@@ -268,7 +268,11 @@ _RANDOM_FNS = frozenset([
     F.rrelu, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
     torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout, torch.rrelu,
     torch.bernoulli, torch.Tensor.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like,
-    torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial])
+    torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial,
+    torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu])  # nn.LSTM/GRU/RNN: dropout between layers
+# The recurrent kernels of nn.LSTM, nn.GRU and nn.RNN (`_VF.lstm`, ...): their dropout between layers draws
+# from torch's generator inside the kernel.
+_RNN_FNS = frozenset([torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu])
 # Random functions that draw nothing when called with a zero probability (or, for dropout, not training):
 # func -> (position and name of the probability, position and name of the training flag or None).
 _PROBABILITY_ARGS = {F.scaled_dot_product_attention: ((4, "dropout_p"), None)}
@@ -282,6 +286,8 @@ def _draws(func, args, kwargs):
     """False when random function `func` draws nothing from a generator for these arguments: attention
     with dropout_p=0 (nanoGPT's default), dropout with p=0 or outside training, which torch runs
     without a draw; then no private stream is seeded (a seeded stream costs a generator fork)."""
+    if func in _RNN_FNS:
+        return _rnn_draws(args)
     spec = _PROBABILITY_ARGS.get(func)
     if spec is None:
         return True
@@ -294,6 +300,17 @@ def _draws(func, args, kwargs):
         if not kwargs.get(t_name, args[t_pos] if len(args) > t_pos else True):
             return False
     return isinstance(p, torch.Tensor) or p != 0
+
+
+def _rnn_draws(args):
+    """Whether a recurrent kernel draws: dropout > 0 between layers (num_layers > 1) in training. Its
+    overloads: (input, hx, params, has_biases, num_layers, dropout, train, ...) and, for packed sequences,
+    (data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, ...)."""
+    k = 4 if isinstance(args[3], bool) else 5  # position of num_layers: args[3] is has_biases or params
+    if len(args) < k + 3:
+        return True
+    num_layers, p, train = args[k], args[k + 1], args[k + 2]
+    return bool(train) and num_layers > 1 and p != 0
 
 
 # Held while a seeded stream is installed in torch's (process-global) generators.
