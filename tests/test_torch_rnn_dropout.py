@@ -56,3 +56,42 @@ def test_one_layer_or_eval_rnn_takes_no_seed():
     strategy.run(lambda: tm(x[:, :2], training=False))
     assert all(torch.equal(g.get_state(), s)
                for g, s in zip((strategy.replica_generator(0), strategy.replica_generator(1)), states))
+
+
+class _LockedDropout(nn.Module):
+    """AWD-LSTM's dropout: one mask per sequence, drawn by the forward itself."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+
+    def forward(self, x):
+        return x * self.draw(x)
+
+
+_MASKS = [lambda x: x.new_empty(1, *x.shape[1:]).bernoulli_(0.5) * 2.0,
+          lambda x: (torch.rand(1, *x.shape[1:]) < 0.5).float() * 2.0,
+          lambda x: torch.randn(1, *x.shape[1:], device=x.device)]
+
+
+@pytest.mark.parametrize("draw", _MASKS)
+def test_masks_a_forward_draws_itself_take_the_replica_stream(draw):
+    _, x, outs = _replica_outputs(lambda: _LockedDropout(draw), seed=5)
+    for i, out in enumerate(outs):
+        gen = torch.Generator().manual_seed(5 + i)
+        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=gen)))
+        half = x[:, 2 * i:2 * i + 2]
+        torch.testing.assert_close(out, (half * draw(half))[0], rtol=0, atol=0)  # _replica_outputs takes [0]
+    _, _, again = _replica_outputs(lambda: _LockedDropout(draw), seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(outs, again))
+
+
+def test_a_draw_from_the_callers_generator_takes_no_seed():
+    strategy = _strategies.mirrored(2)
+    state = strategy.replica_generator(0).get_state()
+    with strategy.scope():
+        tm = dtape.layers.TorchModule(_LockedDropout(
+            lambda x: torch.rand(x.shape, generator=torch.Generator().manual_seed(0))))
+    out = strategy.experimental_local_results(strategy.run(lambda: tm(torch.ones(2, 3))))
+    torch.testing.assert_close(out[0].torch(), torch.rand(2, 3, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(strategy.replica_generator(0).get_state(), state)

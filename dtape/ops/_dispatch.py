@@ -269,7 +269,11 @@ _RANDOM_FNS = frozenset([
     torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout, torch.rrelu,
     torch.bernoulli, torch.Tensor.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial,
-    torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu])  # nn.LSTM/GRU/RNN: dropout between layers
+    torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,  # nn.LSTM/GRU/RNN: dropout between layers
+    # masks a forward draws itself (AWD-LSTM's locked dropout: `x.new_empty(...).bernoulli_(1 - p)`)
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.Tensor.bernoulli_, torch.Tensor.uniform_,
+    torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+    torch.Tensor.cauchy_, torch.Tensor.log_normal_])
 # The recurrent kernels of nn.LSTM, nn.GRU and nn.RNN (`_VF.lstm`, ...): their dropout between layers draws
 # from torch's generator inside the kernel.
 _RNN_FNS = frozenset([torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu])
@@ -286,6 +290,8 @@ def _draws(func, args, kwargs):
     """False when random function `func` draws nothing from a generator for these arguments: attention
     with dropout_p=0 (nanoGPT's default), dropout with p=0 or outside training, which torch runs
     without a draw; then no private stream is seeded (a seeded stream costs a generator fork)."""
+    if kwargs.get("generator") is not None:  # the caller's own generator draws: no stream to seed
+        return False
     if func in _RNN_FNS:
         return _rnn_draws(args)
     spec = _PROBABILITY_ARGS.get(func)
@@ -322,12 +328,15 @@ def _new_seed(tensors):
     return _new_raw_seed([t._t for t in tensors])
 
 
-def _new_raw_seed(tensors):
-    device = next((t.device for t in tensors), None)
+def _new_raw_seed(tensors, device=None):
+    """`device`: a factory's (`torch.rand(..., device=...)`), which draws on it from no input tensor."""
+    device = next((t.device for t in tensors), None) if device is None else torch.device(device)
     gen = _random.get_generator(device)
     seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device))
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    return seed, tuple(cuda)
+    cuda = {t.device.index or 0 for t in tensors if t.device.type == "cuda"}
+    if device is not None and device.type == "cuda":
+        cuda.add(device.index if device.index is not None else torch.cuda.current_device())
+    return seed, tuple(sorted(cuda))
 
 
 class SeededRandomFunctions(TorchFunctionMode):
@@ -340,7 +349,7 @@ class SeededRandomFunctions(TorchFunctionMode):
         if func not in _RANDOM_FNS or not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        with _seeded(*_new_raw_seed(tensors)):
+        with _seeded(*_new_raw_seed(tensors, kwargs.get("device"))):
             return func(*args, **kwargs)
 
 
