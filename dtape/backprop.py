@@ -772,6 +772,11 @@ def _single_handle_hook(expanded, on_ready):
 def _check_source(s):
     if isinstance(s, Tensor) or is_variable(s):
         return s
+    if isinstance(s, torch.Tensor) or inspect.isgenerator(s):  # `tape.gradient(loss, model.parameters())`
+        raise ValueError(f"gradient sources must be dtape.Tensors or Variables (in a list, tuple or dict), got "
+                         f"{type(s).__name__}: a torch module's parameters are no tape's sources; for a "
+                         f"dtape.layers.TorchModule pass its trainable_variables (in module.parameters()'s "
+                         f"order), for other values dtape.constant them and tape.watch them first")
     raise ValueError(f"gradient sources must be dtape.Tensors or Variables, got {type(s).__name__}; "
                      "wrap values with dtape.constant and watch them first")
 
@@ -790,10 +795,10 @@ def _as_target(t):
     if isinstance(t, torch.Tensor):  # "got Tensor" alone reads as if a dtape.Tensor were refused
         raise ValueError(
             "gradient target must be a dtape.Tensor, got a torch.Tensor: torch code on torch tensors is not "
-            "recorded on tapes (a wrapped module's own parameters, `net.weight`, are torch tensors; a TorchModule "
-            "returns torch tensors as they are inside objects it does not convert, such as a dataclass). Compute "
-            "the target from dtape tensors: the TorchModule's outputs (a tensor, tuple, list or dict) or its "
-            "variables (`tm.trainable_variables`)")
+            "recorded on tapes (a torch module called instead of its dtape.layers.TorchModule wrapper, `.torch()` "
+            "of a loss, a wrapped module's own parameters `net.weight`, or torch tensors a TorchModule returns "
+            "inside objects it does not convert, such as a dataclass). Compute the target from dtape tensors: "
+            "the TorchModule's outputs (a tensor, tuple, list or dict) or its variables (`tm.trainable_variables`)")
     if not isinstance(t, Tensor):
         raise ValueError(f"gradient target must be a dtape.Tensor, got {type(t).__name__}")
     return t

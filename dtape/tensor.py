@@ -104,10 +104,15 @@ class Tensor:
 
     def __iter__(self):
         if self._t.dim() == 0:
-            # torch.amp.GradScaler.scale iterates what is not a torch.Tensor
-            raise TypeError("iteration over a 0-d dtape.Tensor (a torch API that takes only torch.Tensors, such as "
-                            "torch.amp.GradScaler.scale, iterates other objects: multiply by the scale instead, "
-                            "loss * scaler.get_scale(), or use dtape.mixed_precision.LossScaleOptimizer)")
+            # code that treats what is not a torch.Tensor as a sequence (torch.amp.GradScaler.scale,
+            # word_language_model's repackage_hidden) recurses through a dtape tensor's items down to here
+            raise TypeError("iteration over a 0-d dtape.Tensor: a dtape.Tensor is not a torch.Tensor, and code that "
+                            "iterates whatever fails `isinstance(x, torch.Tensor)` recursed into it. Your own code "
+                            "(a repackage_hidden that detaches a hidden-state nest): test "
+                            "`isinstance(x, (torch.Tensor, dtape.Tensor))`, or use "
+                            "dtape.nest.map_structure(dtape.stop_gradient, hidden). A torch API such as "
+                            "torch.amp.GradScaler.scale: multiply by the scale instead, loss * scaler.get_scale(), "
+                            "or use dtape.mixed_precision.LossScaleOptimizer")
         return (self[i] for i in range(self._t.shape[0]))
 
     def __repr__(self):

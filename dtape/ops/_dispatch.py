@@ -268,7 +268,15 @@ _RANDOM_FNS = frozenset([
     F.rrelu, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
     torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout, torch.rrelu,
     torch.bernoulli, torch.Tensor.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like,
-    torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial])
+    torch.normal, torch.poisson, torch.multinomial, torch.Tensor.multinomial,
+    torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,  # nn.LSTM/GRU/RNN: dropout between layers
+    # masks a forward draws itself (AWD-LSTM's locked dropout: `x.new_empty(...).bernoulli_(1 - p)`)
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.Tensor.bernoulli_, torch.Tensor.uniform_,
+    torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+    torch.Tensor.cauchy_, torch.Tensor.log_normal_])
+# The recurrent kernels of nn.LSTM, nn.GRU and nn.RNN (`_VF.lstm`, ...): their dropout between layers draws
+# from torch's generator inside the kernel.
+_RNN_FNS = frozenset([torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu])
 # Random functions that draw nothing when called with a zero probability (or, for dropout, not training):
 # func -> (position and name of the probability, position and name of the training flag or None).
 _PROBABILITY_ARGS = {F.scaled_dot_product_attention: ((4, "dropout_p"), None)}
@@ -282,6 +290,10 @@ def _draws(func, args, kwargs):
     """False when random function `func` draws nothing from a generator for these arguments: attention
     with dropout_p=0 (nanoGPT's default), dropout with p=0 or outside training, which torch runs
     without a draw; then no private stream is seeded (a seeded stream costs a generator fork)."""
+    if kwargs.get("generator") is not None:  # the caller's own generator draws: no stream to seed
+        return False
+    if func in _RNN_FNS:
+        return _rnn_draws(args)
     spec = _PROBABILITY_ARGS.get(func)
     if spec is None:
         return True
@@ -296,6 +308,17 @@ def _draws(func, args, kwargs):
     return isinstance(p, torch.Tensor) or p != 0
 
 
+def _rnn_draws(args):
+    """Whether a recurrent kernel draws: dropout > 0 between layers (num_layers > 1) in training. Its
+    overloads: (input, hx, params, has_biases, num_layers, dropout, train, ...) and, for packed sequences,
+    (data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, ...)."""
+    k = 4 if isinstance(args[3], bool) else 5  # position of num_layers: args[3] is has_biases or params
+    if len(args) < k + 3:
+        return True
+    num_layers, p, train = args[k], args[k + 1], args[k + 2]
+    return bool(train) and num_layers > 1 and p != 0
+
+
 # Held while a seeded stream is installed in torch's (process-global) generators.
 _rng_lock = threading.RLock()
 
@@ -305,12 +328,15 @@ def _new_seed(tensors):
     return _new_raw_seed([t._t for t in tensors])
 
 
-def _new_raw_seed(tensors):
-    device = next((t.device for t in tensors), None)
+def _new_raw_seed(tensors, device=None):
+    """`device`: a factory's (`torch.rand(..., device=...)`), which draws on it from no input tensor."""
+    device = next((t.device for t in tensors), None) if device is None else torch.device(device)
     gen = _random.get_generator(device)
     seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device))
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    return seed, tuple(cuda)
+    cuda = {t.device.index or 0 for t in tensors if t.device.type == "cuda"}
+    if device is not None and device.type == "cuda":
+        cuda.add(device.index if device.index is not None else torch.cuda.current_device())
+    return seed, tuple(sorted(cuda))
 
 
 class SeededRandomFunctions(TorchFunctionMode):
@@ -323,7 +349,7 @@ class SeededRandomFunctions(TorchFunctionMode):
         if func not in _RANDOM_FNS or not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        with _seeded(*_new_raw_seed(tensors)):
+        with _seeded(*_new_raw_seed(tensors, kwargs.get("device"))):
             return func(*args, **kwargs)
 
 
@@ -547,12 +573,50 @@ def _output(o, graphed):
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if kwargs and kwargs.get("out") is not None:
         _refuse_out(func)
+    if args and _writes_torch_tensors(func, args[0]):
+        return _write_torch_tensors(func, args, kwargs or {})
     handler = TORCH_TABLE.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
     if func in _CONSTANT_FNS:
         return _call_constant(func, args, kwargs or {})
     return call_fallback(func, args, kwargs or {})
+
+
+def _writes_torch_tensors(func, target):
+    """Whether `func` is an in-place torch function (`add_`, `copy_`, `_foreach_add_`) whose target, its
+    first argument, is a torch.Tensor or a list of them: the dtape tensors among its arguments are only read
+    (the word_language_model example's manual SGD, `p.data.add_(grad, alpha=-lr)`)."""
+    name = getattr(func, "__name__", "")
+    if not name.endswith("_") or name.endswith("__"):
+        return False
+    if isinstance(target, (list, tuple)):
+        return bool(target) and all(isinstance(t, torch.Tensor) for t in target)
+    return isinstance(target, torch.Tensor)
+
+
+def _write_torch_tensors(func, args, kwargs):
+    """Runs an in-place `func` on its torch.Tensor target with the values of the dtape arguments, as torch
+    under `no_grad` would (a torch tensor's write is no tape's record), and returns torch's result.
+
+    Raises:
+      TypeError: a tape recording on this thread watches a dtape argument (a Variable, or a watched tensor):
+        its gradient through the written torch tensor would be lost silently.
+    """
+    name = getattr(func, "__name__", repr(func))
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    watched = [leaf for leaf in flat if type(leaf) is Tensor]
+    if _tp.recording_tapes() and (_recording_count(watched) or any(is_variable(leaf) for leaf in flat)):
+        raise TypeError(f"torch {name} writes a dtape tensor's value into a torch.Tensor while a tape records: "
+                        f"no tape records a torch tensor's in-place write, so the gradient would be lost; "
+                        f"compute the new value out of place (a recorded dtape.Tensor), or make the write after "
+                        f"the tape (or inside tape.stop_recording())")
+    with _tp.stop_recording():  # a variable's value is read, not recorded
+        leaves, tensors, positions = _unwrap_leaves(flat)
+    for pos, t in zip(positions, tensors):
+        leaves[pos] = t._t
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return func(*args, **kwargs)
 
 
 def _refuse_out(func):
