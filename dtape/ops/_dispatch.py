@@ -573,11 +573,11 @@ def _output(o, graphed):
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if kwargs and kwargs.get("out") is not None:
         _refuse_out(func)
+    handler = TORCH_TABLE.get(func)
+    if handler is not None:  # no in-place function has one: the common calls skip the check below
+        return handler(*args, **(kwargs or {}))
     if args and _writes_torch_tensors(func, args[0]):
         return _write_torch_tensors(func, args, kwargs or {})
-    handler = TORCH_TABLE.get(func)
-    if handler is not None:
-        return handler(*args, **(kwargs or {}))
     if func in _CONSTANT_FNS:
         return _call_constant(func, args, kwargs or {})
     return call_fallback(func, args, kwargs or {})
