@@ -206,17 +206,18 @@ def tangents_or_zeros(tangents, inputs):
     return [torch.zeros_like(x) if t is None else t for t, x in zip(tangents, inputs)]
 
 
-def as_input(x):
-    """A Tensor or Python scalar for an op input (variables are read here)."""
+def as_input(x, opdef=None):
+    """A Tensor or Python scalar for an op input of `opdef` (variables are read here)."""
     if type(x) is Tensor or type(x) in _SCALARS:
         return x
-    return _converted(x)
+    return _converted(x, opdef)
 
 
-def _converted(x):
+def _converted(x, opdef=None):
     """`convert_to_tensor(x)` for an op input that is no Tensor; refuses a torch tensor in torch's autograd
-    while a tape records (`check_no_autograd_input`)."""
-    if isinstance(x, torch.Tensor):
+    while a tape records (`check_no_autograd_input`), except as the input of an op without a gradient rule
+    (`stop_gradient`, `argmax`, `equal`): no tape records it, so no gradient is lost (a constant meant)."""
+    if isinstance(x, torch.Tensor) and (opdef is None or opdef.grad_fn is not None):
         check_no_autograd_input(x)
     return convert_to_tensor(x)
 
@@ -279,7 +280,7 @@ def _make_unary(opdef):
         if type(x) is not Tensor:
             if x is None:
                 x = _pop_input(opdef, attrs, 0)
-            x = _converted(x)
+            x = _converted(x, opdef)
         if args:
             attrs = _attrs(opdef, args, attrs)
         out = fwd(x._t, **attrs) if attrs else fwd(x._t)
@@ -297,9 +298,9 @@ def _make_binary(opdef):
 
     def call(x=None, y=None, *args, name=None, **attrs):  # noqa: ARG001 - TF's op name, ignored
         if type(x) is not Tensor:
-            x = as_input(_pop_input(opdef, attrs, 0) if x is None else x)
+            x = as_input(_pop_input(opdef, attrs, 0) if x is None else x, opdef)
         if type(y) is not Tensor:
-            y = as_input(_pop_input(opdef, attrs, 1) if y is None else y)
+            y = as_input(_pop_input(opdef, attrs, 1) if y is None else y, opdef)
             if type(x) is not Tensor and type(y) is not Tensor:
                 x = convert_to_tensor(x)
         if type(x) is not Tensor:  # scalar first: torch functions want a tensor `input`
@@ -347,11 +348,11 @@ def _make_nary(opdef):
         if listed:
             if not isinstance(args[0], (list, tuple)):
                 raise TypeError(f"{opdef.name}: first argument must be a list of tensors, got {type(args[0]).__name__}")
-            inputs = tuple(v if type(v) is Tensor else _converted(v) for v in args[0])
+            inputs = tuple(v if type(v) is Tensor else _converted(v, opdef) for v in args[0])
             attrs = _attrs(opdef, args[1:], attrs)
             raw = fwd([t._t for t in inputs], **attrs)
         else:
-            inputs = tuple(as_input(v) for v in args[:n])
+            inputs = tuple(as_input(v, opdef) for v in args[:n])
             attrs = _attrs(opdef, args[n:], attrs)
             raw = fwd(*[_raw(t) for t in inputs], **attrs)
         if opdef.stash:  # (result, what the forward computed for the rule): the latter rides in the record's attrs
