@@ -4,7 +4,9 @@ tape records that op, so no gradient is lost and the tensor is the constant the 
 Source of the idioms: `tf.stop_gradient` on a value meant as a constant (a frozen temperature, a target
 network's output), accuracy as `equal(argmax(logits), labels)` on a torch model's output (Keras' metrics).
 """
+import pytest
 import torch
+import torch.nn.functional as F
 
 import dtape
 
@@ -43,3 +45,23 @@ def test_accuracy_of_a_torch_output_in_a_tape_equals_torch():
         acc = dtape.reduce_mean(dtape.cast(hits, D))
     want = (net(_x()).argmax(1) == labels).to(D).mean()
     assert float(acc) == want.item()
+
+
+def test_an_unwrapped_torch_classifier_under_a_tape_names_requires_grad_false_and_then_equals_torch():
+    model = _net().eval()  # PyTorch's FGSM tutorial: a pretrained classifier, parameters not frozen
+    x, labels = dtape.constant(_x()), torch.tensor([0, 1, 0, 1, 1])
+    with pytest.raises(TypeError, match=r"requires_grad_\(False\)"):
+        with dtape.GradientTape() as tape:
+            tape.watch(x)
+            model(x)
+    model.requires_grad_(False)
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        loss = dtape.reduce_mean(dtape.keras.losses.sparse_categorical_crossentropy(
+            dtape.constant(labels), model(x), from_logits=True))
+    got = tape.gradient(loss, x)
+    ref_x = _x().requires_grad_()
+    want_loss = F.cross_entropy(_net()(ref_x), labels)
+    want, = torch.autograd.grad(want_loss, ref_x)
+    assert abs(float(loss) - want_loss.item()) <= 1e-12
+    torch.testing.assert_close(torch.as_tensor(got.numpy()), want, rtol=1e-12, atol=1e-15)

@@ -240,7 +240,9 @@ def check_no_autograd_input(t):
             "would be a constant and the parameters behind it would get no gradient from this use. A wrapped "
             "module's parameters are its TorchModule's variables (the same memory): compute with those (an L2 "
             "penalty as sum(dtape.reduce_sum(v ** 2) for v in tm.trainable_variables)) or inside the module's "
-            "forward (a tied head, a logit scale); or .detach() it if it is meant as a constant")
+            "forward (a tied head, a logit scale); or .detach() it if it is meant as a constant (a torch module left "
+            "unwrapped and called on dtape tensors as a fixed loss network or an attacked classifier: "
+            "module.requires_grad_(False), or wrap it in a TorchModule)")
 
 
 def _raw(x):
