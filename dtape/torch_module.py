@@ -419,6 +419,7 @@ class _RequiresGrad:
                 self.names.append(name)
                 self.components.append(tuple(getattr(var, "values", (var,))))
                 var._requires_grad_of = by_name[name]  # compiled functions guard on it (`_jit`), as torch.compile
+                by_name[name]._dtape_wrapped = True  # its torch uses under a tape are refused (`_registry`)
         self.flags = [c[0]._trainable for c in self.components]
         # each parameter's memory is its Variable's first component's, for good (dtape writes it in place)
         self.storage = [c[0]._t.data_ptr() for c in self.components]

@@ -227,22 +227,42 @@ def _autograd_origin(t):
 
 
 def check_no_autograd_input(t):
-    """Raises TypeError if torch tensor `t` requires grad (a wrapped module's parameter, or torch code over
-    one: `sum(p.pow(2).sum() for p in net.parameters())`) while a tape records with torch's grad mode on.
+    """Raises TypeError if torch tensor `t` is a parameter of a module a TorchModule wraps, or torch computed
+    it from one (`sum(p.pow(2).sum() for p in net.parameters())`), while a tape records with torch's grad
+    mode on.
 
     A tape sees no torch autograd graph: `t` would enter as a constant, and the
-    parameters behind it would get no gradient from this use, silently.
+    wrapped parameters behind it would get no gradient from this use, silently.
+    A torch module left unwrapped (an attacked classifier, a fixed loss
+    network) is a constant function, as before: no dtape variable is behind it.
     """
-    if t.requires_grad and _tp.active_tapes and _tp.recording_tapes():
+    if t.requires_grad and _tp.active_tapes and _tp.recording_tapes() and _behind_wrapped_parameter(t):
         raise TypeError(
             f"a torch.Tensor that requires grad (shape {tuple(t.shape)}, {_autograd_origin(t)}) "
             "entered a dtape op while a GradientTape records: tapes do not see torch's autograd graph, so it "
             "would be a constant and the parameters behind it would get no gradient from this use. A wrapped "
             "module's parameters are its TorchModule's variables (the same memory): compute with those (an L2 "
             "penalty as sum(dtape.reduce_sum(v ** 2) for v in tm.trainable_variables)) or inside the module's "
-            "forward (a tied head, a logit scale); or .detach() it if it is meant as a constant (a torch module left "
-            "unwrapped and called on dtape tensors as a fixed loss network or an attacked classifier: "
-            "module.requires_grad_(False), or wrap it in a TorchModule)")
+            "forward (a tied head, a logit scale); or .detach() it if it is meant as a constant")
+
+
+def _behind_wrapped_parameter(t):
+    """True if `t` is a wrapped module's parameter (marked by TorchModule) or torch's graph of `t` reaches
+    one. Runs only for a torch tensor that requires grad entering a taped op, not on dtape's own path."""
+    if t.grad_fn is None:
+        return getattr(t, "_dtape_wrapped", False)
+    seen, level = set(), [t.grad_fn]
+    while level:
+        following = []
+        for node in level:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if getattr(getattr(node, "variable", None), "_dtape_wrapped", False):  # an AccumulateGrad leaf
+                return True
+            following.extend(n for n, _ in node.next_functions)
+        level = following
+    return False
 
 
 def _raw(x):
