@@ -3,6 +3,9 @@ while a tape records: refused, never a constant with the gradient of that use si
 
 Source of the idioms: an L2 penalty over `model.parameters()` in the loss (PyTorch forums' weight decay by
 hand), a tied output projection `F.linear(h, wte.weight)` (GPT-2 style heads), CLIP's `logit_scale.exp()`.
+Not refused: a torch tensor given to an op without a gradient rule (`tf.stop_gradient` of a value meant as
+a constant, accuracy as `equal(argmax(logits), labels)`), and a torch module left unwrapped (PyTorch's FGSM
+tutorial's classifier), a constant function as in torch.
 """
 import pytest
 import torch
@@ -76,3 +79,43 @@ def test_without_a_tape_detached_or_under_no_grad_it_is_a_value():
     ref = _net()
     want_g = torch.autograd.grad(ref(_x()).sum(), [ref[0].weight])[0]
     torch.testing.assert_close(g.torch(), want_g, rtol=1e-12, atol=1e-12)
+
+
+def test_stop_gradient_of_a_parameter_in_a_tape_is_its_detached_value():
+    net = _net()
+    tm = dtape.layers.TorchModule(net)
+    with dtape.GradientTape() as tape:
+        loss = dtape.reduce_sum(tm(dtape.constant(_x())) * dtape.stop_gradient(net[2].bias))
+    got = tape.gradient(loss, tm.trainable_variables)
+    ref = _net()
+    want_loss = (ref(_x()) * ref[2].bias.detach()).sum()
+    want = torch.autograd.grad(want_loss, list(ref.parameters()))
+    assert abs(float(loss) - want_loss.item()) <= 1e-12 * abs(want_loss.item())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.as_tensor(g.numpy()), w, rtol=1e-12, atol=1e-15)
+
+
+def test_accuracy_of_a_torch_output_in_a_tape_equals_torch():
+    net = _net()
+    labels = torch.tensor([0, 1, 1, 0, 1])
+    with dtape.GradientTape():
+        logits = net(_x())  # a torch model's output, in torch's autograd
+        hits = dtape.equal(dtape.argmax(logits, axis=1), dtape.constant(labels))
+        acc = dtape.reduce_mean(dtape.cast(hits, D))
+    want = (net(_x()).argmax(1) == labels).to(D).mean()
+    assert float(acc) == want.item()
+
+
+def test_an_unwrapped_torch_classifier_under_a_tape_is_a_constant_function_as_in_torch():
+    model = _net().eval()  # PyTorch's FGSM tutorial: a pretrained classifier, parameters not frozen
+    x, labels = dtape.constant(_x()), torch.tensor([0, 1, 0, 1, 1])
+    with dtape.GradientTape() as tape:
+        tape.watch(x)
+        loss = dtape.reduce_mean(dtape.keras.losses.sparse_categorical_crossentropy(
+            dtape.constant(labels), model(x), from_logits=True))
+    got = tape.gradient(loss, x)
+    ref_x = _x().requires_grad_()
+    want_loss = F.cross_entropy(_net()(ref_x), labels)
+    want, = torch.autograd.grad(want_loss, ref_x)
+    assert abs(float(loss) - want_loss.item()) <= 1e-12
+    torch.testing.assert_close(torch.as_tensor(got.numpy()), want, rtol=1e-12, atol=1e-15)
