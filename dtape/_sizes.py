@@ -68,7 +68,7 @@ def follow(out, x, y, fn):
     carry, when both are sizes (or Python ints) and one carries a size: `dtape.shape(x)[1] - 1` and
     `h * w` of two sizes stay sizes inside a compiled function, as in TF's graphs. Anything else as it is."""
     a, b = _size_of(x), _size_of(y)
-    if a is None or b is None or (type(x) is int and type(y) is int):
+    if a is None or b is None:  # an op's forward never gets two Python ints (the first is made a tensor)
         return out
     value = fn(a, b)
     if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
