@@ -22,9 +22,9 @@ MirroredStrategy with 2 CPU replicas in one process against the same DDP run, al
 one library, pairs of launches taking turns (7 pairs, --quick 2: see multiworker_alone_case), besides the
 interleaved launch: interleaved, the sides share each worker's glibc heap and gloo's threads, as in (j)),
 (j) that GPT step (one intra-op thread) against plain torch with the same AdamW: first with each side alone in
-a process of its own, a pair of processes taking turns (7 pairs: see gpt_alone_rows), then interleaved in one
-process with each side's minor page faults per step, then interleaved again in a child process whose glibc
-keeps its heap (fixed malloc thresholds, both sides alike: see gpt_fixed_heap_rows).
+a process of its own, a pair of processes taking turns on one core (9 pairs: see gpt_alone_rows), then
+interleaved in one process with each side's minor page faults per step, then interleaved again in a child
+process whose glibc keeps its heap (fixed malloc thresholds, both sides alike: see gpt_fixed_heap_rows).
 (k) the cost of checking every collective's signature across the 2 workers (check on / off:
 one-element reductions and the MLP step with GradientSync; scripts/bench_collective_check.py).
 (l) `--jit-only`: compiled steps, dtape.function(jit_compile=True, inductor), against eager dtape, torch
@@ -716,6 +716,7 @@ def gpt_fixed_heap_rows(quick):
 # (the first of each turn, after the other process ran, not counted), the side that starts alternating.
 ALONE_BLOCK = 7
 ALONE_TIMEOUT_S = 600
+ALONE_SIDES = ("dtape", "torch")
 
 
 def gpt_alone_rows(quick):
@@ -726,16 +727,23 @@ def gpt_alone_rows(quick):
     hands it back, the next step faults ~1,000 pages back in, ~3 ms) depends
     on the other side's allocations too. Here each side has its own heap,
     and the two processes take turns, so both see the same machine load.
-    A process's heap layout still decides whether its steps fault, so the
-    measurement runs `pairs` pairs of fresh processes; the ratio of each
-    pair's medians is printed with their median and range, the rows give
-    the medians of every pair's steps pooled.
+    A process's heap layout still decides whether its steps fault, and
+    where its pages land in physical memory how often its working set (a few
+    MB, about the caches' size) conflicts in them, so the measurement runs
+    `pairs` pairs of fresh processes; the ratio of each pair's medians is
+    printed with their median and range, the rows give the medians of every
+    pair's steps pooled. Both processes of a pair run on one core (the next
+    pair on the next core), as they take turns anyway: on this 2-core VM the
+    two cores can differ by up to ~20% for minutes (two torch processes, one
+    per core, once gave 0.81), which is the machine, not either library.
+    Which side starts first alternates from pair to pair too.
     """
-    pairs, turns = (1, 4) if quick else (7, 14)
+    pairs, turns = (1, 4) if quick else (9, 14)
     steps = {side: [] for side in ("dtape", "torch")}
     ratios = []
-    for _ in range(pairs):
-        pair = _alone_pair(turns)
+    cores = sorted(os.sched_getaffinity(0))
+    for i in range(pairs):
+        pair = _alone_pair(turns, cores[i % len(cores)], ALONE_SIDES if i % 2 == 0 else ALONE_SIDES[::-1])
         for side, rows in pair.items():
             steps[side] += rows
         ratios.append(statistics.median(r[0] for r in pair["dtape"]) / statistics.median(r[0] for r in pair["torch"]))
@@ -750,15 +758,17 @@ def gpt_alone_rows(quick):
     return [(name, med["dtape"][0], med["torch"][0], n), (f"{name}, CPU time", med["dtape"][1], med["torch"][1], n)]
 
 
-def _alone_pair(turns):
-    """{side: [(wall s, CPU s, minor faults) per counted step]} of one pair of `--gpt-alone-child` processes."""
+def _alone_pair(turns, core, order):
+    """{side: [(wall s, CPU s, minor faults) per counted step]} of one pair of `--gpt-alone-child` processes,
+    both on CPU `core`, started and taking turns in `order` (the reverse on odd turns)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--gpt-alone-child"]
-    procs = {side: subprocess.Popen(cmd + [side], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for side in ("dtape", "torch")}
+    procs = {side: subprocess.Popen(cmd + [side, "--core", str(core)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+             for side in order}
     try:
         out = {side: [] for side in procs}
         for turn in range(turns):
-            for side in (("dtape", "torch") if turn % 2 == 0 else ("torch", "dtape")):
+            for side in (order if turn % 2 == 0 else order[::-1]):
                 out[side] += _alone_turn(procs[side], side)[1:]
         return out
     finally:
@@ -782,9 +792,10 @@ def _alone_turn(proc, side):
     return json.loads(line)
 
 
-def gpt_alone_child(side):
-    """`--gpt-alone-child SIDE`: builds only SIDE's step (one intra-op thread); for each line N on stdin runs N
-    steps and prints their [wall s, CPU s, minor faults] as one JSON line."""
+def gpt_alone_child(side, core):
+    """`--gpt-alone-child SIDE --core K`: builds only SIDE's step (one intra-op thread, on CPU K); for each
+    line N on stdin runs N steps and prints their [wall s, CPU s, minor faults] as one JSON line."""
+    os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     step = gpt_step(side, torch.device("cpu"))
     for _ in range(3):
@@ -951,10 +962,11 @@ def main():
                          "replicas vs DDP over torch.compile (also run by --jit-only unless --no-multiworker)")
     ap.add_argument("--rss-child", metavar="VARIANT", help=argparse.SUPPRESS)
     ap.add_argument("--gpt-heap-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--gpt-alone-child", choices=["dtape", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--gpt-alone-child", choices=ALONE_SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gpt_alone_child:
-        return gpt_alone_child(args.gpt_alone_child)
+        return gpt_alone_child(args.gpt_alone_child, args.core)
     if args.gpt_heap_child:
         return print(json.dumps(gpt_rows(timer(torch.device("cpu")), args.quick)))
     if args.rss_child:
