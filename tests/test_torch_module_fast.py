@@ -2,6 +2,7 @@
 shortcut could give a silently wrong result: gradients compared with torch.autograd in float64, updates with
 the same torch.optim step in plain torch."""
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dtape
+from dtape.ops import _dispatch
 
 f64 = torch.float64
 
@@ -65,6 +67,23 @@ def test_reentrant_checkpoint_appearing_deep_in_the_graph_on_a_later_call_is_fou
         assert len(grads) == len(expected) == 17
         for g, e in zip(grads, expected):
             np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_the_search_is_skipped_only_while_no_reentrant_checkpoint_node_is_alive():
+    """The walk searches a graph for a reentrant checkpoint only while such a node is alive somewhere (the
+    class's reference count): none before, one while a graph holds it (also one the tape did not make),
+    none again once it is freed."""
+    gc.collect()  # a graph another test left in a reference cycle
+    x = torch.randn(3, requires_grad=True)
+    assert not _dispatch._may_hold_reentrant_checkpoint()
+    y = checkpoint(torch.sin, x, use_reentrant=True)
+    assert _dispatch._may_hold_reentrant_checkpoint()
+    y.sum().backward()  # the node lives while `y` holds it
+    assert _dispatch._may_hold_reentrant_checkpoint()
+    del y
+    assert not _dispatch._may_hold_reentrant_checkpoint()
+    y = checkpoint(torch.sin, x, use_reentrant=False)
+    assert not _dispatch._may_hold_reentrant_checkpoint()
 
 
 def test_upstream_gradient_of_another_shape_is_refused_not_reduced():

@@ -13,6 +13,7 @@ reproducibly whatever the thread schedule.
 """
 import itertools
 import operator
+import sys
 import threading
 
 import torch
@@ -29,6 +30,12 @@ from dtape.tensor import is_variable
 
 
 _REENTRANT_CHECKPOINT = CheckpointFunction._backward_cls  # the node reentrant torch.utils.checkpoint leaves
+# CPython counts a reference to a Python-defined class per live instance, and torch's node of a reentrant
+# checkpoint holds its Python instance: a count no higher than with no instance alive means no graph holds
+# one, and the walk skips the search (a Python pass over every node of a kept graph, each step). A
+# free-threaded build counts a class's references per thread: it always searches.
+_COUNTS_INSTANCES = hasattr(sys, "getrefcount") and getattr(sys, "_is_gil_enabled", lambda: True)()
+_checkpoint_refs_idle = [sys.getrefcount(_REENTRANT_CHECKPOINT)]
 
 
 def _is_diff(t):
@@ -117,7 +124,7 @@ def graph_vjp(op, dys, raw, needs):
     retain = op.shared or not _tp.walk_frees()
     leaves = [op.graph_in[k] for k in wrt]
     try:
-        if _has_reentrant_checkpoint(outs):
+        if _may_hold_reentrant_checkpoint() and _has_reentrant_checkpoint(outs):
             grads = _grads_by_backward(outs, leaves, grad_outs, retain)
         else:
             grads = _grad(outs, leaves, grad_outs, retain)
@@ -133,6 +140,17 @@ def graph_vjp(op, dys, raw, needs):
 
 _next_edges = operator.attrgetter("next_functions")
 _edge_node = operator.itemgetter(0)
+
+
+def _may_hold_reentrant_checkpoint():
+    """False if no reentrant `torch.utils.checkpoint` node is alive in this process (so none is in any graph);
+    True if one may be (the count is only ever higher than the idle one: a reference held elsewhere, say)."""
+    if not _COUNTS_INSTANCES:
+        return True
+    refs = sys.getrefcount(_REENTRANT_CHECKPOINT)
+    if refs < _checkpoint_refs_idle[0]:  # a reference held at import was dropped since: the idle count is lower
+        _checkpoint_refs_idle[0] = refs
+    return refs > _checkpoint_refs_idle[0]
 
 
 def _has_reentrant_checkpoint(outs):
