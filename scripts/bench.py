@@ -741,7 +741,7 @@ def gpt_alone_rows(quick):
     pairs, turns = (1, 4) if quick else (9, 14)
     steps = {side: [] for side in ("dtape", "torch")}
     ratios = []
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [-1]  # -1: not pinned (macOS)
     for i in range(pairs):
         pair = _alone_pair(turns, cores[i % len(cores)], ALONE_SIDES if i % 2 == 0 else ALONE_SIDES[::-1])
         for side, rows in pair.items():
@@ -793,9 +793,10 @@ def _alone_turn(proc, side):
 
 
 def gpt_alone_child(side, core):
-    """`--gpt-alone-child SIDE --core K`: builds only SIDE's step (one intra-op thread, on CPU K); for each
+    """`--gpt-alone-child SIDE --core K`: builds only SIDE's step (one intra-op thread, on CPU K if K >= 0); for each
     line N on stdin runs N steps and prints their [wall s, CPU s, minor faults] as one JSON line."""
-    os.sched_setaffinity(0, {core})
+    if core >= 0:
+        os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     step = gpt_step(side, torch.device("cpu"))
     for _ in range(3):
