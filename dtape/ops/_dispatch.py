@@ -11,6 +11,7 @@ A random function (dropout, attention with dropout) runs on a private
 stream seeded from the calling replica's generator, so replicas draw
 reproducibly whatever the thread schedule.
 """
+import gc
 import itertools
 import operator
 import sys
@@ -35,7 +36,20 @@ _REENTRANT_CHECKPOINT = CheckpointFunction._backward_cls  # the node reentrant t
 # one, and the walk skips the search (a Python pass over every node of a kept graph, each step). A
 # free-threaded build counts a class's references per thread: it always searches.
 _COUNTS_INSTANCES = hasattr(sys, "getrefcount") and getattr(sys, "_is_gil_enabled", lambda: True)()
-_checkpoint_refs_idle = [sys.getrefcount(_REENTRANT_CHECKPOINT)]
+
+
+def _idle_checkpoint_refs():
+    """The class's reference count less one per instance alive now: a node alive at import (a graph made
+    before, or one in a reference cycle) would otherwise count as idle, and its freeing at the moment a
+    tape's node is made would leave the count at that idle one: no search, and torch.autograd.grad fails."""
+    while True:  # another thread may make or free a node between the two counts
+        refs = sys.getrefcount(_REENTRANT_CHECKPOINT)
+        alive = sum(type(r) is _REENTRANT_CHECKPOINT for r in gc.get_referrers(_REENTRANT_CHECKPOINT))
+        if sys.getrefcount(_REENTRANT_CHECKPOINT) == refs:
+            return refs - alive
+
+
+_checkpoint_refs_idle = [_idle_checkpoint_refs() if _COUNTS_INSTANCES else 0]
 
 
 def _is_diff(t):
