@@ -15,6 +15,7 @@ import gc
 import itertools
 import operator
 import sys
+import sysconfig
 import threading
 
 import torch
@@ -34,8 +35,9 @@ _REENTRANT_CHECKPOINT = CheckpointFunction._backward_cls  # the node reentrant t
 # CPython counts a reference to a Python-defined class per live instance, and torch's node of a reentrant
 # checkpoint holds its Python instance: a count no higher than with no instance alive means no graph holds
 # one, and the walk skips the search (a Python pass over every node of a kept graph, each step). A
-# free-threaded build counts a class's references per thread: it always searches.
-_COUNTS_INSTANCES = hasattr(sys, "getrefcount") and getattr(sys, "_is_gil_enabled", lambda: True)()
+# free-threaded build counts a class's references per thread, with its GIL on or off (PYTHON_GIL=1, or an
+# extension module that turned it on): it always searches.
+_COUNTS_INSTANCES = hasattr(sys, "getrefcount") and not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 
 def _idle_checkpoint_refs():
