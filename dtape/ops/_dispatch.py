@@ -38,17 +38,19 @@ _REENTRANT_CHECKPOINT = CheckpointFunction._backward_cls  # the node reentrant t
 # free-threaded build counts a class's references per thread, with its GIL on or off (PYTHON_GIL=1, or an
 # extension module that turned it on): it always searches.
 _COUNTS_INSTANCES = hasattr(sys, "getrefcount") and not sysconfig.get_config_var("Py_GIL_DISABLED")
+_IDLE_COUNT_TRIES = 8
 
 
 def _idle_checkpoint_refs():
     """The class's reference count less one per instance alive now: a node alive at import (a graph made
     before, or one in a reference cycle) would otherwise count as idle, and its freeing at the moment a
     tape's node is made would leave the count at that idle one: no search, and torch.autograd.grad fails."""
-    while True:  # another thread may make or free a node between the two counts
+    for _ in range(_IDLE_COUNT_TRIES):  # another thread may make or free a node between the two counts
         refs = sys.getrefcount(_REENTRANT_CHECKPOINT)
         alive = sum(type(r) is _REENTRANT_CHECKPOINT for r in gc.get_referrers(_REENTRANT_CHECKPOINT))
         if sys.getrefcount(_REENTRANT_CHECKPOINT) == refs:
             return refs - alive
+    return 0  # never steady: every count is above it, so the walk always searches
 
 
 _checkpoint_refs_idle = [_idle_checkpoint_refs() if _COUNTS_INSTANCES else 0]
