@@ -739,7 +739,7 @@ def gpt_alone_rows(quick):
     Which side starts first alternates from pair to pair too.
     """
     pairs, turns = (1, 4) if quick else (9, 14)
-    steps = {side: [] for side in ("dtape", "torch")}
+    steps = {side: [] for side in ALONE_SIDES}
     ratios = []
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [-1]  # -1: not pinned (macOS)
     for i in range(pairs):
